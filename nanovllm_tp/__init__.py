@@ -1,0 +1,17 @@
+"""nanovllm-tp: a small LLM inference engine with tensor parallelism.
+
+`LLM` is imported lazily so that `nanovllm_tp.scheduler` (pure Python + numpy) never pulls in torch.
+"""
+from nanovllm_tp.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from nanovllm_tp.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from nanovllm_tp import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'nanovllm_tp' has no attribute {name!r}")

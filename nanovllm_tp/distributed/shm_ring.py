@@ -1,0 +1,257 @@
+"""Single-writer / multi-reader ring of fixed-size slots in POSIX shared memory.
+
+This module only moves bytes; waiting, liveness and errors live in ``channel.py``.
+
+Layout of the ring segment (all integers little-endian u64)::
+
+    [0, 4096)              header: magic, num_slots, slot_bytes, num_readers,
+                           slot_stride, closed, heartbeat, reason_len, reason
+    slot i at 4096 + i * slot_stride:
+        +0   seq       (1-based message number; written LAST by the writer)
+        +8   length    (payload length in bytes)
+        +16  kind      (0 = inline payload, 1 = overflow: payload holds a segment name)
+        +64  flags     (one byte per reader, set to 1 once that reader has the message)
+        +64+F payload  (slot_bytes)
+
+Message ``seq`` lives in slot ``(seq - 1) % num_slots``.  The writer may reuse a slot only
+once every reader flag of its previous message is set; it clears the flags, writes the
+payload and length, issues a fence and only then stores ``seq``.  A reader waits for the
+exact ``seq`` it expects, so it never observes a half-written payload.
+
+Payloads larger than ``slot_bytes`` go to a one-off segment (name ``<prefix>_o<seq>``)
+whose name is stored in the slot; the writer unlinks it as soon as every reader flag is
+set (checked on each publish) and, at the latest, when the slot is reused or on close.
+
+Readers attach with ``os.open`` + ``mmap`` on ``/dev/shm`` and therefore never touch
+Python's resource_tracker (which would otherwise unlink or warn about segments it does
+not own).  The writer creates segments with ``SharedMemory(create=True)``, which keeps the
+tracker as a last-resort cleaner if the writer process is killed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from multiprocessing import shared_memory
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 4096
+SLOT_HEADER = 64
+MAX_REASON = 3072
+_MAGIC = 0x316E_6972_7076_746E  # "ntvprin1"
+_U64 = struct.Struct("<Q")
+_LEN_KIND = struct.Struct("<QQ")
+_HDR = struct.Struct("<8Q")  # magic, slots, slot_bytes, readers, stride, closed, hb, reason_len
+_OFF_CLOSED, _OFF_HB, _OFF_REASON_LEN, _OFF_REASON = 40, 48, 56, 64
+KIND_INLINE, KIND_OVERFLOW = 0, 1
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """Full memory barrier between plain shared-memory stores/loads (needed on ARM;
+    uncontended lock acquire+release implies one on the platforms CPython supports)."""
+    with _fence_lock:
+        pass
+
+
+def _round_up(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+def _flags_bytes(num_readers: int) -> int:
+    return _round_up(max(num_readers, 1))
+
+
+def unlink_by_prefix(prefix: str) -> list[str]:
+    """Unlink every segment in /dev/shm whose name starts with ``prefix`` (crash cleanup)."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+class ShmRingWriter:
+    def __init__(self, prefix: str, num_slots: int, slot_bytes: int, num_readers: int):
+        if num_slots < 1 or slot_bytes < 256 or not 1 <= num_readers <= 4096:
+            raise ValueError("need num_slots >= 1, slot_bytes >= 256, 1..4096 readers")
+        self.prefix = prefix
+        self.num_slots, self.slot_bytes, self.num_readers = num_slots, slot_bytes, num_readers
+        self._flags_len = num_readers
+        self.stride = _round_up(SLOT_HEADER + _flags_bytes(num_readers) + slot_bytes)
+        size = HEADER_BYTES + num_slots * self.stride
+        self._shm = shared_memory.SharedMemory(name=f"{prefix}_r", create=True, size=size)
+        self.name = self._shm.name
+        self._buf = self._shm.buf
+        _HDR.pack_into(self._buf, 0, _MAGIC, num_slots, slot_bytes, num_readers, self.stride, 0, 0, 0)
+        self._slot_off = [HEADER_BYTES + i * self.stride for i in range(num_slots)]
+        self._all_read = b"\x01" * num_readers
+        self._none_read = bytes(num_readers)
+        self._overflow: dict[int, shared_memory.SharedMemory] = {}  # seq -> segment
+        self._closed = False
+
+    # -- slot state -------------------------------------------------------------
+    def _flags(self, off: int) -> memoryview:
+        f = off + SLOT_HEADER
+        return self._buf[f:f + self._flags_len]
+
+    def slot_free(self, seq: int) -> bool:
+        """True if message ``seq`` may be written (the slot's previous message was read by all)."""
+        if seq <= self.num_slots:
+            return True
+        return self._flags((self._slot_off[(seq - 1) % self.num_slots])) == self._all_read
+
+    def laggards(self, seq: int) -> list[int]:
+        """Reader indices that have not yet read the message occupying ``seq``'s slot."""
+        if seq <= self.num_slots:
+            return []
+        flags = bytes(self._flags(self._slot_off[(seq - 1) % self.num_slots]))
+        return [i for i, b in enumerate(flags) if b != 1]
+
+    def write(self, seq: int, payload) -> None:
+        """Write message ``seq``; the caller must have checked ``slot_free(seq)``."""
+        buf = self._buf
+        off = self._slot_off[(seq - 1) % self.num_slots]
+        fence()  # flag loads above happen-before our overwrite below
+        old = self._overflow.pop(seq - self.num_slots, None)
+        if old is not None:
+            self._drop(old)
+        n = len(payload)
+        f = off + SLOT_HEADER
+        buf[f:f + self._flags_len] = self._none_read
+        p = f + _flags_bytes(self.num_readers)
+        if n <= self.slot_bytes:
+            buf[p:p + n] = payload
+            _LEN_KIND.pack_into(buf, off + 8, n, KIND_INLINE)
+        else:
+            seg = shared_memory.SharedMemory(name=f"{self.prefix}_o{seq}", create=True, size=n)
+            seg.buf[:n] = payload
+            seg.close()  # the mapping is not needed any more; the name stays until unlink
+            self._overflow[seq] = seg
+            name = seg.name.encode()
+            buf[p:p + len(name)] = name
+            _LEN_KIND.pack_into(buf, off + 8, n, KIND_OVERFLOW)
+            _U64.pack_into(buf, off + 24, len(name))
+        fence()  # payload, length and cleared flags are visible before seq
+        _U64.pack_into(buf, off, seq)
+
+    def collect_overflow(self) -> None:
+        """Unlink overflow segments that every reader has already copied."""
+        if not self._overflow:
+            return
+        for seq in list(self._overflow):
+            off = self._slot_off[(seq - 1) % self.num_slots]
+            if _U64.unpack_from(self._buf, off)[0] == seq and self._flags(off) == self._all_read:
+                self._drop(self._overflow.pop(seq))
+
+    @staticmethod
+    def _drop(seg: shared_memory.SharedMemory) -> None:
+        try:
+            seg.unlink()
+        except FileNotFoundError:
+            pass
+
+    # -- control ----------------------------------------------------------------
+    def set_closed(self, reason: str) -> None:
+        data = reason.encode("utf-8", "replace")[:MAX_REASON]
+        self._buf[_OFF_REASON:_OFF_REASON + len(data)] = data
+        _U64.pack_into(self._buf, _OFF_REASON_LEN, len(data))
+        fence()
+        _U64.pack_into(self._buf, _OFF_CLOSED, 1)
+
+    def beat(self) -> None:
+        """Advance the heartbeat counter (called periodically by the writer's monitor thread)."""
+        if not self._closed:
+            _U64.pack_into(self._buf, _OFF_HB, _U64.unpack_from(self._buf, _OFF_HB)[0] + 1)
+
+    def close(self) -> None:
+        """Unmap and unlink the ring and every outstanding overflow segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for seg in self._overflow.values():
+            self._drop(seg)
+        self._overflow.clear()
+        self._buf = None
+        try:
+            self._shm.close()
+        except BufferError:  # a stray export; unlinking below still frees the name
+            pass
+        self._drop(self._shm)
+
+
+class ShmRingReader:
+    def __init__(self, name: str, index: int):
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self._mm)
+        magic, slots, slot_bytes, readers, stride, _, _, _ = _HDR.unpack_from(self._buf, 0)
+        if magic != _MAGIC:
+            self.close()
+            raise ValueError(f"shared-memory segment {name!r} is not a plan ring")
+        if not 0 <= index < readers:
+            self.close()
+            raise ValueError(f"reader index {index} out of range for {readers} readers")
+        self.name, self.num_slots, self.index = name, slots, index
+        self._slot_off = [HEADER_BYTES + i * stride for i in range(slots)]
+        self._flag_delta = SLOT_HEADER + index
+        self._payload_delta = SLOT_HEADER + _flags_bytes(readers)
+        self._next = 1
+
+    def poll(self) -> bytes | None:
+        """Return the next message if it has been published, else None. Never blocks.
+
+        Raises FileNotFoundError if an overflow segment vanished (writer gone)."""
+        buf = self._buf
+        seq = self._next
+        off = self._slot_off[(seq - 1) % self.num_slots]
+        if _U64.unpack_from(buf, off)[0] != seq:
+            return None
+        fence()
+        n, kind = _LEN_KIND.unpack_from(buf, off + 8)
+        p = off + self._payload_delta
+        if kind == KIND_INLINE:
+            data = bytes(buf[p:p + n])
+        else:
+            name_len = _U64.unpack_from(buf, off + 24)[0]
+            name = bytes(buf[p:p + name_len]).decode()
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+            try:
+                data = os.pread(fd, n, 0)
+                while len(data) < n:  # pread may return short reads for huge sizes
+                    data += os.pread(fd, n - len(data), len(data))
+            finally:
+                os.close(fd)
+        fence()  # our payload loads complete before the writer may see the flag
+        buf[off + self._flag_delta] = 1
+        self._next = seq + 1
+        return data
+
+    def closed_reason(self) -> str | None:
+        """The shutdown reason once the writer closed the channel, else None."""
+        if _U64.unpack_from(self._buf, _OFF_CLOSED)[0] != 1:
+            return None
+        fence()
+        n = _U64.unpack_from(self._buf, _OFF_REASON_LEN)[0]
+        return bytes(self._buf[_OFF_REASON:_OFF_REASON + n]).decode("utf-8", "replace")
+
+    def heartbeat(self) -> int:
+        return _U64.unpack_from(self._buf, _OFF_HB)[0]
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.release()
+            self._buf = None
+            self._mm.close()

@@ -1,0 +1,101 @@
+"""Paged attention: write this step's K/V into the cache, then attend through one backend signature.
+
+KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout).
+Backends implement `forward(q, k, v, k_cache, v_cache, ctx, scale) -> [tokens, heads, head_dim]`.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm_tp.context import Context, get_context
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+class TorchBackend:
+    """SDPA over K/V gathered from the paged cache. Works on CPU and CUDA; the reference for the others."""
+    name = "torch"
+
+    def check_block_size(self, block_size: int) -> None:
+        pass     # any block size works
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+        if ctx.is_prefill:
+            return self._prefill(q, k, v, k_cache, v_cache, ctx, scale)
+        return self._decode(q, k_cache, v_cache, ctx, scale)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1] if k_cache.numel() else 0
+        start = 0
+        for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
+            qi = q[start:start + q_len]
+            if kv_len == q_len:       # nothing cached before: attend to this step's own K/V
+                ki, vi = k[start:start + q_len], v[start:start + q_len]
+                mask = None
+            else:
+                slots = self._slots(ctx.block_tables[row:row + 1], block_size, kv_len)[0]
+                ki = k_cache.view(-1, *k_cache.shape[2:])[slots]
+                vi = v_cache.view(-1, *v_cache.shape[2:])[slots]
+                # lower-right causal: query j sits at position kv_len - q_len + j
+                q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+                mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:start + q_len] = self._sdpa(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), mask,
+                                                  is_causal=mask is None, scale=scale)[0]
+            start += q_len
+        return out
+
+    def _decode(self, q, k_cache, v_cache, ctx, scale):
+        block_size = k_cache.shape[1]
+        max_len = max(ctx.context_lens_cpu)
+        slots = self._slots(ctx.block_tables, block_size, max_len)
+        ki = k_cache.view(-1, *k_cache.shape[2:])[slots]            # [rows, max_len, kv_heads, dim]
+        vi = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        mask = torch.arange(max_len, device=q.device)[None, :] < ctx.context_lens[:, None].to(torch.long)
+        return self._sdpa(q.unsqueeze(1), ki, vi, mask[:, None, :], is_causal=False, scale=scale)[:, 0]
+
+    @staticmethod
+    def _slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+        blocks = -(-length // block_size)
+        table = block_tables[:, :blocks].clamp(min=0).to(torch.long)
+        slots = table[:, :, None] * block_size + torch.arange(block_size, device=table.device)
+        return slots.flatten(1)[:, :length]
+
+    @staticmethod
+    def _sdpa(q, k, v, mask, is_causal, scale):
+        """q [b, lq, h, d], k/v [b, lk, kvh, d], mask broadcastable to [b, lq, lk] or None."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if mask is not None:
+            mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2)
+
+
+_backend = TorchBackend()
+
+
+def set_attention_backend(backend) -> None:
+    global _backend
+    _backend = backend
+
+
+def get_attention_backend():
+    return _backend
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.tensor([])   # bound by the runner after KV allocation
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        if self.k_cache.numel():
+            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        return _backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

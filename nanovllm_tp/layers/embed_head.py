@@ -1,0 +1,44 @@
+"""Vocab-parallel embedding and LM head. The vocab is padded up to a multiple of the TP size."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm_tp.context import get_context
+from nanovllm_tp.distributed.parallel_state import all_reduce, gather_last_dim_to_rank0, tp_rank, tp_size
+from nanovllm_tp.layers.linear import copy_checked, shape_of, take_rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp_size())
+        self.start = tp_rank() * self.shard_size
+        self.end = min(self.start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded):
+        rows = self.end - self.start
+        if shape_of(loaded)[0] != self.vocab_size:
+            raise ValueError(f"checkpoint vocab has {shape_of(loaded)[0]} rows, config says {self.vocab_size}")
+        copy_checked(param.data[:rows], take_rows(loaded, self.start, rows))
+        param.data[rows:] = 0     # padding rows of the last shard
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.start) & (input_ids < self.end)
+        y = F.embedding((input_ids - self.start) * in_shard, self.weight)
+        return all_reduce(y * in_shard.unsqueeze(-1).to(y.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the last token of each row, gathered whole on rank 0 (None elsewhere)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        ctx = get_context()
+        if ctx.is_prefill:
+            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
+        logits = gather_last_dim_to_rank0(F.linear(hidden, self.weight))
+        return logits[:, :self.vocab_size] if logits is not None else None

@@ -1,0 +1,123 @@
+"""Tensor-parallel linear layers. Each parameter carries a weight_loader that copies this rank's slice.
+
+Loaders receive either a tensor or a lazy safetensors slice; both support shape lookup (via `shape_of`) and
+`[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
+
+
+def shape_of(loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def take_rows(loaded, start: int, size: int) -> torch.Tensor:
+    return loaded[start:start + size]
+
+
+def take_cols(loaded, start: int, size: int) -> torch.Tensor:
+    return loaded[:, start:start + size]
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "weight") -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint {name} slice has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
+    """Whole-tensor copy, for replicated parameters (norms, biases of row-parallel layers)."""
+    copy_checked(param.data, loaded[:])
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, *shard) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        if out_features % tp_size():
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size={tp_size()}")
+        super().__init__(in_features, out_features // tp_size(), bias)
+
+    def weight_loader(self, param, loaded, *shard):
+        size = param.shape[0]
+        copy_checked(param.data, take_rows(loaded, tp_rank() * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up); loaded one source tensor at a time."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        local = [s // tp_size() for s in self.output_sizes]
+        offset = sum(local[:shard_id])
+        copy_checked(param.data[offset:offset + local[shard_id]],
+                     take_rows(loaded, tp_rank() * local[shard_id], local[shard_id]))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. kv heads are replicated when tp exceeds their count."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)    # ranks sharing one kv head
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param, loaded, shard_id: str):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            dst, start = param.data[:q_size], tp_rank() * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            dst, start = param.data[offset:offset + kv_size], (tp_rank() // self.kv_replicas) * kv_size
+        copy_checked(dst, take_rows(loaded, start, dst.shape[0]))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums all-reduced, bias added once after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        if in_features % tp_size():
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size={tp_size()}")
+        super().__init__(in_features // tp_size(), out_features, bias)
+
+    def weight_loader(self, param, loaded, *shard):
+        if param.dim() == 1:     # bias is not split
+            return super().weight_loader(param, loaded)
+        size = param.shape[1]
+        copy_checked(param.data, take_cols(loaded, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

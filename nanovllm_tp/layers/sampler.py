@@ -1,0 +1,51 @@
+"""Greedy and temperature sampling, reproducible per request.
+
+Noise is a counter-based hash of (request seed, token index, vocab id) computed with int64 tensor ops, so
+a request's samples depend only on its own seed and logits: not on the batch it shares, not on the device.
+"""
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _as_int64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _as_int64(0x9E3779B97F4A7C15), _as_int64(0xBF58476D1CE4E5B9), _as_int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift on int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] uniforms in (0, 1), a pure function of (seed, index, vocab id)."""
+    row_key = _splitmix64(_splitmix64(seeds) ^ index)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _shr(_splitmix64(row_key[:, None] ^ _splitmix64(ids)[None, :]), 11)   # 53 random bits
+    return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                 sample_index: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        hot = temperatures > 0
+        if not bool(hot.any()):
+            return greedy
+        rows = hot.nonzero().squeeze(1)
+        scaled = torch.log_softmax(logits[rows] / temperatures[rows, None], dim=-1)
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds[rows], sample_index[rows], logits.shape[-1])))
+        greedy[rows] = (scaled.double() + gumbel).argmax(dim=-1)
+        return greedy

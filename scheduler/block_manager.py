@@ -1,0 +1,125 @@
+"""Paged KV blocks with reference counts and a prefix cache over full blocks.
+
+A full block is keyed by a hash chained over every token before it. A hit is only taken after comparing
+the block's stored tokens with the request's, so a hash collision can never hand out someone else's KV.
+Freed blocks keep their tokens and hash until they are reused, which is what lets a preempted or repeated
+prompt hit the cache.
+"""
+from collections import OrderedDict
+
+from nanovllm_tp.scheduler.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # Ordered so that the least recently freed block is reused (and its cache entry evicted) first.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_prefix_hit_tokens = 0   # lifetime count, for tests and stats
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @staticmethod
+    def chain_hash(prefix_hash: int | None, token_ids: tuple[int, ...]) -> int:
+        return hash((prefix_hash, token_ids))
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of seq, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prefix_hash = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            prefix_hash = self.chain_hash(prefix_hash, tokens)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> list[int] | None:
+        """The cached prefix blocks to reuse if seq fits now, else None."""
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)   # these sit in the free list
+        needed = seq.num_blocks(self.block_size) - len(hits) + revived
+        return hits if needed <= len(self.free_block_ids) else None
+
+    def allocate(self, seq: Sequence, hits: list[int]) -> None:
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(seq.num_blocks(self.block_size) - len(hits)):
+            seq.block_table.append(self._take_free_block())
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_prefix_hit_tokens += seq.num_cached_tokens
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail blocks go back first so the oldest (shared, most reusable) prefix blocks are evicted last.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether seq's next decode token has a slot (it needs a new block on a block boundary)."""
+        needs_block = (seq.num_tokens - 1) // self.block_size >= len(seq.block_table)
+        return not needs_block or len(self.free_block_ids) > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        if (seq.num_tokens - 1) // self.block_size >= len(seq.block_table):
+            seq.block_table.append(self._take_free_block())
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Register every block that the last step filled completely (its KV is now computed)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_cached_tokens // bs
+        start = (seq.num_cached_tokens - seq.num_scheduled_tokens) // bs
+        prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start > 0 else None
+        for i in range(start, num_full):
+            block = self.blocks[seq.block_table[i]]
+            tokens = seq.block_tokens(i, bs)
+            prefix_hash = self.chain_hash(prefix_hash, tokens)
+            if block.hash is None:   # a block reused from the cache already carries this hash
+                block.hash, block.token_ids = prefix_hash, tokens
+                self.hash_to_block_id[prefix_hash] = block.block_id

@@ -1,0 +1,59 @@
+"""StepPlan: the one thing that crosses from the scheduler to the workers.
+
+Flat numpy arrays and ints only; encoded with msgpack (each array as dtype, shape, raw bytes), never pickled.
+Rows are sequences, tokens are the flattened new tokens of all rows in row order.
+"""
+from dataclasses import dataclass, fields
+
+import msgpack
+import numpy as np
+
+PREFILL, DECODE = 0, 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    kind: int                  # PREFILL (rows may compute several tokens, some KV may be cached) or DECODE
+    input_ids: np.ndarray      # int64 [tokens]
+    positions: np.ndarray      # int64 [tokens]
+    slot_mapping: np.ndarray   # int64 [tokens]   KV cache slot = block_id * block_size + offset
+    cu_seqlens_q: np.ndarray   # int32 [rows + 1] new tokens per row, cumulated
+    context_lens: np.ndarray   # int32 [rows]     KV length per row after this step (cached + new)
+    block_tables: np.ndarray   # int32 [rows, max_blocks] padded with -1
+    temperatures: np.ndarray   # float32 [rows]   0 = greedy
+    seeds: np.ndarray          # int64 [rows]
+    sample_index: np.ndarray   # int64 [rows]     how many tokens the row generated before this one
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.kind == PREFILL
+
+    def encode(self) -> bytes:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                value = [value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes()]
+            out[f.name] = value
+        return msgpack.packb(out, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "StepPlan":
+        raw = msgpack.unpackb(data, raw=False)
+        kwargs = {}
+        for f in fields(cls):
+            value = raw[f.name]
+            if isinstance(value, list):
+                dtype, shape, buf = value
+                value = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+            kwargs[f.name] = value
+        return cls(**kwargs)

@@ -1,0 +1,193 @@
+"""Decides who runs each step (prefill first, then decode), under a token and a sequence budget.
+
+Behaviour follows nano-vllm: strict FCFS on the waiting queue, only the first prefill of a step may be
+chunked, decode preempts the tail of the running queue by recompute when blocks run out. Torch-free.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanovllm_tp.scheduler.block_manager import BlockManager
+from nanovllm_tp.scheduler.plan import DECODE, PREFILL, StepPlan
+from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_kvcache_blocks: int
+    kvcache_block_size: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if blocks_per_seq > config.num_kvcache_blocks:
+            raise ValueError(f"the KV cache holds {config.num_kvcache_blocks} blocks of {self.block_size} tokens, "
+                             f"but one max_model_len={config.max_model_len} sequence needs {blocks_per_seq}: "
+                             "give the cache more memory or lower max_model_len")
+        self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
+                                          config.enable_prefix_caching)
+        self.eos = frozenset(config.eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.scheduled: list[Sequence] = []
+        self.scheduled_kind = PREFILL
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if not 0 < seq.num_tokens < self.config.max_model_len:
+            raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens; it needs 1 to "
+                             f"{self.config.max_model_len - 1} (max_model_len={self.config.max_model_len})")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing is left to run."""
+        if self.scheduled:
+            raise RuntimeError("schedule() called twice without postprocess()")
+        seqs = self._schedule_prefill()
+        kind = PREFILL
+        if not seqs:
+            seqs = self._schedule_decode()
+            kind = DECODE
+        if not seqs:
+            if self.has_unfinished():
+                raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and "
+                                   f"{len(self.running)} running sequences")
+            return None
+        self.scheduled, self.scheduled_kind = seqs, kind
+        self.step_id += 1
+        return self._build_plan(seqs, kind)
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        cfg, bm = self.config, self.block_manager
+        seqs, budget_used = [], 0
+        while self.waiting and len(seqs) < cfg.max_num_seqs:
+            remaining = cfg.max_num_batched_tokens - budget_used
+            if remaining == 0:
+                break
+            seq = self.waiting[0]
+            hits = None
+            if not seq.block_table:
+                hits = bm.can_allocate(seq)
+                if hits is None:
+                    break          # FCFS: nothing behind the head may jump it
+                num_tokens = seq.num_tokens - len(hits) * self.block_size
+            else:
+                num_tokens = seq.num_tokens - seq.num_cached_tokens
+            if num_tokens > remaining and seqs:
+                break              # only the first prefill of a step is chunked
+            if hits is not None:
+                bm.allocate(seq, hits)
+            seq.num_scheduled_tokens = min(num_tokens, remaining)
+            budget_used += seq.num_scheduled_tokens
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _schedule_decode(self) -> list[Sequence]:
+        bm, seqs = self.block_manager, []
+        while self.running and len(seqs) < self.config.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                bm.may_append(seq)
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return seqs
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _build_plan(self, seqs: list[Sequence], kind: int) -> StepPlan:
+        bs = self.block_size
+        rows = len(seqs)
+        q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
+        starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
+        context_lens = (starts + q_lens).astype(np.int32)
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = np.full((rows, width), -1, np.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, :len(s.block_table)] = s.block_table
+        if kind == DECODE:
+            input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, rows)
+            positions = starts
+            row_of_token = np.arange(rows)
+        else:
+            input_ids = np.fromiter((t for s in seqs for t in
+                                     s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
+                                    np.int64, int(q_lens.sum()))
+            row_of_token = np.repeat(np.arange(rows), q_lens)
+            cu = np.concatenate(([0], np.cumsum(q_lens)))
+            positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu[row_of_token])
+        slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        return StepPlan(
+            step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32),
+            context_lens=context_lens, block_tables=block_tables,
+            temperatures=np.fromiter((s.temperature for s in seqs), np.float32, rows),
+            seeds=np.fromiter((s.seed for s in seqs), np.int64, rows),
+            sample_index=np.fromiter((s.num_completion_tokens for s in seqs), np.int64, rows),
+        )
+
+    def postprocess(self, token_ids: list[int]) -> list[Sequence]:
+        """Apply one sampled token per scheduled row; return the sequences that finished."""
+        seqs, self.scheduled = self.scheduled, []
+        if len(token_ids) != len(seqs):
+            raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled rows")
+        bm, finished = self.block_manager, []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            bm.hash_blocks(seq)
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue           # a middle chunk of a prefill: its sample is not a real token
+            seq.token_ids.append(token_id)
+            if not seq.ignore_eos and token_id in self.eos:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            bm.deallocate(seq)
+            self.running.remove(seq)
+            finished.append(seq)
+        return finished
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence and free its blocks (used when a step fails)."""
+        dropped = list(self.waiting) + [s for s in self.running if s not in self.waiting]
+        for seq in dropped:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        self.waiting.clear()
+        self.running.clear()
+        self.scheduled = []
+        return dropped

@@ -1,0 +1,97 @@
+"""Turns a StepPlan into tensors, runs this rank's shard of the model, and (on rank 0) samples.
+
+Every rank runs the same code on the same plan; only rank 0 receives logits (gathered from the LM head).
+"""
+import torch
+
+from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.context import Context, reset_context, set_context
+from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
+from nanovllm_tp.layers.attention import Attention, get_attention_backend
+from nanovllm_tp.layers.sampler import Sampler
+from nanovllm_tp.loader import load_model
+from nanovllm_tp.models import model_class
+from nanovllm_tp.scheduler.plan import StepPlan
+from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.block_size = config.kvcache_block_size
+        mc = config.model_config
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = model_class(mc.architecture)(mc)
+        finally:
+            torch.set_default_dtype(previous)
+        load_model(self.model, config.model)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler()
+        self.num_kv_blocks = 0
+        self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
+
+    def kv_block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        return kv_block_bytes(len(self.attention_layers), self.block_size, layer.num_kv_heads, layer.head_dim,
+                              self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks usable blocks plus one null block that padded rows write into."""
+        self.num_kv_blocks = num_blocks
+        layer = self.attention_layers[0]
+        self.k_cache, self.v_cache = allocate_kv_cache(len(self.attention_layers), num_blocks + 1, self.block_size,
+                                                       layer.num_kv_heads, layer.head_dim, self.dtype, self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+
+    @property
+    def null_slot(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def _to_device(self, array, dtype=None) -> torch.Tensor:
+        t = torch.from_numpy(array.copy() if not array.flags.writeable else array)
+        return t.to(self.device, dtype=dtype, non_blocking=True)
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        q_lens = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]
+        context_lens = plan.context_lens
+        cu_k = torch.zeros(plan.num_rows + 1, dtype=torch.int32)
+        cu_k[1:] = torch.from_numpy(context_lens.astype("int64")).cumsum(0)
+        set_context(Context(
+            is_prefill=plan.is_prefill,
+            cu_seqlens_q=self._to_device(plan.cu_seqlens_q),
+            cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
+            max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()),
+            slot_mapping=self._to_device(plan.slot_mapping),
+            context_lens=self._to_device(context_lens),
+            block_tables=self._to_device(plan.block_tables),
+            has_cached_prefix=bool((context_lens > q_lens).any()),
+            context_lens_cpu=context_lens.tolist(), q_lens_cpu=q_lens.tolist(),
+        ))
+        return self._to_device(plan.input_ids), self._to_device(plan.positions)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Forward one step; logits [rows, vocab] on rank 0, None on the other ranks."""
+        if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
+            return self.graphs.run(plan)
+        input_ids, positions = self.prepare(plan)
+        try:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, plan: StepPlan) -> list[int]:
+        tokens = self.sampler(logits, self._to_device(plan.temperatures), self._to_device(plan.seeds),
+                              self._to_device(plan.sample_index))
+        return tokens.tolist()
+
+    def describe(self) -> str:
+        return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
+                f"{get_attention_backend().name}, {self.num_kv_blocks} KV blocks of {self.block_size}")

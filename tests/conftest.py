@@ -1,0 +1,26 @@
+import os
+
+import pytest
+
+# One thread per test process keeps the 2-core CI machine from oversubscribing when ranks run side by side.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from nanovllm_tp.launch.make_tiny import make_tiny
+    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "qwen3-tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """A shared TP=1 engine for tests that only need one; tests that change knobs build their own."""
+    from nanovllm_tp import LLM
+    return LLM(tiny_model_dir, kvcache_block_size=16, kv_cache_memory=64 << 20)

@@ -1,18 +1,18 @@
-"""Rank 0's engine: scheduler + this rank's runner (+ the other ranks, reached through the plan channel)."""
+"""Rank 0's engine: the scheduler, this rank's runner, and the plan channel to the other ranks."""
+import atexit
 import logging
 import os
+import signal
+import threading
+import time
 
 import torch
 
 from nanovllm_tp.config import EngineConfig
-from nanovllm_tp.layers.attention import set_attention_backend
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
-from nanovllm_tp.workers.kv_cache import blocks_for_budget
-from nanovllm_tp.workers.model_runner import ModelRunner
 
 log = logging.getLogger("nanovllm_tp")
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -39,56 +39,67 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
 def choose_attention_backend(device: torch.device, dtype: torch.dtype):
     """flash-attn on CUDA when it imports and supports the dtype; the torch backend otherwise."""
     from nanovllm_tp.layers.attention import TorchBackend
-    if device.type == "cuda":
-        from nanovllm_tp.layers.flash_backend import FlashBackend, flash_available
-        if flash_available() and dtype in (torch.float16, torch.bfloat16):
+    forced = os.environ.get("NANOVLLM_TP_ATTENTION")    # torch | torch-cuda | flash, for comparisons
+    if device.type == "cuda" and forced != "torch":
+        from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend, flash_available
+        if forced != "torch-cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
             return FlashBackend()
-        log.warning("flash-attn unavailable for %s on this machine; using the torch SDPA attention backend", dtype)
+        if forced == "flash":
+            raise ValueError("NANOVLLM_TP_ATTENTION=flash, but flash-attn is not installed or the dtype is fp32")
+        log.warning("flash-attn is not installed (or dtype is %s): attention uses torch varlen/SDPA for "
+                    "prefill and a Triton kernel for decode", dtype)
+        return CudaTorchBackend()
     return TorchBackend()
+
+
+def resolve_block_size(config: EngineConfig, backend) -> None:
+    if config.kvcache_block_size is None:
+        config.kvcache_block_size = 256 if backend.name == "flash" else 16
+    backend.check_block_size(config.kvcache_block_size)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        from nanovllm_tp.workers.worker import build_runner, join_group
         self.config = config
+        self.children, self.writer, self.dead = [], None, None
+        self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
         backend = choose_attention_backend(self.device, self.dtype)
-        set_attention_backend(backend)
-        if config.kvcache_block_size is None:
-            config.kvcache_block_size = 256 if backend.name == "flash" else 16
-        backend.check_block_size(config.kvcache_block_size)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.device, self.dtype)
-        self.runner.allocate_kv_cache(self._num_kv_blocks())
+        resolve_block_size(config, backend)
+        try:
+            store = None
+            if config.tensor_parallel_size > 1 and not _under_torchrun():
+                from nanovllm_tp.distributed.launch import free_store, spawn_workers
+                store = free_store()
+                self.children = spawn_workers(config, config.tensor_parallel_size, store)
+            self.info = join_group(config, self.device, store)
+            if self.info.world_size > 1:
+                self._open_channel()
+            self.runner = build_runner(config, self.device, self.dtype, backend)
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(SchedulerConfig(
             num_kvcache_blocks=self.runner.num_kv_blocks, kvcache_block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=config.model_config.eos_token_ids))
-        if self.device.type == "cuda" and not config.enforce_eager:
-            from nanovllm_tp.workers.cuda_graph import CUDAGraphRunner
-            self.runner.graphs = CUDAGraphRunner(self.runner, config.max_num_seqs, config.max_model_len)
+        atexit.register(self.close)
+        _exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
 
-    def _num_kv_blocks(self) -> int:
-        block_bytes = self.runner.kv_block_bytes()
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                from nanovllm_tp.workers.cuda_graph import profile_kv_budget
-                budget = profile_kv_budget(self.runner, self.config)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = blocks_for_budget(budget, block_bytes)
-        needed = -(-self.config.max_model_len // self.config.kvcache_block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache budget of {budget / 2**20:.1f} MiB per rank holds {num_blocks} blocks of "
-                f"{self.config.kvcache_block_size} tokens ({block_bytes} bytes each), but one "
-                f"max_model_len={self.config.max_model_len} sequence needs {needed}: raise kv_cache_memory "
-                "(or gpu_memory_utilization) or lower max_model_len")
-        return num_blocks
+    def _open_channel(self) -> None:
+        from nanovllm_tp.distributed.channel import PlanWriter
+        from nanovllm_tp.distributed.launch import node_ranks
+        nodes = node_ranks(self.info.world_size, self.info.node_rank)
+        local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
+        remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
+        self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host)
 
     def add(self, seq: Sequence) -> None:
+        if self.dead:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
@@ -100,12 +111,63 @@ class LLMEngine:
         if plan is None:
             return [], 0, False
         try:
+            if self.writer is not None:
+                self.writer.publish(plan.encode())
             logits = self.runner.execute(plan)
             tokens = self.runner.sample(logits, plan)
-        except BaseException:
+        except BaseException as exc:
             self.scheduler.abort_all()
+            if self.writer is not None and not isinstance(exc, KeyboardInterrupt):
+                self._fail(exc)
             raise
         return self.scheduler.postprocess(tokens), plan.num_tokens, plan.is_prefill
 
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
+        from nanovllm_tp.distributed.channel import PeerError
+        peer = exc if isinstance(exc, PeerError) else None
+        deadline = time.monotonic() + 5.0
+        while peer is None and time.monotonic() < deadline:
+            try:
+                self.writer.check_readers()
+                time.sleep(0.05)
+            except PeerError as found:
+                peer = found
+        self.dead = str(peer or exc)
+        self.close()
+        if peer is not None and peer is not exc:
+            raise peer from exc
+
     def close(self) -> None:
-        pass
+        if self._closed:
+            return
+        self._closed = True
+        from nanovllm_tp.distributed.launch import stop_children
+        if self.writer is not None:
+            try:
+                self.writer.shutdown("rank 0 closed the engine")
+            except Exception:
+                pass
+            self.writer.close()
+        stop_children(self.children)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _under_torchrun() -> bool:
+    from nanovllm_tp.distributed.launch import launched_by_torchrun
+    return launched_by_torchrun()
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM becomes SystemExit on rank 0, so atexit closes the channel and stops every rank."""
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_sigterm)

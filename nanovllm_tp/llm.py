@@ -1,5 +1,7 @@
 """The client API, with vLLM's names: LLM(model, ...).generate(prompts, sampling_params)."""
 import itertools
+import os
+import sys
 import time
 from collections.abc import Sequence as SequenceABC
 
@@ -21,6 +23,12 @@ class LLM:
                               kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                               enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed)
         config.validate()
+        from nanovllm_tp.distributed.launch import launched_by_torchrun
+        if tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+            # Under torchrun every rank runs the user's script: ranks > 0 serve rank 0's plans here and
+            # leave when it shuts down, so the rest of the script only ever runs on rank 0.
+            from nanovllm_tp.workers.worker import run_worker
+            sys.exit(run_worker(config))
         from transformers import AutoTokenizer
         from nanovllm_tp.engine import LLMEngine
         self.config = config

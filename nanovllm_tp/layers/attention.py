@@ -19,6 +19,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 class TorchBackend:
     """SDPA over K/V gathered from the paged cache. Works on CPU and CUDA; the reference for the others."""
     name = "torch"
+    supports_graphs = False     # decode reads host-side lengths, which a captured graph cannot
 
     def check_block_size(self, block_size: int) -> None:
         pass     # any block size works

@@ -1,0 +1,102 @@
+"""How this process joined the engine (alone, under torchrun, or spawned by rank 0), and the setup
+every rank shares: process group, TP state, and the key-value store the plan channel bootstraps from."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanovllm_tp.distributed.parallel_state import set_tp
+
+SPAWN_ENV = "NANOVLLM_TP_SPAWNED"          # set in the environment of workers that rank 0 started
+STORE_TIMEOUT = timedelta(seconds=120)
+_cpu_group = None
+
+
+@dataclass(slots=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    mode: str                 # "single" | "torchrun" | "spawn"
+    node_rank: int = 0
+    store: object = None      # torch TCPStore shared by all ranks (plan channel bootstrap)
+    host: str = "127.0.0.1"   # address rank 0's services bind to / are reached at
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and SPAWN_ENV not in os.environ)
+
+
+def rank0_host() -> str:
+    host = os.environ.get("NANOVLLM_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    return socket.gethostbyname(host)
+
+
+def free_store() -> "dist.TCPStore":
+    """A store on a port the OS picks (port 0), so two engines starting at once never collide."""
+    return dist.TCPStore(rank0_host(), 0, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+
+
+def init_process_group(rank: int, world_size: int, device: torch.device, store=None) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if store is None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                                timeout=STORE_TIMEOUT, **kwargs)
+    set_tp(rank, world_size, dist.group.WORLD)
+    global _cpu_group
+    # Host-side bootstrap messages (ports, node ids) go over gloo even when the model uses NCCL.
+    _cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def share_store(info: DistInfo) -> None:
+    """Under torchrun: rank 0 opens a store on a free port and tells the others the port (an int tensor)."""
+    port = torch.zeros(1, dtype=torch.int64)
+    if info.rank == 0:
+        info.store = free_store()
+        port[0] = info.store.port
+    dist.broadcast(port, src=0, group=_cpu_group)
+    if info.rank != 0:
+        info.store = dist.TCPStore(info.host, int(port[0]), is_master=False, timeout=STORE_TIMEOUT)
+
+
+def node_ranks(world_size: int, my_node: int) -> list[int]:
+    """Every rank's node index (all-gathered over a CPU group, whatever the device backend)."""
+    mine = torch.tensor([my_node], dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=_cpu_group)
+    return [int(t[0]) for t in gathered]
+
+
+def config_to_json(config) -> str:
+    return json.dumps({f.name: getattr(config, f.name) for f in fields(config) if f.name != "model_config"})
+
+
+def spawn_workers(config, world_size: int, store) -> list[subprocess.Popen]:
+    """Start ranks 1..N-1 as fresh interpreters; the config travels as JSON, never pickled."""
+    children = []
+    for rank in range(1, world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=rank0_host(), MASTER_PORT=str(store.port),
+                   GROUP_RANK="0")
+        env[SPAWN_ENV] = "1"
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", "nanovllm_tp.workers.worker", "--config", config_to_json(config)], env=env))
+    return children
+
+
+def stop_children(children: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    for child in children:
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

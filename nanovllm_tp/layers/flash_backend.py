@@ -1,0 +1,88 @@
+"""CUDA attention backends. Imported only on CUDA.
+
+`flash`: flash-attn's varlen kernel for prefill (with block_table when part of the KV is cached) and
+flash_attn_with_kvcache for decode. `torch-cuda`, when flash-attn is not installed: torch's varlen
+attention for prefill where this torch has it (else per-row SDPA), and a Triton paged kernel for decode.
+"""
+import importlib.util
+import inspect
+
+import torch
+
+from nanovllm_tp.layers.attention import TorchBackend
+
+
+def flash_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+class FlashBackend:
+    name = "flash"
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size % 256:
+            raise ValueError(f"flash-attn's paged KV cache needs kvcache_block_size to be a multiple of 256, "
+                             f"got {block_size}")
+
+    supports_graphs = True
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        if ctx.is_prefill:
+            block_table = None
+            if ctx.has_cached_prefix:
+                k, v, block_table = k_cache, v_cache, ctx.block_tables
+            return self.varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+                               max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
+                               softmax_scale=scale, causal=True, block_table=block_table)
+        return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
+                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+
+
+def _torch_varlen():
+    """torch's varlen attention and the names of its keyword arguments, or (None, ()) on older torch."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, ()
+    return varlen_attn, tuple(inspect.signature(varlen_attn).parameters)
+
+
+class CudaTorchBackend(TorchBackend):
+    name = "torch-cuda"
+    supports_graphs = True
+
+    def __init__(self):
+        from nanovllm_tp.layers.triton_decode import paged_decode_attention
+        self.decode_kernel = paged_decode_attention
+        self.varlen, self.varlen_params = _torch_varlen()
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size & (block_size - 1) or not 8 <= block_size <= 128:
+            raise ValueError(f"the Triton decode kernel needs kvcache_block_size to be a power of two in "
+                             f"[8, 128], got {block_size}")
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        if not ctx.is_prefill:
+            return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+        if self.varlen is not None and not ctx.has_cached_prefix and q.dtype in (torch.float16, torch.bfloat16):
+            return self._varlen_prefill(q, k, v, ctx, scale)
+        return self._prefill(q, k, v, k_cache, v_cache, ctx, scale)
+
+    def _varlen_prefill(self, q, k, v, ctx, scale):
+        kwargs = {"scale": scale}
+        if "is_causal" in self.varlen_params:
+            kwargs["is_causal"] = True
+        else:
+            kwargs["window_size"] = (-1, 0)
+        if k.shape[1] != q.shape[1]:
+            if "enable_gqa" in self.varlen_params:
+                kwargs["enable_gqa"] = True
+            else:
+                repeat = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return self.varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_q, ctx.max_seqlen_q, ctx.max_seqlen_q,
+                           **kwargs)

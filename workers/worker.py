@@ -1,0 +1,138 @@
+"""What every rank runs: join the group, build its shard and KV cache; ranks > 0 then serve plans.
+
+Ranks > 0 never see Sequence objects: only StepPlan bytes from the plan channel. A worker that fails
+reports its traceback to rank 0 before exiting; a worker whose rank 0 is gone exits on its own.
+"""
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, launched_by_torchrun,
+                                            node_ranks, rank0_host, share_store)
+from nanovllm_tp.layers.attention import set_attention_backend
+from nanovllm_tp.scheduler.plan import StepPlan
+from nanovllm_tp.workers.kv_cache import blocks_for_budget
+from nanovllm_tp.workers.model_runner import ModelRunner
+
+log = logging.getLogger("nanovllm_tp")
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def join_group(config: EngineConfig, device: torch.device, store=None) -> DistInfo:
+    """Process group + shared store for a TP > 1 engine; a no-op DistInfo for TP = 1."""
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        return DistInfo(rank=0, world_size=1, mode="single")
+    torchrun = launched_by_torchrun()
+    rank = int(os.environ.get("RANK", 0)) if (torchrun or SPAWN_ENV in os.environ) else 0
+    world = int(os.environ.get("WORLD_SIZE", tp)) if (torchrun or SPAWN_ENV in os.environ) else tp
+    if world != tp:
+        raise ValueError(f"tensor_parallel_size={tp} but WORLD_SIZE={world}: launch one process per TP rank")
+    info = DistInfo(rank=rank, world_size=world, mode="torchrun" if torchrun else "spawn",
+                    node_rank=int(os.environ.get("GROUP_RANK", 0)), host=rank0_host(), store=store)
+    if info.mode == "spawn" and rank != 0:
+        info.store = dist.TCPStore(info.host, int(os.environ["MASTER_PORT"]), is_master=False)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    init_process_group(rank, world, device, info.store if info.mode == "spawn" else None)
+    if info.mode == "torchrun":
+        share_store(info)
+    return info
+
+
+def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> ModelRunner:
+    """This rank's model shard and KV cache; every rank agrees on the smallest block count."""
+    set_attention_backend(backend)
+    torch.manual_seed(config.seed)
+    runner = ModelRunner(config, device, dtype)
+    block_bytes = runner.kv_block_bytes()
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            from nanovllm_tp.workers.cuda_graph import profile_kv_budget
+            budget = profile_kv_budget(runner, config)
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    num_blocks = blocks_for_budget(budget, block_bytes)
+    if dist.is_initialized():
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        num_blocks = int(agreed[0])
+    needed = -(-config.max_model_len // config.kvcache_block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget / 2**20:.1f} MiB per rank holds {num_blocks} blocks of "
+            f"{config.kvcache_block_size} tokens ({block_bytes} bytes each), but one "
+            f"max_model_len={config.max_model_len} sequence needs {needed}: raise kv_cache_memory "
+            "(or gpu_memory_utilization) or lower max_model_len")
+    runner.allocate_kv_cache(num_blocks)
+    if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
+        from nanovllm_tp.workers.cuda_graph import CUDAGraphRunner
+        runner.graphs = CUDAGraphRunner(runner, config.max_num_seqs, config.max_model_len)
+    return runner
+
+
+def serve(runner: ModelRunner, reader) -> None:
+    """Run every plan rank 0 publishes until it shuts the channel down (or disappears)."""
+    from nanovllm_tp.distributed.channel import ChannelClosed
+    while True:
+        try:
+            payload = reader.receive()
+        except ChannelClosed:
+            return
+        runner.execute(StepPlan.decode(payload))
+
+
+def run_worker(config: EngineConfig) -> int:
+    """Entry for ranks > 0 (torchrun or spawned). Returns the process exit code."""
+    from nanovllm_tp.distributed.channel import PlanReader
+    from nanovllm_tp.engine import choose_attention_backend, resolve_block_size, resolve_device_and_dtype
+    reader = None
+    try:
+        device, dtype = resolve_device_and_dtype(config)
+        info = join_group(config, device)
+        nodes = node_ranks(info.world_size, info.node_rank)
+        reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0])
+        backend = choose_attention_backend(device, dtype)
+        resolve_block_size(config, backend)
+        serve(build_runner(config, device, dtype, backend), reader)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        text = traceback.format_exc()
+        if reader is not None:
+            reader.report_error(text)
+        sys.stderr.write(f"[nanovllm_tp worker rank {os.environ.get('RANK')}] {text}")
+        return 1
+    finally:
+        if reader is not None:
+            reader.close()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="nanovllm_tp worker rank (started by rank 0)")
+    parser.add_argument("--config", required=True, help="engine config as JSON")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    config = EngineConfig(**json.loads(args.config))
+    config.validate()
+    sys.exit(run_worker(config))
+
+
+if __name__ == "__main__":
+    main()

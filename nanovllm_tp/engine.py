@@ -63,6 +63,7 @@ class LLMEngine:
         from nanovllm_tp.workers.worker import build_runner, join_group
         self.config = config
         self.children, self.writer, self.dead = [], None, None
+        self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
         backend = choose_attention_backend(self.device, self.dtype)
@@ -77,7 +78,9 @@ class LLMEngine:
             if self.info.world_size > 1:
                 self._open_channel()
             self.runner = build_runner(config, self.device, self.dtype, backend)
-        except BaseException:
+        except BaseException as exc:
+            if self.writer is not None and isinstance(exc, Exception):
+                self._fail(exc)
             self.close()
             raise
         self.scheduler = Scheduler(SchedulerConfig(
@@ -96,6 +99,7 @@ class LLMEngine:
         local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
         remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
         self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host)
+        self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
 
     def add(self, seq: Sequence) -> None:
         if self.dead:
@@ -117,8 +121,10 @@ class LLMEngine:
             tokens = self.runner.sample(logits, plan)
         except BaseException as exc:
             self.scheduler.abort_all()
-            if self.writer is not None and not isinstance(exc, KeyboardInterrupt):
+            if self.writer is not None and isinstance(exc, Exception):
                 self._fail(exc)
+            else:
+                self.close()
             raise
         return self.scheduler.postprocess(tokens), plan.num_tokens, plan.is_prefill
 
@@ -139,23 +145,28 @@ class LLMEngine:
             raise peer from exc
 
     def close(self) -> None:
+        """Stop every rank: shutdown message first (idle workers leave at once), then the process group
+        (a worker stuck in a collective with us errors out), then wait for spawned workers."""
         if self._closed:
             return
         self._closed = True
+        import torch.distributed as dist
         from nanovllm_tp.distributed.launch import stop_children
+        from nanovllm_tp.distributed.parallel_state import set_tp
         if self.writer is not None:
             try:
                 self.writer.shutdown("rank 0 closed the engine")
             except Exception:
                 pass
-            self.writer.close()
-        stop_children(self.children)
-        import torch.distributed as dist
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        set_tp(0, 1, None)
+        stop_children(self.children)
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _under_torchrun() -> bool:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, launched_by_torchrun,
                                             node_ranks, rank0_host, share_store)
+from nanovllm_tp.distributed.parallel_state import set_tp
 from nanovllm_tp.layers.attention import set_attention_backend
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
@@ -30,6 +31,7 @@ def join_group(config: EngineConfig, device: torch.device, store=None) -> DistIn
     """Process group + shared store for a TP > 1 engine; a no-op DistInfo for TP = 1."""
     tp = config.tensor_parallel_size
     if tp == 1:
+        set_tp(0, 1, None)
         return DistInfo(rank=0, world_size=1, mode="single")
     torchrun = launched_by_torchrun()
     rank = int(os.environ.get("RANK", 0)) if (torchrun or SPAWN_ENV in os.environ) else 0

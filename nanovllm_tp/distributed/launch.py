@@ -93,10 +93,17 @@ def spawn_workers(config, world_size: int, store) -> list[subprocess.Popen]:
     return children
 
 
-def stop_children(children: list[subprocess.Popen], timeout: float = 10.0) -> None:
-    for child in children:
-        try:
-            child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+def stop_children(children: list[subprocess.Popen], timeout: float = 5.0) -> None:
+    """Wait for workers to leave after a shutdown message; SIGTERM, then SIGKILL, the ones that don't."""
+    for sig_timeout, action in ((timeout, None), (2.0, "terminate"), (2.0, "kill")):
+        alive = [c for c in children if c.poll() is None]
+        if not alive:
+            return
+        for child in alive:
+            if action:
+                getattr(child, action)()
+        for child in alive:
+            try:
+                child.wait(timeout=sig_timeout)
+            except subprocess.TimeoutExpired:
+                pass

@@ -1,0 +1,18 @@
+"""Loaded at start-up by worker processes of the fault tests (via PYTHONPATH): makes one rank's forward
+raise at a chosen step, so the test can check that the worker's error text reaches rank 0."""
+import os
+
+if os.environ.get("NVTP_TEST_FAIL_RANK") and os.environ.get("NVTP_TEST_FAIL_RANK") == os.environ.get("RANK"):
+    from nanovllm_tp.workers import model_runner
+
+    _execute = model_runner.ModelRunner.execute
+    _fail_at = int(os.environ.get("NVTP_TEST_FAIL_STEP", "1"))
+    _steps = [0]
+
+    def execute(self, plan):
+        _steps[0] += 1
+        if _steps[0] == _fail_at:
+            raise RuntimeError(f"injected fault in the forward of step {_steps[0]}")
+        return _execute(self, plan)
+
+    model_runner.ModelRunner.execute = execute

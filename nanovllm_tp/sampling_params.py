@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0     # 0 means greedy
+    temperature: float = 1.0     # 0 (or anything below 1e-5) means greedy
     max_tokens: int = 64
     ignore_eos: bool = False
     seed: int | None = None      # per-request seed; None draws one from the engine's seed

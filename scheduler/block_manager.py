@@ -1,23 +1,31 @@
 """Paged KV blocks with reference counts and a prefix cache over full blocks.
 
-A full block is keyed by a hash chained over every token before it. A hit is only taken after comparing
-the block's stored tokens with the request's, so a hash collision can never hand out someone else's KV.
-Freed blocks keep their tokens and hash until they are reused, which is what lets a preempted or repeated
-prompt hit the cache.
+A full block is keyed by a hash chained over every token before it (Python's tuple hash: fast, not
+collision-resistant). A hit is only taken after checking the block itself: its tokens equal the request's,
+and the block it was computed after is the request's previous hit, still holding what it held then (blocks
+carry a version bumped on reuse). By induction the whole prefix matches, so a collision can cost a cache
+hit but never hands out someone else's KV. Freed blocks keep their tokens and hash until they are reused,
+which is what lets a preempted or repeated prompt hit the cache.
 """
 from collections import OrderedDict
 
 from nanovllm_tp.scheduler.sequence import Sequence
 
 
+NO_PARENT = -1
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent", "parent_version")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.version = 0                 # bumped each time the block is reused for other tokens
+        self.parent = NO_PARENT          # the block this one's KV was computed after, and its version then
+        self.parent_version = 0
 
 
 class BlockManager:
@@ -53,10 +61,15 @@ class BlockManager:
             tokens = seq.block_tokens(i, self.block_size)
             prefix_hash = self.chain_hash(prefix_hash, tokens)
             block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None or not self._continues(self.blocks[block_id], tokens, hits[-1] if hits else NO_PARENT):
                 break
             hits.append(block_id)
         return hits
+
+    def _continues(self, block: Block, tokens: tuple[int, ...], parent: int) -> bool:
+        if block.token_ids != tokens or block.parent != parent:
+            return False
+        return parent == NO_PARENT or self.blocks[parent].version == block.parent_version
 
     def can_allocate(self, seq: Sequence) -> list[int] | None:
         """The cached prefix blocks to reuse if seq fits now, else None."""
@@ -86,6 +99,7 @@ class BlockManager:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = None, ()
+        block.version += 1
         block.ref_count = 1
         return block_id
 
@@ -122,4 +136,6 @@ class BlockManager:
             prefix_hash = self.chain_hash(prefix_hash, tokens)
             if block.hash is None:   # a block reused from the cache already carries this hash
                 block.hash, block.token_ids = prefix_hash, tokens
+                block.parent = seq.block_table[i - 1] if i > 0 else NO_PARENT
+                block.parent_version = self.blocks[block.parent].version if i > 0 else 0
                 self.hash_to_block_id[prefix_hash] = block.block_id

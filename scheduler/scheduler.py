@@ -101,7 +101,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         bm, seqs = self.block_manager, []
-        while self.running and len(seqs) < self.config.max_num_seqs:
+        max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)   # one token per row
+        while self.running and len(seqs) < max_rows:
             seq = self.running.popleft()
             while not bm.can_append(seq):
                 if self.running:

@@ -54,7 +54,7 @@ class PlanWriter:
             raise ValueError("a rank is listed twice")
         self._reader_timeout, self._join_timeout, self._hb = reader_timeout_s, join_timeout_s, heartbeat_s
         self._pid = os.getpid()
-        self._seq, self._shut, self._closed = 0, False, False
+        self._seq, self._shut, self._closed, self._ready = 0, False, False, False
         self._peers: dict[int, dict] = {}
         self._failures: list[tuple[int, str, bool]] = []  # (rank, text, reported by the reader)
         self._joined, self._stop = threading.Event(), threading.Event()
@@ -89,8 +89,9 @@ class PlanWriter:
             raise ChannelClosed("publish after shutdown/close")
         if self._failures:
             self.check_readers()
-        if not self._joined.is_set():
+        if not self._ready:
             self._wait_joined()
+            self._ready = True
         if not isinstance(payload, (bytes, bytearray)):
             payload = memoryview(payload).cast("B")
         seq = self._seq + 1

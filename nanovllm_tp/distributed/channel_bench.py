@@ -6,11 +6,15 @@ Method (one-way, no round-trip halving): the writer (calling process) takes
 ``bytes`` object by then) and stores it, with the plan number, in its own cache line of a small
 shared "ack" segment.  On Linux ``perf_counter_ns`` is CLOCK_MONOTONIC, one clock for all
 processes on the machine, so ``max(reader stamps) - t0`` is the time until the LAST reader
-has the plan.  The writer then waits for every ack (which is not timed), sleeps ``gap_s``
-and sends the next plan; readers are therefore already waiting in ``receive`` (spinning, or
-napping once idle longer than their ``spin_s``) when a plan is published.  Warm-up plans are
-excluded.  Numbers depend heavily on core count: with more busy processes than cores the
-scheduler, not the channel, dominates the tail.
+has the plan.  The writer then waits for every ack (untimed; it polls with ``sched_yield`` so
+a reader sharing its core can run), sleeps ``gap_s`` and sends the next plan; readers are
+therefore already waiting in ``receive`` (spinning, or napping once idle longer than their
+``spin_s``) when a plan is published.  Warm-up plans are excluded.
+
+Numbers depend heavily on core count and machine load: with more busy processes than cores
+(writer + 2 readers on 2 cores) the scheduler, not the channel, dominates.  ``pin=True`` puts
+the writer on the first allowed CPU and the readers on the others, as an engine that pins
+its ranks would.  The result carries the 1-minute load average for context.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
     import torch.distributed as dist
 
     from nanovllm_tp.distributed.channel import PlanWriter
+    from nanovllm_tp.distributed.shm_ring import fence
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     key = f"bench_{secrets.token_hex(4)}"
@@ -99,8 +104,13 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
             t1 = time.perf_counter_ns()
             stamps = []
             for r in range(readers):
+                waited = 0
                 while _ACK.unpack_from(buf, r * _LINE)[0] != i:
                     os.sched_yield()  # spin, but let a reader sharing this core run
+                    waited += 1
+                    if waited % 100_000 == 0 and not all(p.is_alive() for p in procs):
+                        raise RuntimeError("a benchmark reader process died")
+                fence()
                 stamps.append(_ACK.unpack_from(buf, r * _LINE)[1])
             if i > warmup:
                 lat.append((max(stamps) - t0) / 1e3)
@@ -115,7 +125,8 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
         return {"payload_bytes": payload_bytes, "readers": readers, "iterations": iterations,
                 "median_us": statistics.median(lat), "p90_us": _pct(lat, 0.9), "p99_us": _pct(lat, 0.99),
                 "mean_us": statistics.fmean(lat), "publish_median_us": statistics.median(pub),
-                "cpus": os.cpu_count(), "method": "one-way, CLOCK_MONOTONIC stamps, last reader"}
+                "cpus": ncpu, "pinned": bool(reader_cpus), "loadavg_1m": os.getloadavg()[0],
+                "method": "one-way: writer stamp before publish -> last reader's stamp after receive"}
     finally:
         os.sched_setaffinity(0, old_affinity)
         if writer is not None:

@@ -10,8 +10,12 @@ Layout of the ring segment (all integers little-endian u64)::
         +0   seq       (1-based message number; written LAST by the writer)
         +8   length    (payload length in bytes)
         +16  kind      (0 = inline payload, 1 = overflow: payload holds a segment name)
-        +64  flags     (one byte per reader, set to 1 once that reader has the message)
-        +64+F payload  (slot_bytes)
+        +24  name_len  (overflow only: length of the segment name)
+        +32  flags     (one byte per reader, set to 1 once that reader has the message)
+        +P   payload   (slot_bytes; P = 32 + num_readers rounded up to 64)
+
+Sequence number, length and flags share one cache line (for up to 32 readers), so a publish
+costs one ownership transfer for the slot header besides the payload lines.
 
 Message ``seq`` lives in slot ``(seq - 1) % num_slots``.  The writer may reuse a slot only
 once every reader flag of its previous message is set; it clears the flags, writes the
@@ -37,7 +41,7 @@ from multiprocessing import shared_memory
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
-SLOT_HEADER = 64
+FLAGS_AT = 32
 MAX_REASON = 3072
 _MAGIC = 0x316E_6972_7076_746E  # "ntvprin1"
 _U64 = struct.Struct("<Q")
@@ -59,8 +63,8 @@ def _round_up(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
 
 
-def _flags_bytes(num_readers: int) -> int:
-    return _round_up(max(num_readers, 1))
+def _payload_at(num_readers: int) -> int:
+    return _round_up(FLAGS_AT + num_readers)
 
 
 def unlink_by_prefix(prefix: str) -> list[str]:
@@ -87,7 +91,7 @@ class ShmRingWriter:
         self.prefix = prefix
         self.num_slots, self.slot_bytes, self.num_readers = num_slots, slot_bytes, num_readers
         self._flags_len = num_readers
-        self.stride = _round_up(SLOT_HEADER + _flags_bytes(num_readers) + slot_bytes)
+        self.stride = _round_up(_payload_at(num_readers) + slot_bytes)
         size = HEADER_BYTES + num_slots * self.stride
         self._shm = shared_memory.SharedMemory(name=f"{prefix}_r", create=True, size=size)
         self.name = self._shm.name
@@ -96,26 +100,24 @@ class ShmRingWriter:
         self._slot_off = [HEADER_BYTES + i * self.stride for i in range(num_slots)]
         self._all_read = b"\x01" * num_readers
         self._none_read = bytes(num_readers)
+        self._flags_fmt = struct.Struct(f"{num_readers}s")
+        self._payload_delta = _payload_at(num_readers)
         self._overflow: dict[int, shared_memory.SharedMemory] = {}  # seq -> segment
         self._closed = False
 
     # -- slot state -------------------------------------------------------------
-    def _flags(self, off: int) -> memoryview:
-        f = off + SLOT_HEADER
-        return self._buf[f:f + self._flags_len]
+    def _flags(self, off: int) -> bytes:
+        return self._flags_fmt.unpack_from(self._buf, off + FLAGS_AT)[0]
 
     def slot_free(self, seq: int) -> bool:
         """True if message ``seq`` may be written (the slot's previous message was read by all)."""
-        if seq <= self.num_slots:
-            return True
-        return self._flags((self._slot_off[(seq - 1) % self.num_slots])) == self._all_read
+        return seq <= self.num_slots or self._flags(self._slot_off[(seq - 1) % self.num_slots]) == self._all_read
 
     def laggards(self, seq: int) -> list[int]:
         """Reader indices that have not yet read the message occupying ``seq``'s slot."""
         if seq <= self.num_slots:
             return []
-        flags = bytes(self._flags(self._slot_off[(seq - 1) % self.num_slots]))
-        return [i for i, b in enumerate(flags) if b != 1]
+        return [i for i, b in enumerate(self._flags(self._slot_off[(seq - 1) % self.num_slots])) if b != 1]
 
     def write(self, seq: int, payload) -> None:
         """Write message ``seq``; the caller must have checked ``slot_free(seq)``."""
@@ -126,12 +128,10 @@ class ShmRingWriter:
         if old is not None:
             self._drop(old)
         n = len(payload)
-        f = off + SLOT_HEADER
-        buf[f:f + self._flags_len] = self._none_read
-        p = f + _flags_bytes(self.num_readers)
+        p = off + self._payload_delta
         if n <= self.slot_bytes:
             buf[p:p + n] = payload
-            _LEN_KIND.pack_into(buf, off + 8, n, KIND_INLINE)
+            kind = KIND_INLINE
         else:
             seg = shared_memory.SharedMemory(name=f"{self.prefix}_o{seq}", create=True, size=n)
             seg.buf[:n] = payload
@@ -139,8 +139,12 @@ class ShmRingWriter:
             self._overflow[seq] = seg
             name = seg.name.encode()
             buf[p:p + len(name)] = name
-            _LEN_KIND.pack_into(buf, off + 8, n, KIND_OVERFLOW)
             _U64.pack_into(buf, off + 24, len(name))
+            kind = KIND_OVERFLOW
+        # header line last: length/kind, cleared flags, then (after a fence) the sequence number
+        _LEN_KIND.pack_into(buf, off + 8, n, kind)
+        f = off + FLAGS_AT
+        buf[f:f + self._flags_len] = self._none_read
         fence()  # payload, length and cleared flags are visible before seq
         _U64.pack_into(buf, off, seq)
 
@@ -206,8 +210,8 @@ class ShmRingReader:
             raise ValueError(f"reader index {index} out of range for {readers} readers")
         self.name, self.num_slots, self.index = name, slots, index
         self._slot_off = [HEADER_BYTES + i * stride for i in range(slots)]
-        self._flag_delta = SLOT_HEADER + index
-        self._payload_delta = SLOT_HEADER + _flags_bytes(readers)
+        self._flag_delta = FLAGS_AT + index
+        self._payload_delta = _payload_at(readers)
         self._next = 1
 
     def poll(self) -> bytes | None:

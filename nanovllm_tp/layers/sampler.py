@@ -36,12 +36,16 @@ def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch
     return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
+# Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
+MIN_TEMPERATURE = 1e-5
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                  sample_index: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        hot = temperatures > 0
+        hot = temperatures >= MIN_TEMPERATURE
         if not bool(hot.any()):
             return greedy
         rows = hot.nonzero().squeeze(1)

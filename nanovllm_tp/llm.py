@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence as SequenceABC
 
 from nanovllm_tp.config import EngineConfig
-from nanovllm_tp.outputs import CompletionOutput, RequestOutput
+from nanovllm_tp.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
@@ -35,6 +35,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
+        self._requests: dict[str, tuple[str | None, Sequence]] = {}     # request id -> (prompt text, sequence)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -96,22 +97,58 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
         items = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(items))
-        seqs = []
-        for (text, ids), sp in zip(items, params):
-            request_id = next(self._request_ids)
-            seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + request_id) % (1 << 63)
-            seqs.append((text, Sequence(request_id, ids, temperature=sp.temperature, max_tokens=sp.max_tokens,
-                                        ignore_eos=sp.ignore_eos, seed=seed)))
-        for _, seq in seqs:
-            self.engine.add(seq)
-        self._run(len(seqs), use_tqdm)
-        decode = self.tokenizer.decode
-        return [RequestOutput(request_id=str(seq.seq_id), prompt=text, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                              outputs=[CompletionOutput(0, decode(seq.completion_token_ids, skip_special_tokens=True),
-                                                        seq.completion_token_ids, seq.finish_reason)])
-                for text, seq in seqs]
+        ids = [self._add(text, token_ids, sp) for (text, token_ids), sp in zip(items, params)]
+        try:
+            self._run(len(ids), use_tqdm)
+        except BaseException:
+            self._drop_aborted()     # the engine failed every unfinished request; the error says why
+            raise
+        return [self._output(self._requests.pop(i)) for i in ids]
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one request for step()-driven serving; returns its request id."""
+        (text, token_ids), = self._normalize_prompts([prompt])
+        sp, = self._normalize_params(sampling_params, 1)
+        return self._add(text, token_ids, sp)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        try:
+            finished, _, _ = self.engine.step()
+        except BaseException:
+            self._drop_aborted()
+            raise
+        return [self._output(self._requests.pop(str(seq.seq_id))) for seq in finished
+                if str(seq.seq_id) in self._requests]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def _drop_aborted(self) -> None:
+        for request_id in [i for i, (_, seq) in self._requests.items() if seq.finish_reason == "abort"]:
+            del self._requests[request_id]
+
+    def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams) -> str:
+        request_id = next(self._request_ids)
+        seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + request_id) % (1 << 63)
+        seq = Sequence(request_id, token_ids, temperature=sp.temperature, max_tokens=sp.max_tokens,
+                       ignore_eos=sp.ignore_eos, seed=seed)
+        self.engine.add(seq)
+        self._requests[str(request_id)] = (text, seq)
+        return str(request_id)
+
+    def _output(self, entry) -> RequestOutput:
+        text, seq = entry
+        completion = seq.completion_token_ids
+        return RequestOutput(
+            request_id=str(seq.seq_id), prompt=text, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            outputs=[CompletionOutput(0, self.tokenizer.decode(completion, skip_special_tokens=True), completion,
+                                      seq.finish_reason)],
+            finished=seq.is_finished,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = None

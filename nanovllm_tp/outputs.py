@@ -11,9 +11,22 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """time.perf_counter() timestamps of one request."""
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    metrics: RequestMetrics | None = None

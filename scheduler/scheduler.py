@@ -3,6 +3,7 @@
 Behaviour follows nano-vllm: strict FCFS on the waiting queue, only the first prefill of a step may be
 chunked, decode preempts the tail of the running queue by recompute when blocks run out. Torch-free.
 """
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -160,7 +161,7 @@ class Scheduler:
         seqs, self.scheduled = self.scheduled, []
         if len(token_ids) != len(seqs):
             raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled rows")
-        bm, finished = self.block_manager, []
+        bm, finished, now = self.block_manager, [], time.perf_counter()
         for seq, token_id in zip(seqs, token_ids):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             bm.hash_blocks(seq)
@@ -168,6 +169,8 @@ class Scheduler:
             if seq.num_cached_tokens < seq.num_tokens:
                 continue           # a middle chunk of a prefill: its sample is not a real token
             seq.token_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if not seq.ignore_eos and token_id in self.eos:
                 seq.finish_reason = "stop"
             elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
@@ -175,6 +178,7 @@ class Scheduler:
             else:
                 continue
             seq.status = SequenceStatus.FINISHED
+            seq.finish_time = now
             bm.deallocate(seq)
             self.running.remove(seq)
             finished.append(seq)

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: tokens so far, how many have KV, and the blocks holding that KV."""
+import time
 from enum import IntEnum
 
 
@@ -11,7 +12,8 @@ class SequenceStatus(IntEnum):
 class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
                  "num_scheduled_tokens", "block_table", "temperature", "max_tokens", "ignore_eos",
-                 "seed", "finish_reason")
+                 "seed", "finish_reason",
+                 "arrival_time", "first_token_time", "finish_time")
 
     def __init__(self, seq_id: int, token_ids: list[int], *, temperature: float = 0.0,
                  max_tokens: int = 16, ignore_eos: bool = False, seed: int = 0):
@@ -27,6 +29,10 @@ class Sequence:
         self.ignore_eos = ignore_eos
         self.seed = seed
         self.finish_reason: str | None = None
+        # perf_counter() timestamps, for latency figures (TTFT, TPOT)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -93,3 +93,19 @@ def test_preemption_matches_unconstrained(tiny_model_dir, prompts, baseline):
     assert token_lists(llm.generate(prompts, GREEDY, use_tqdm=False)) == baseline
     assert sched.num_preemptions > 0
     assert_all_blocks_free(llm)
+
+
+def test_step_api_serves_requests_as_they_come(tiny_llm, prompts, baseline):
+    first = tiny_llm.add_request(prompts[0], GREEDY)
+    done = {}
+    for _ in range(3):
+        for out in tiny_llm.step():
+            done[out.request_id] = out
+    second = tiny_llm.add_request(prompts[1], GREEDY)      # joins while the first is decoding
+    while tiny_llm.has_unfinished_requests():
+        for out in tiny_llm.step():
+            done[out.request_id] = out
+    assert done[first].outputs[0].token_ids == baseline[0]
+    assert done[second].outputs[0].token_ids == baseline[1]
+    m = done[first].metrics
+    assert m.arrival_time <= m.first_token_time <= m.finish_time

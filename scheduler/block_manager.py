@@ -88,11 +88,12 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         for _ in range(seq.num_blocks(self.block_size) - len(hits)):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self.take_block())
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_prefix_hit_tokens += seq.num_cached_tokens
 
-    def _take_free_block(self) -> int:
+    def take_block(self) -> int:
+        """A free block, evicting whatever cache entry it held; its ref count becomes 1."""
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
@@ -120,22 +121,24 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         if (seq.num_tokens - 1) // self.block_size >= len(seq.block_table):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self.take_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Register every block that the last step filled completely (its KV is now computed)."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_full = seq.num_cached_tokens // bs
-        start = (seq.num_cached_tokens - seq.num_scheduled_tokens) // bs
-        prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start > 0 else None
-        for i in range(start, num_full):
-            block = self.blocks[seq.block_table[i]]
-            tokens = seq.block_tokens(i, bs)
-            prefix_hash = self.chain_hash(prefix_hash, tokens)
-            if block.hash is None:   # a block reused from the cache already carries this hash
-                block.hash, block.token_ids = prefix_hash, tokens
-                block.parent = seq.block_table[i - 1] if i > 0 else NO_PARENT
-                block.parent_version = self.blocks[block.parent].version if i > 0 else 0
-                self.hash_to_block_id[prefix_hash] = block.block_id
+        start = (seq.num_cached_tokens - seq.num_scheduled_tokens) // self.block_size
+        for i in range(start, seq.num_cached_tokens // self.block_size):
+            self.hash_block(seq, i)
+
+    def hash_block(self, seq: Sequence, i: int) -> None:
+        """Register seq's full block i, whose predecessors are registered already."""
+        block = self.blocks[seq.block_table[i]]
+        if block.hash is not None:   # a block reused from the cache already carries this hash
+            return
+        parent = seq.block_table[i - 1] if i > 0 else NO_PARENT
+        tokens = seq.block_tokens(i, self.block_size)
+        block.hash = self.chain_hash(self.blocks[parent].hash if i > 0 else None, tokens)
+        block.token_ids, block.parent = tokens, parent
+        block.parent_version = self.blocks[parent].version if i > 0 else 0
+        self.hash_to_block_id[block.hash] = block.block_id

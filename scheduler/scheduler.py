@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm_tp.scheduler.block_manager import BlockManager
+from nanovllm_tp.scheduler.decode_batch import DecodeBatch
 from nanovllm_tp.scheduler.plan import DECODE, PREFILL, StepPlan
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 
@@ -41,6 +42,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.scheduled: list[Sequence] = []
         self.scheduled_kind = PREFILL
+        self.decode_batch: DecodeBatch | None = None    # valid while decode steps follow each other
+        self._eos_array = np.array(sorted(self.eos), dtype=np.int64)
         self.step_id = 0
         self.num_preemptions = 0
 
@@ -58,18 +61,35 @@ class Scheduler:
         if self.scheduled:
             raise RuntimeError("schedule() called twice without postprocess()")
         seqs = self._schedule_prefill()
-        kind = PREFILL
-        if not seqs:
+        if seqs:
+            self.decode_batch = None
+            self.scheduled, self.scheduled_kind = seqs, PREFILL
+            self.step_id += 1
+            return self._build_plan(seqs, PREFILL)
+        batch = self.decode_batch
+        if batch is None or not self._grow(batch):
             seqs = self._schedule_decode()
-            kind = DECODE
-        if not seqs:
-            if self.has_unfinished():
-                raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and "
-                                   f"{len(self.running)} running sequences")
-            return None
-        self.scheduled, self.scheduled_kind = seqs, kind
+            if not seqs:
+                if self.has_unfinished():
+                    raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and "
+                                       f"{len(self.running)} running sequences")
+                return None
+            batch = self.decode_batch = DecodeBatch(seqs, self.block_size)
+        self.scheduled, self.scheduled_kind = batch.seqs, DECODE
         self.step_id += 1
-        return self._build_plan(seqs, kind)
+        return batch.plan(self.step_id)
+
+    def _grow(self, batch: DecodeBatch) -> bool:
+        """Give the batch's rows the blocks their next token needs; False when the pool is short (then the
+        slow path preempts)."""
+        rows = batch.rows_needing_block()
+        if len(rows) > self.block_manager.num_free_blocks:
+            return False
+        for row in rows.tolist():
+            block_id = self.block_manager.take_block()
+            batch.seqs[row].block_table.append(block_id)
+            batch.add_block(row, block_id)
+        return True
 
     def _schedule_prefill(self) -> list[Sequence]:
         cfg, bm = self.config, self.block_manager
@@ -119,6 +139,7 @@ class Scheduler:
         return seqs
 
     def _preempt(self, seq: Sequence) -> None:
+        self.decode_batch = None
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
@@ -161,6 +182,8 @@ class Scheduler:
         seqs, self.scheduled = self.scheduled, []
         if len(token_ids) != len(seqs):
             raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled rows")
+        if self.scheduled_kind == DECODE:
+            return self._postprocess_decode(token_ids)
         bm, finished, now = self.block_manager, [], time.perf_counter()
         for seq, token_id in zip(seqs, token_ids):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -171,17 +194,47 @@ class Scheduler:
             seq.token_ids.append(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if not seq.ignore_eos and token_id in self.eos:
-                seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_time = now
-            bm.deallocate(seq)
-            self.running.remove(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                self._finish(seq, reason, now)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.ignore_eos and token_id in self.eos:
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.finish_time = reason, now
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def _postprocess_decode(self, token_ids: list[int]) -> list[Sequence]:
+        batch, bm = self.decode_batch, self.block_manager
+        for seq, token_id in zip(batch.seqs, token_ids):
+            seq.token_ids.append(token_id)
+            seq.num_cached_tokens += 1
+        if bm.enable_prefix_caching:     # rows whose token just completed a block
+            for row in np.flatnonzero((batch.positions + 1) % self.block_size == 0).tolist():
+                bm.hash_block(batch.seqs[row], int(batch.positions[row]) // self.block_size)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        batch.advance(tokens)
+        stop = (tokens[:, None] == self._eos_array[None, :]).any(axis=1) & ~batch.ignore_eos
+        done = stop | (batch.completion >= batch.max_tokens) | (batch.positions + 1 >= self.config.max_model_len)
+        if not done.any():
+            return []
+        now, finished = time.perf_counter(), []
+        for row in np.flatnonzero(done).tolist():
+            seq = batch.seqs[row]
+            self._finish(seq, "stop" if stop[row] else "length", now)
             finished.append(seq)
+        batch.keep(~done)
+        if len(batch) == 0 or len(self.running) > len(batch):
+            self.decode_batch = None      # rows that were waiting for room in the batch join it next step
         return finished
 
     def abort_all(self) -> list[Sequence]:
@@ -195,4 +248,5 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.scheduled = []
+        self.decode_batch = None
         return dropped

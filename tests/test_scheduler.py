@@ -680,3 +680,33 @@ def test_random_stress(seed, block_size, num_blocks, prefix_caching):
     if prefix_caching:
         assert bm.num_prefix_hit_tokens > 0
     assert sched.num_preemptions > 0 or num_blocks * block_size >= 200
+
+
+def _plan_stream(seed: int, rebuild_every_decode: bool, monkeypatch) -> tuple[list[bytes], list[list[int]]]:
+    """Every plan's bytes and every output, for a seeded workload with arrivals, EOS and preemptions."""
+    if rebuild_every_decode:     # never reuse the decode batch: the plain path the fast one must equal
+        monkeypatch.setattr(Scheduler, "_grow", lambda self, batch: False)
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=14, block_size=4, max_model_len=48, max_num_seqs=6, max_num_batched_tokens=16)
+    model = FakeModel(4, eos_every=11)
+    seqs = [Sequence(i, [rng.randrange(1, 20) for _ in range(rng.randint(1, 18))], max_tokens=rng.randint(1, 30),
+                     ignore_eos=rng.random() < 0.3) for i in range(120)]
+    pending, plans = collections.deque(seqs), []
+    while sched.has_unfinished() or pending:
+        while pending and rng.random() < 0.2:
+            sched.add(pending.popleft())
+        if not sched.has_unfinished():
+            sched.add(pending.popleft())
+        plan = sched.schedule()
+        plans.append(plan.encode())
+        sched.postprocess(model(plan))
+    monkeypatch.undo()
+    return plans, [s.completion_token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_batch_fast_path_equals_rebuilding_every_step(seed, monkeypatch):
+    fast_plans, fast_out = _plan_stream(seed, False, monkeypatch)
+    slow_plans, slow_out = _plan_stream(seed, True, monkeypatch)
+    assert fast_out == slow_out
+    assert fast_plans == slow_plans

@@ -170,9 +170,11 @@ class PlanReader:
         self._stop.set()
         if getattr(self, "_thread", None) is not None:
             self._thread.join(timeout=5)
+        if self._back is not None and self._closed_reason is None:
+            self._back.send({"t": "bye", "rank": self.rank})
+        if self._closed_reason is None:
+            self._closed_reason = "reader closed"
         if self._back is not None:
-            if self._closed_reason is None:
-                self._back.send({"t": "bye", "rank": self.rank})
             self._back.close()
         for part in (self._sub, self._ring):
             if part is not None:

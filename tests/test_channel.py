@@ -1,0 +1,417 @@
+"""Plan channel (shared-memory ring + ZMQ) tests with real processes and a real TCPStore."""
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing import connection as mp_connection
+import os
+import signal
+import struct
+import threading
+import time
+import zlib
+from datetime import timedelta
+
+import pytest
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+from nanovllm_tp.distributed.channel import (ChannelClosed, ChannelTimeout, PeerError, PlanReader,  # noqa: E402
+                                             PlanWriter)
+
+KEY = "test_plan"  # every test has its own store, so one key suffices
+_HEAD = struct.Struct("<QI")  # plan number, crc32 of the body
+
+
+def make_plan(i: int, size: int) -> bytes:
+    body = (i.to_bytes(8, "little") * (size // 8 + 1))[:size] if size < 65536 else os.urandom(size)
+    return _HEAD.pack(i, zlib.crc32(body)) + body
+
+
+def check_plan(data: bytes, expect: int) -> int:
+    i, crc = _HEAD.unpack_from(data)
+    assert isinstance(data, bytes) and i == expect and zlib.crc32(data[_HEAD.size:]) == crc, (i, expect)
+    return len(data)
+
+
+def _client(port: int):
+    return torch_dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+# ---------------------------------------------------------------- child process targets
+def reader_proc(q, port, key, rank, local, n, delay=0.0, report=None, then="close"):
+    """Receive and verify n plans, report; then wait for shutdown ('close') or hang ('hang')."""
+    try:
+        reader = PlanReader(_client(port), rank, local, key=key)
+        sizes = []
+        for i in range(1, n + 1):
+            sizes.append(check_plan(reader.receive(timeout=30), i))
+            if delay:
+                time.sleep(delay)
+        q.put(("done", rank, sizes))
+        if report is not None:
+            reader.report_error(report)
+        if then == "hang":
+            time.sleep(120)
+        time.sleep(0.3)  # idle long enough to be napping, not spinning (spin_s = 0.05)
+        try:
+            reader.receive(timeout=30)
+            q.put(("error", rank, "plan after the last one"))
+        except ChannelClosed as e:
+            q.put(("closed", rank, str(e), time.monotonic()))
+        reader.close()
+    except BaseException as e:  # surfaced by the test through the queue
+        q.put(("error", rank, repr(e)))
+
+
+def writer_proc(q, port, key, n):
+    writer = PlanWriter(_client(port), [1], [2], key=key)
+    for i in range(1, n + 1):
+        writer.publish(make_plan(i, 100 * i))
+    q.put(("published", 0))
+    time.sleep(120)  # killed by the test
+
+
+def writer_exit_proc(q, port, key):
+    writer = PlanWriter(_client(port), [1], [], key=key)  # never closed: atexit must clean up
+    q.put(("created", 0, writer._ring.name))
+
+
+# ---------------------------------------------------------------- process pool
+# A spawned child spends seconds importing torch (for TCPStore).  The pool keeps two
+# children that have already imported this module; each runs exactly one job and exits, and a
+# replacement starts warming up as soon as one is taken.  Jobs and results travel over the
+# child's own Pipe (test plumbing only; the channel itself never pickles).
+def _pool_main(conn):
+    try:
+        job = conn.recv()
+    except EOFError:
+        return
+    fn, args = job
+    globals()[fn](_PipeQ(conn), *args)
+
+
+class _PipeQ:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def put(self, msg):
+        self.conn.send(msg)
+
+
+class _Pool:
+    def __init__(self, size: int, budget: int):
+        self.ctx, self.idle, self.all, self.budget = mp.get_context("spawn"), [], [], budget
+        for _ in range(min(size, budget)):
+            self._add()
+
+    def _add(self):
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_pool_main, args=(child,), daemon=True)
+        proc.start()
+        child.close()
+        self.idle.append((proc, parent))
+        self.all.append(proc)
+
+    def take(self):
+        if not self.idle:
+            self._add()
+        proc, conn = self.idle.pop(0)
+        if len(self.all) < self.budget:  # warm a replacement, but none that no test will use
+            self._add()
+        return proc, conn
+
+    def close(self):
+        for proc in self.all:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+_CHILDREN_USED = 11  # children the tests below take from the pool (more are started on demand)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = _Pool(size=2, budget=_CHILDREN_USED)
+    yield p
+    p.close()
+
+
+def _our_segments(pids) -> set[str]:
+    out = set()
+    for name in os.listdir("/dev/shm"):
+        parts = name.split("_")
+        if name.startswith("nvtp_") and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) in pids:
+            out.add(name)
+    return out
+
+
+class _Spawner:
+    """Runs target functions in pooled processes; kills them at teardown, whatever happened."""
+
+    def __init__(self, pool):
+        self.pool, self.procs, self.conns = pool, [], []
+
+    def __call__(self, target, *args):
+        proc, conn = self.pool.take()
+        conn.send((target.__name__, args))
+        self.procs.append(proc)
+        self.conns.append(conn)
+        return proc
+
+    def collect(self, kind, count, timeout=40):
+        got, deadline = {}, time.monotonic() + timeout
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            ready = mp_connection.wait(self.conns, timeout=max(0.0, left)) if left > 0 else []
+            if not ready:
+                pytest.fail(f"timed out waiting for {count} {kind!r} messages, got {got}")
+            for conn in ready:
+                try:
+                    msg = conn.recv()
+                except EOFError:  # that child exited (or was killed by the test)
+                    self.conns.remove(conn)
+                    continue
+                assert msg[0] != "error", msg
+                if msg[0] == kind:
+                    got[msg[1]] = msg[2:]
+        return got
+
+    def cleanup(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.fixture
+def spawn(pool):
+    sp = _Spawner(pool)
+    try:
+        yield sp
+    finally:
+        sp.cleanup()
+    pids = {os.getpid(), *(p.pid for p in sp.procs)}
+    deadline = time.monotonic() + 3
+    while _our_segments(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _our_segments(pids), "leaked shared-memory segments"
+
+
+@pytest.fixture
+def store():
+    s = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+    yield s
+
+
+# ---------------------------------------------------------------- tests
+def test_order_1000_plans_two_local_readers(spawn, store):
+    for rank in (1, 2):
+        spawn(reader_proc, store.port, KEY, rank, True, 1000)
+    writer = PlanWriter(store, [1, 2], [], key=KEY)
+    try:
+        for i in range(1, 1001):
+            writer.publish(make_plan(i, 16 + i % 300))
+        done = spawn.collect("done", 2)
+        assert all(len(v[0]) == 1000 for v in done.values())
+        writer.check_readers()
+        writer.shutdown("done")
+        closed = spawn.collect("closed", 2)
+        assert all(v[0] == "done" for v in closed.values())
+    finally:
+        writer.close()
+
+
+def test_wraparound_overflow_and_mixed_sizes(spawn, store):
+    sizes = [0, 1, 500, 4096 - _HEAD.size, 4097, 20_000, 3 << 20, 7, 5 << 20 | 3, 64]
+    plan_sizes = [sizes[i % len(sizes)] for i in range(60)]
+    spawn(reader_proc, store.port, KEY, 1, True, len(plan_sizes))
+    spawn(reader_proc, store.port, KEY, 2, True, len(plan_sizes), 0.003)  # slow: ring fills
+    writer = PlanWriter(store, [1, 2], [], num_slots=3, slot_bytes=4096, key=KEY)
+    try:
+        for i, size in enumerate(plan_sizes, 1):
+            writer.publish(make_plan(i, size))
+        done = spawn.collect("done", 2)
+        expect = [s + _HEAD.size for s in plan_sizes]
+        assert done[1][0] == expect and done[2][0] == expect
+        writer.shutdown("bye")
+        spawn.collect("closed", 2)
+    finally:
+        writer.close()
+
+
+def test_local_and_remote_readers_then_shutdown_wakes_quickly(spawn, store):
+    spawn(reader_proc, store.port, KEY, 1, True, 200)
+    spawn(reader_proc, store.port, KEY, 2, False, 200)
+    writer = PlanWriter(store, [1], [2], num_slots=4, slot_bytes=64 << 10, key=KEY)
+    try:
+        for i in range(1, 201):
+            writer.publish(make_plan(i, 4 << 20 if i % 50 == 0 else 20_000 if i % 7 == 0 else 300))
+        spawn.collect("done", 2)
+        time.sleep(1.0)  # both readers are now blocked in receive() and idle
+        t0 = time.monotonic()
+        writer.shutdown("engine stopped")
+        closed = spawn.collect("closed", 2)
+        for rank, (reason, t) in closed.items():
+            assert reason == "engine stopped"
+            assert t - t0 < 0.5, f"rank {rank} woke after {t - t0:.3f} s"
+        writer.check_readers()  # readers leaving after shutdown is not an error
+    finally:
+        writer.close()
+
+
+def test_reader_timeout(store, spawn):
+    writer = PlanWriter(store, [1], [2], key=KEY)
+    readers = []
+    try:
+        readers = [PlanReader(store, 1, True, key=KEY), PlanReader(store, 2, False, key=KEY)]
+        writer.publish(make_plan(1, 10))
+        for r in readers:
+            check_plan(r.receive(timeout=5), 1)
+            t0 = time.monotonic()
+            with pytest.raises(ChannelTimeout):
+                r.receive(timeout=0.3)
+            assert 0.25 <= time.monotonic() - t0 < 2.0
+        writer.publish(make_plan(2, 10))  # a timeout does not break the channel
+        for r in readers:
+            check_plan(r.receive(timeout=5), 2)
+            r.close()
+            r.close()  # idempotent
+            with pytest.raises(ChannelClosed):
+                r.receive(timeout=1)
+    finally:
+        for r in readers:
+            r.close()
+        writer.close()
+
+
+def test_writer_killed_readers_get_closed(spawn, store):
+    proc = spawn(writer_proc, store.port, KEY, 3)
+    results, ready = {}, {1: threading.Event(), 2: threading.Event()}
+    readers = {}
+
+    def run(rank, local):
+        try:
+            readers[rank] = r = PlanReader(store, rank, local, key=KEY)
+            for i in range(1, 4):
+                check_plan(r.receive(timeout=30), i)
+            ready[rank].set()
+            r.receive(timeout=30)
+            results[rank] = ("plan", None)
+        except ChannelClosed as e:
+            results[rank] = ("closed", time.monotonic(), str(e))
+        except BaseException as e:
+            results[rank] = ("error", repr(e))
+            ready[rank].set()
+
+    threads = [threading.Thread(target=run, args=(1, True), daemon=True),
+               threading.Thread(target=run, args=(2, False), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        spawn.collect("published", 1)
+        assert ready[1].wait(30) and ready[2].wait(30), results
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(15)
+        for rank in (1, 2):
+            assert results.get(rank, ("missing",))[0] == "closed", results
+            assert results[rank][1] - t0 < 10.0, results
+        assert results[1][1] - t0 < 2.0  # pid check, not heartbeat
+    finally:
+        for r in readers.values():
+            r.close()
+        _forget_tracked_segments(store)
+
+
+def _forget_tracked_segments(store):
+    """The killed writer registered its ring with the resource tracker it shares with pytest
+    (spawn children inherit it); the readers already unlinked the ring, so drop that stale
+    registration or the tracker warns about a 'leak' when pytest exits."""
+    import msgpack
+    from multiprocessing import resource_tracker
+    name = msgpack.unpackb(store.get(f"{KEY}/meta"))["shm"]
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def test_local_reader_killed_blocked_publish_raises(spawn, store):
+    proc = spawn(reader_proc, store.port, KEY, 1, True, 1, 0.0, None, "hang")
+    writer = PlanWriter(store, [1], [], num_slots=2, slot_bytes=4096, key=KEY)
+    try:
+        writer.publish(make_plan(1, 10))
+        spawn.collect("done", 1)
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError) as err:
+            for i in range(2, 100):  # the ring fills: publish blocks, then must raise
+                writer.publish(make_plan(i, 10))
+        assert err.value.rank == 1 and time.monotonic() - t0 < 10.0
+        with pytest.raises(PeerError):
+            writer.check_readers()
+    finally:
+        writer.close()
+
+
+def test_remote_reader_killed_check_readers_raises(spawn, store):
+    proc = spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, None, "hang")
+    writer = PlanWriter(store, [], [2], key=KEY, reader_timeout_s=4.0)
+    try:
+        writer.publish(make_plan(1, 10))
+        spawn.collect("done", 1)
+        time.sleep(4.5)
+        writer.check_readers()  # idle longer than the timeout, but alive: heartbeats flow
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while True:
+            try:
+                writer.check_readers()
+            except PeerError as e:
+                assert e.rank == 2 and "heartbeat" in e.text
+                break
+            assert time.monotonic() - t0 < 10.0, "dead remote reader not detected"
+            time.sleep(0.1)
+    finally:
+        writer.close()
+
+
+def test_report_error_reaches_writer(spawn, store):
+    spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, "CUDA OOM on rank 2 — ünïcode")
+    writer = PlanWriter(store, [1], [2], key=KEY)
+    local = None
+    try:
+        local = PlanReader(store, 1, True, key=KEY)
+        writer.publish(make_plan(1, 10))
+        check_plan(local.receive(timeout=5), 1)
+        spawn.collect("done", 1)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                writer.check_readers()
+            except PeerError as e:
+                assert e.rank == 2 and e.text == "CUDA OOM on rank 2 — ünïcode"
+                break
+            assert time.monotonic() < deadline, "error report never arrived"
+            time.sleep(0.05)
+        with pytest.raises(PeerError):
+            writer.publish(make_plan(2, 10))
+    finally:
+        if local is not None:
+            local.close()
+        writer.close()
+
+
+def test_writer_exit_without_close_unlinks(spawn, store):
+    proc = spawn(writer_exit_proc, store.port, KEY)
+    (name,) = spawn.collect("created", 1)[0]
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -150,6 +150,8 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        self.dead = self.dead or "the engine was closed"
+        atexit.unregister(self.close)
         import torch.distributed as dist
         from nanovllm_tp.distributed.launch import stop_children
         from nanovllm_tp.distributed.parallel_state import set_tp
@@ -167,6 +169,10 @@ class LLMEngine:
         stop_children(self.children)
         if self.writer is not None:
             self.writer.close()
+        runner = getattr(self, "runner", None)
+        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
+            runner.release()
+            self.runner = None
 
 
 def _under_torchrun() -> bool:

@@ -128,7 +128,12 @@ def profile_kv_budget(runner, config) -> int:
         runner.model.compute_logits(runner.model(torch.zeros(tokens, dtype=torch.long, device=device), positions))
     finally:
         reset_context()
+    # The sampler's [rows, vocab] temporaries for a full decode batch count towards the peak too.
+    rows, vocab = config.max_num_seqs, config.model_config.vocab_size
+    runner.sampler(torch.zeros(rows, vocab, device=device), torch.ones(rows, device=device),
+                   torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()     # cached activation blocks are free for KV; the peak below accounts for them
     free, total = torch.cuda.mem_get_info(device)
     current, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
     return gpu_kv_budget(total, config.gpu_memory_utilization, total - free, peak - current)

@@ -92,6 +92,15 @@ class ModelRunner:
                               self._to_device(plan.sample_index))
         return tokens.tolist()
 
+    def release(self) -> None:
+        self.graphs = None
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.k_cache = self.v_cache = self.model = None
+        self.attention_layers = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def describe(self) -> str:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
                 f"{get_attention_backend().name}, {self.num_kv_blocks} KV blocks of {self.block_size}")

@@ -13,7 +13,14 @@ from nanovllm_tp.layers.attention import TorchBackend
 
 
 def flash_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn present and importable (a build for another torch fails at import: fall back then)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 class FlashBackend:
@@ -43,12 +50,14 @@ class FlashBackend:
 
 
 def _torch_varlen():
-    """torch's varlen attention and the names of its keyword arguments, or (None, ()) on older torch."""
+    """torch's varlen attention and the names of its keyword arguments, or (None, ()) where this torch has
+    none or one without a softmax scale argument (torch 2.10)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, ()
-    return varlen_attn, tuple(inspect.signature(varlen_attn).parameters)
+    params = tuple(inspect.signature(varlen_attn).parameters)
+    return (varlen_attn, params) if "scale" in params else (None, ())
 
 
 class CudaTorchBackend(TorchBackend):

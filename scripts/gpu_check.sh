@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One command for the CUDA checks and throughput figures: python -m nanovllm_tp.launch.gpu_check "$@".
+# Works from a bare checkout too (no pip install): nanovllm_tp.launch/.workers/.scheduler live in top-level
+# folders that setup.cfg maps into the package, so without an install the module is started through a
+# small bootstrap that adds the repository root to the package path.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NVTP_REPO="$PWD"
+PY="${PYTHON:-python}"
+if "$PY" -c "import nanovllm_tp.launch.gpu_check" 2>/dev/null; then
+    exec "$PY" -m nanovllm_tp.launch.gpu_check "$@"
+fi
+exec "$PY" -c '
+import os, runpy, sys
+root = os.environ["NVTP_REPO"]
+sys.path.insert(0, root)
+import nanovllm_tp
+nanovllm_tp.__path__.append(root)
+runpy.run_module("nanovllm_tp.launch.gpu_check", run_name="__main__", alter_sys=True)
+' "$@"

@@ -1,0 +1,28 @@
+"""Fixtures for the CUDA tests: every engine a test builds gives its GPU memory back before the next test."""
+import gc
+
+import pytest
+import torch
+
+
+def release_llm(llm) -> None:
+    """Close an LLM (which frees its weights, KV cache and CUDA graphs) and return the memory to the GPU."""
+    llm.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def release():
+    return release_llm
+
+
+@pytest.fixture(autouse=True)
+def _cuda_memory_back_after_each_test():
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,278 @@
+"""The CUDA path's host-side pieces, checked on CPU: the graph batch ladder, padding, the pinned decode
+input buffers, KV sizing arithmetic, block-size checks of the CUDA backends, and the Triton paged decode
+kernel (run through Triton's CPU interpreter, in a child process so TRITON_INTERPRET never leaks into
+this one) against the torch reference backend.
+
+Nothing here needs a GPU; tests/gpu holds the checks that do.
+"""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm_tp.context import Context
+from nanovllm_tp.layers.attention import TorchBackend
+from nanovllm_tp.scheduler.plan import DECODE, StepPlan
+from nanovllm_tp.workers.cuda_graph import DecodeInputs, block_table_width, graph_batch_sizes, padded_batch_size
+from nanovllm_tp.workers.kv_cache import blocks_for_budget, gpu_kv_budget, kv_block_bytes
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- graph ladder and padding
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 7, 8, 9, 16, 17, 100, 256, 300])
+def test_graph_batch_sizes_ladder(max_num_seqs):
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)), "sorted and unique"
+    assert sizes[0] == 1 and sizes[-1] == max_num_seqs
+    assert all(1 <= s <= max_num_seqs for s in sizes)
+    assert set(s for s in (1, 2, 4, 8) if s <= max_num_seqs) <= set(sizes), "small sizes first"
+    gaps = np.diff([0] + sizes)
+    assert gaps.max() <= 16, "a decode step never pads by more than 15 rows"
+    # the ladder stays short: captures cost time and graph-pool memory
+    assert len(sizes) <= 4 + math.ceil(max_num_seqs / 16) + 1
+
+
+def test_graph_batch_sizes_known_values():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(7) == [1, 2, 4, 7]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(17) == [1, 2, 4, 8, 16, 17]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256] and len(graph_batch_sizes(256)) == 20
+    assert graph_batch_sizes(300)[-2:] == [288, 300]
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 16, 17, 100, 256, 300])
+def test_padded_batch_size_every_row_count(max_num_seqs):
+    sizes = graph_batch_sizes(max_num_seqs)
+    for rows in range(1, max_num_seqs + 1):
+        padded = padded_batch_size(rows, sizes)
+        assert padded in sizes and padded >= rows
+        smaller = [s for s in sizes if s < padded]
+        assert not smaller or smaller[-1] < rows, f"{rows} rows should use the smallest graph that fits"
+    assert padded_batch_size(max_num_seqs + 1, sizes) is None
+
+
+def test_padded_batch_size_edges():
+    sizes = graph_batch_sizes(256)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 255, 256)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 32, 48, 256, 256]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128, 256])
+@pytest.mark.parametrize("max_model_len", [2, 15, 16, 17, 255, 256, 257, 4096, 40961])
+def test_block_table_width_covers_max_model_len(block_size, max_model_len):
+    width = block_table_width(max_model_len, block_size)
+    assert width * block_size >= max_model_len > (width - 1) * block_size
+
+
+# ---------------------------------------------------------------- pinned decode inputs
+
+def make_decode_plan(context_lens, block_tables, block_size, vocab=1000, seed=0) -> StepPlan:
+    """A decode StepPlan: row i's new token sits at position context_lens[i] - 1."""
+    rng = np.random.default_rng(seed)
+    context_lens = np.asarray(context_lens, np.int32)
+    rows = len(context_lens)
+    table = np.full((rows, max(len(t) for t in block_tables)), -1, np.int32)
+    for i, t in enumerate(block_tables):
+        table[i, :len(t)] = t
+    positions = context_lens.astype(np.int64) - 1
+    slots = table[np.arange(rows), positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepPlan(step_id=1, kind=DECODE, input_ids=rng.integers(0, vocab, rows).astype(np.int64),
+                    positions=positions, slot_mapping=slots,
+                    cu_seqlens_q=np.arange(rows + 1, dtype=np.int32), context_lens=context_lens,
+                    block_tables=table, temperatures=np.zeros(rows, np.float32), seeds=np.zeros(rows, np.int64),
+                    sample_index=np.zeros(rows, np.int64))
+
+
+def test_decode_inputs_fill_pads_and_leaves_no_stale_rows():
+    bs, null_slot = 16, 999 * 16
+    inputs = DecodeInputs(max_rows=16, width=8, device=torch.device("cpu"))
+    assert all(not t.is_pinned() for t in inputs.host.values())      # pinning only on CUDA
+    big = make_decode_plan([5, 17, 33, 64, 100], [[1], [2, 3], [4, 5, 6], [7, 8, 9, 10],
+                                                  [11, 12, 13, 14, 15, 16, 17]], bs, seed=1)
+    inputs.fill(big, rows=8, null_slot=null_slot)
+    d = {k: v[:8] for k, v in inputs.device.items()}
+    assert torch.equal(d["input_ids"][:5], torch.from_numpy(big.input_ids))
+    assert torch.equal(d["positions"][:5], torch.from_numpy(big.positions))
+    assert torch.equal(d["slot_mapping"][:5], torch.from_numpy(big.slot_mapping))
+    assert torch.equal(d["context_lens"][:5], torch.from_numpy(big.context_lens))
+    assert torch.equal(d["block_tables"][:5, :7], torch.from_numpy(big.block_tables))
+    assert (d["block_tables"][:5, 7:] == -1).all()
+    # padding rows: null slot, no context, no blocks, token 0 at position 0
+    assert (d["slot_mapping"][5:] == null_slot).all() and (d["context_lens"][5:] == 0).all()
+    assert (d["block_tables"][5:] == -1).all()
+    assert (d["input_ids"][5:] == 0).all() and (d["positions"][5:] == 0).all()
+    # host and device agree on every filled row
+    for k in inputs.host:
+        assert torch.equal(inputs.host[k][:8], inputs.device[k][:8]), k
+
+    small = make_decode_plan([3, 20], [[40], [41, 42]], bs, seed=2)
+    inputs.fill(small, rows=4, null_slot=null_slot)
+    d = {k: v[:4] for k, v in inputs.device.items()}
+    assert torch.equal(d["block_tables"][:2, :2], torch.from_numpy(small.block_tables))
+    assert (d["block_tables"][:2, 2:] == -1).all(), "columns of the earlier, wider plan must not survive"
+    assert (d["block_tables"][2:] == -1).all(), "rows of the earlier, larger plan must not survive"
+    assert d["context_lens"].tolist() == [3, 20, 0, 0]
+    assert d["slot_mapping"].tolist() == small.slot_mapping.tolist() + [null_slot, null_slot]
+    assert d["input_ids"][2:].tolist() == [0, 0] and d["positions"].tolist() == [2, 19, 0, 0]
+
+    ctx = inputs.context(4)
+    assert not ctx.is_prefill and ctx.context_lens.shape == (4,) and ctx.block_tables.shape == (4, 8)
+    assert ctx.slot_mapping.dtype == torch.int64 and ctx.context_lens.dtype == torch.int32
+    assert ctx.block_tables.dtype == torch.int32
+    # the context views alias the persistent buffers (what a captured graph reads)
+    assert ctx.block_tables.data_ptr() == inputs.device["block_tables"].data_ptr()
+
+
+# ---------------------------------------------------------------- KV sizing arithmetic
+
+def test_kv_block_bytes():
+    # 2 (K and V) * layers * block * kv_heads * head_dim * element size
+    assert kv_block_bytes(4, 16, 2, 32, torch.float32) == 2 * 4 * 16 * 2 * 32 * 4 == 32768
+    assert kv_block_bytes(4, 16, 2, 32, torch.bfloat16) == 16384
+    assert kv_block_bytes(28, 16, 8, 128, torch.bfloat16) == 2 * 28 * 16 * 8 * 128 * 2     # Qwen3-0.6B
+    assert kv_block_bytes(28, 256, 8, 128, torch.float16) == 16 * kv_block_bytes(28, 16, 8, 128, torch.bfloat16)
+
+
+def test_blocks_for_budget_reserves_the_null_block():
+    assert blocks_for_budget(10 * 1000, 1000) == 9
+    assert blocks_for_budget(10 * 1000 + 999, 1000) == 9       # partial blocks don't count
+    assert blocks_for_budget(1000, 1000) == 0
+    assert blocks_for_budget(999, 1000) == 0
+    assert blocks_for_budget(0, 1000) == 0
+    assert blocks_for_budget(-5 << 30, 1000) == 0               # a negative budget (weights > budget)
+
+
+def test_gpu_kv_budget():
+    gib = 1 << 30
+    total = 140 * gib
+    # weights 1.2 GiB in use now, warm-up peak 3 GiB above that
+    assert gpu_kv_budget(total, 0.9, int(1.2 * gib), 3 * gib) == int(total * 0.9) - int(1.2 * gib) - 3 * gib
+    assert gpu_kv_budget(total, 0.5, 10 * gib, 0) < gpu_kv_budget(total, 0.9, 10 * gib, 0)
+    assert gpu_kv_budget(total, 0.1, 20 * gib, gib) < 0          # the caller turns this into zero blocks
+    # the budget plus what is already used never exceeds utilization * total
+    for util in (0.3, 0.5, 0.9):
+        used, peak = 7 * gib, 2 * gib
+        assert gpu_kv_budget(total, util, used, peak) + used + peak <= util * total
+
+
+# ---------------------------------------------------------------- backend block-size checks
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_cuda_torch_backend_accepts_power_of_two_blocks(block_size):
+    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    object.__new__(CudaTorchBackend).check_block_size(block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 12, 24, 100, 256, 512])
+def test_cuda_torch_backend_rejects_other_blocks(block_size):
+    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    with pytest.raises(ValueError, match=rf"power of two in \[8, 128\], got {block_size}"):
+        object.__new__(CudaTorchBackend).check_block_size(block_size)
+
+
+def test_flash_backend_block_sizes():
+    from nanovllm_tp.layers.flash_backend import FlashBackend
+    backend = object.__new__(FlashBackend)
+    for ok in (256, 512, 1024):
+        backend.check_block_size(ok)
+    for bad in (16, 128, 255, 300):
+        with pytest.raises(ValueError, match=rf"multiple of 256, got {bad}"):
+            backend.check_block_size(bad)
+
+
+def test_backend_graph_support_flags():
+    from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend
+    assert TorchBackend.supports_graphs is False      # reads host-side lengths: never captured
+    assert CudaTorchBackend.supports_graphs and FlashBackend.supports_graphs
+
+
+# ---------------------------------------------------------------- no CUDA graphs on CPU
+
+def test_cpu_engine_never_builds_graphs(tiny_model_dir, monkeypatch):
+    import nanovllm_tp.workers.cuda_graph as cuda_graph
+
+    from nanovllm_tp import LLM, SamplingParams
+    from nanovllm_tp.engine import choose_attention_backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CUDAGraphRunner was built on CPU")
+
+    monkeypatch.setattr(cuda_graph, "CUDAGraphRunner", refuse)
+    monkeypatch.setattr(cuda_graph, "profile_kv_budget", refuse)
+    for forced in ("torch-cuda", "flash"):      # forcing a CUDA backend means nothing on CPU
+        monkeypatch.setenv("NANOVLLM_TP_ATTENTION", forced)
+        assert isinstance(choose_attention_backend(torch.device("cpu"), torch.float32), TorchBackend)
+    monkeypatch.delenv("NANOVLLM_TP_ATTENTION")
+    llm = LLM(tiny_model_dir, device="cpu", enforce_eager=False, kvcache_block_size=16, kv_cache_memory=32 << 20,
+              max_num_seqs=4)
+    try:
+        runner = llm.engine.runner
+        assert runner.graphs is None and runner.device.type == "cpu"
+        assert "attention torch" in runner.describe()
+        out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    finally:
+        llm.close()
+
+
+# ---------------------------------------------------------------- Triton decode kernel via the interpreter
+
+def _interpreter_child() -> None:
+    """Runs in a fresh interpreter after tests.triton_interpret: the kernel vs TorchBackend's decode."""
+    from nanovllm_tp.layers import triton_decode
+    assert type(triton_decode._paged_decode_kernel).__name__ == "InterpretedFunction"
+    torch.manual_seed(0)
+    reference, report = TorchBackend(), []
+    configs = [(g, bs, 32) for g in (1, 2, 4) for bs in (8, 16, 32)] + [(2, 16, 128), (3, 8, 32)]
+    for group, block_size, head_dim in configs:
+        kv_heads = 2
+        heads = kv_heads * group
+        # 1 token, exact block multiples, ragged, one short of a block, and a zero-length padding row
+        lens = [1, block_size, 2 * block_size, 3 * block_size + 5, block_size - 1, 0]
+        blocks_needed = [-(-n // block_size) for n in lens]
+        num_blocks = sum(blocks_needed) + 3
+        perm = torch.randperm(num_blocks).tolist()          # scattered, non-monotonic block ids
+        width = max(blocks_needed) + 1
+        table = torch.full((len(lens), width), -1, dtype=torch.int32)
+        for row, n in enumerate(blocks_needed):
+            table[row, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        q = torch.randn(len(lens), heads, head_dim)
+        context_lens = torch.tensor(lens, dtype=torch.int32)
+        scale = head_dim ** -0.5
+        out = triton_decode.paged_decode_attention(q, k_cache, v_cache, table, context_lens, scale)
+        live = [i for i, n in enumerate(lens) if n]
+        ctx = Context(is_prefill=False, context_lens=context_lens[live], block_tables=table[live],
+                      context_lens_cpu=[lens[i] for i in live])
+        want = reference.forward(q[live], None, None, k_cache, v_cache, ctx, scale)
+        report.append({"group": group, "block_size": block_size, "head_dim": head_dim,
+                       "max_err": (out[live] - want).abs().max().item(),
+                       "padding_row_max": out[lens.index(0)].abs().max().item(),
+                       "finite": bool(torch.isfinite(out).all())})
+    print("RESULT " + json.dumps(report))
+
+
+def test_triton_decode_kernel_matches_torch_backend_in_interpreter():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("TRITON_INTERPRET", None)
+    code = "import tests.triton_interpret\nimport tests.test_gpu_path_cpu as t\nt._interpreter_child()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    report = json.loads(line[len("RESULT "):])
+    assert len(report) == 11
+    for r in report:
+        assert r["finite"], r
+        assert r["max_err"] < 1e-4, r          # fp32 on both sides: only summation order differs
+        assert r["padding_row_max"] == 0.0, r  # a zero-length row (graph padding) gives exact zeros

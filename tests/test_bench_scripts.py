@@ -1,0 +1,131 @@
+"""The benchmark scripts end to end on tiny settings: JSON fields, sane figures, the table printed last."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from nanovllm_tp.launch import bench, bench_common, bench_latency, bench_tp
+
+TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
+SMALL_KV = ["--kv-cache-memory", str(32 << 20)]
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def last_block(text: str) -> list[str]:
+    """The lines of the table at the end of stdout (title, rules, header, rows)."""
+    lines = text.rstrip().splitlines()
+    assert lines and set(lines[-1]) == {"-"}, f"stdout does not end with a table:\n{text}"
+    return lines[-12:]
+
+
+def check_environment(env: dict) -> None:
+    for key in ("date", "python", "torch", "transformers", "cpu", "cpu_count", "torch_threads", "nanovllm_tp"):
+        assert env.get(key) not in (None, ""), key
+    assert env["torch_threads"] >= 1
+
+
+def load(result: dict) -> dict:
+    with open(result["out"]) as f:
+        data = json.load(f)
+    assert {"config", "environment", "figures", "workload"} <= data.keys()
+    check_environment(data["environment"])
+    return data
+
+
+def test_workload_is_seeded_and_in_range():
+    w = bench_common.make_workload(50, (4, 8), (3, 9), seed=7, vocab_size=100)
+    again = bench_common.make_workload(50, (4, 8), (3, 9), seed=7, vocab_size=100)
+    assert w.prompt_lens == again.prompt_lens and w.output_lens == again.output_lens
+    assert w.prompts(1) == again.prompts(1) and w.prompts(1) != w.prompts(2)
+    assert all(4 <= n <= 8 for n in w.prompt_lens) and all(3 <= n <= 9 for n in w.output_lens)
+    assert [len(p) for p in w.prompts(3)] == w.prompt_lens
+    assert all(0 <= t < 100 for p in w.prompts(0) for t in p)
+    s = bench_common.summarize([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == 2.5 and s["p50"] == 2.5 and s["p90"] == pytest.approx(3.7) and s["p99"] <= 4.0
+
+
+def test_bench_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--repeats", "2", "--compare", "hf",
+                         "--hf-batch-sizes", "2", "4", "--out", str(out), "--quiet"])
+    table = last_block(capsys.readouterr().out)
+    data = load(result)
+    f = data["figures"]
+    engine = f["engine"]
+    assert engine["tok_s"] > 0 and engine["seconds"] > 0 and len(engine["tok_s_runs"]) == 2
+    assert engine["lengths_ok"]
+    assert data["workload"]["num_requests"] == 4 and 4 <= data["workload"]["requested_output_tokens"] <= 32
+    assert f["hf_generate"]["tok_s"] > 0 and f["hf_generate"]["batch_size"] in (2, 4)
+    assert set(f["hf_generate"]["sweep"]) == {"2", "4"} and f["hf_generate"]["lengths_ok"]
+    assert f["hf_continuous"]["tok_s"] > 0 and f["hf_continuous"]["lengths_ok"]
+    for key in ("engine/hf_generate", "engine/hf_continuous"):
+        assert f["ratios"][key] > 0 and math.isfinite(f["ratios"][key])
+        assert f["ratios"][key] == pytest.approx(engine["tok_s"] / f[key.split("/")[1]]["tok_s"])
+    text = "\n".join(table)
+    assert "nanovllm_tp TP=1" in text and "hf generate" in text and "hf continuous batching" in text
+
+
+def test_bench_latency_closed_loop_and_plot(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    result = bench_latency.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--concurrency", "1", "3",
+                                 "--out", str(out), "--plot", "--quiet"])
+    captured = capsys.readouterr()
+    table = last_block(captured.out)
+    data = load(result)
+    runs = data["figures"]["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 3] and all(r["mode"] == "closed" for r in runs)
+    for run in runs:
+        assert run["lengths_ok"] and run["output_tok_s"] > 0 and run["request_throughput"] > 0
+        assert len(run["requests"]) == 4
+        for key in ("ttft", "tpot", "e2e"):
+            s = run[key]
+            assert s["count"] == 4 and 0 < s["p50"] <= s["p90"] <= s["p99"] and s["mean"] > 0
+        for r in run["requests"]:
+            assert r["e2e"] >= r["ttft"] > 0
+    assert any("concurrency 3" in line for line in table)
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "lat.png").stat().st_size > 0 and data["plot"].endswith("lat.png")
+    except ImportError:
+        assert "matplotlib is not installed" in captured.err and "plot" not in data
+
+
+def test_bench_latency_poisson(tiny_model_dir, tmp_path, capsys):
+    result = bench_latency.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--request-rate", "200",
+                                 "--out", str(tmp_path / "lat.json"), "--quiet"])
+    last_block(capsys.readouterr().out)
+    run, = load(result)["figures"]["runs"]
+    assert run["mode"] == "poisson" and run["request_rate"] == 200 and run["lengths_ok"]
+    arrivals = [r["arrival"] for r in run["requests"]]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+    assert run["ttft"]["p50"] > 0 and run["tpot"]["p99"] > 0 and run["queue_delay"]["min"] >= 0
+
+
+def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
+    result = bench_tp.main(["--tp-list", "1", "2", "--model", tiny_model_dir, *TINY, *SMALL_KV,
+                            "--out", str(tmp_path / "tp.json"), "--quiet"])
+    table = last_block(capfd.readouterr().out)
+    data = load(result)
+    f = data["figures"]
+    assert [r["tp"] for r in f["runs"]] == [1, 2] and all(r["tok_s"] > 0 and r["lengths_ok"] for r in f["runs"])
+    assert f["scaling"]["1"] == 1.0 and f["scaling"]["2"] > 0
+    assert f["scaling"]["2"] == pytest.approx(f["runs"][1]["tok_s"] / f["runs"][0]["tok_s"])
+    assert all(r["child_environment"]["OMP_NUM_THREADS"] == "1" for r in f["runs"])
+    assert any(line.startswith("TP=2") for line in table)
+
+
+def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
+    """`./torchrun.sh 2 -m nanovllm_tp.launch.bench_latency --tp 2`: rank 1 serves, rank 0 measures and prints."""
+    out = tmp_path / "tr.json"
+    proc = subprocess.run(["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.bench_latency", "--tp", "2",
+                           "--model", tiny_model_dir, *TINY, *SMALL_KV, "--no-warmup", "--concurrency", "2",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "concurrency 2" in "\n".join(last_block(proc.stdout))
+    data = json.loads(out.read_text())
+    assert data["environment"]["launched_by"] == "torchrun" and data["config"]["tp"] == 2
+    assert data["figures"]["runs"][0]["lengths_ok"]

@@ -11,6 +11,7 @@ import time
 import zlib
 from datetime import timedelta
 
+import msgpack
 import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -80,10 +81,10 @@ def writer_exit_proc(q, port, key):
 # A spawned child spends seconds importing torch (for TCPStore).  The pool keeps two
 # children that have already imported this module; each runs exactly one job and exits, and a
 # replacement starts warming up as soon as one is taken.  Jobs and results travel over the
-# child's own Pipe (test plumbing only; the channel itself never pickles).
+# child's own Pipe as msgpack bytes (send_bytes/recv_bytes: nothing is pickled).
 def _pool_main(conn):
     try:
-        job = conn.recv()
+        job = msgpack.unpackb(conn.recv_bytes())
     except EOFError:
         return
     fn, args = job
@@ -95,7 +96,7 @@ class _PipeQ:
         self.conn = conn
 
     def put(self, msg):
-        self.conn.send(msg)
+        self.conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
 
 
 class _Pool:
@@ -154,7 +155,7 @@ class _Spawner:
 
     def __call__(self, target, *args):
         proc, conn = self.pool.take()
-        conn.send((target.__name__, args))
+        conn.send_bytes(msgpack.packb((target.__name__, args), use_bin_type=True))
         self.procs.append(proc)
         self.conns.append(conn)
         return proc
@@ -168,7 +169,7 @@ class _Spawner:
                 pytest.fail(f"timed out waiting for {count} {kind!r} messages, got {got}")
             for conn in ready:
                 try:
-                    msg = conn.recv()
+                    msg = msgpack.unpackb(conn.recv_bytes())
                 except EOFError:  # that child exited (or was killed by the test)
                     self.conns.remove(conn)
                     continue

@@ -93,12 +93,14 @@ class LLMEngine:
         log.info("engine ready: %s", self.runner.describe())
 
     def _open_channel(self) -> None:
+        from nanovllm_tp.distributed import shm_allreduce
         from nanovllm_tp.distributed.channel import PlanWriter
         from nanovllm_tp.distributed.launch import node_ranks
         nodes = node_ranks(self.info.world_size, self.info.node_rank)
         local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
         remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
         self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host)
+        shm_allreduce.setup(self.info, not remote, self.device)    # shm all-reduce: only when every rank is local
         self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
 
     def add(self, seq: Sequence) -> None:
@@ -153,6 +155,7 @@ class LLMEngine:
         self.dead = self.dead or "the engine was closed"
         atexit.unregister(self.close)
         import torch.distributed as dist
+        from nanovllm_tp.distributed import shm_allreduce
         from nanovllm_tp.distributed.launch import stop_children
         from nanovllm_tp.distributed.parallel_state import set_tp
         if self.writer is not None:
@@ -165,6 +168,7 @@ class LLMEngine:
                 dist.destroy_process_group()
             except Exception:
                 pass
+        shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
         set_tp(0, 1, None)
         stop_children(self.children)
         if self.writer is not None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.distributed import shm_allreduce
 from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, launched_by_torchrun,
                                             node_ranks, rank0_host, share_store)
 from nanovllm_tp.distributed.parallel_state import set_tp
@@ -104,6 +105,7 @@ def run_worker(config: EngineConfig) -> int:
         info = join_group(config, device)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0])
+        shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
         backend = choose_attention_backend(device, dtype)
         resolve_block_size(config, backend)
         serve(build_runner(config, device, dtype, backend), reader)
@@ -119,6 +121,7 @@ def run_worker(config: EngineConfig) -> int:
     finally:
         if reader is not None:
             reader.close()
+        shm_allreduce.teardown()        # unlinks the segment too if rank 0 is dead
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

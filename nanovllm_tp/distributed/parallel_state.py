@@ -4,6 +4,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp.distributed.shm_allreduce import installed as _shm_installed
+
 
 @dataclass(slots=True)
 class TPState:
@@ -29,6 +31,9 @@ def tp_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp.size > 1:
+        shm = _shm_installed()     # same-node CPU ranks: shared memory beats gloo's TCP by ~10x
+        if shm is not None and shm.fits(x):
+            return shm.all_reduce(x)
         dist.all_reduce(x, group=_tp.group)
     return x
 

@@ -305,12 +305,7 @@ def main(argv=None) -> dict:
     figures["total_tok_s"] = (workload.prompt_tokens + workload.requested_output_tokens) / figures["engine"]["seconds"]
     result = {"name": NAME, "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": bc.finish_environment(env), "timings": extra, "figures": figures}
-    png = bc.save_plot(bc.plot_path(args, out_path), draw(result))
-    if png:
-        result["plot"] = png
-    bc.write_json(out_path, result)
-    result["out"] = str(out_path)
-    bc.log(args, f"wrote {out_path}" + (f" and {png}" if png else ""))
+    bc.save_result(args, out_path, result, draw)
     if not figures["engine"]["lengths_ok"]:
         print("WARNING: the engine did not produce the requested number of tokens for every request",
               file=sys.stderr)

@@ -290,6 +290,17 @@ def save_plot(path: pathlib.Path | None, draw) -> str | None:
     return str(path)
 
 
+def save_result(args, out_path: pathlib.Path, result: dict, draw) -> dict:
+    """The PNG (with --plot), then the JSON; result gains "plot" and "out"."""
+    png = save_plot(plot_path(args, out_path), draw(result))
+    if png:
+        result["plot"] = png
+    write_json(out_path, result)
+    result["out"] = str(out_path)
+    log(args, f"wrote {out_path}" + (f" and {png}" if png else ""))
+    return result
+
+
 def quiet_transformers() -> None:
     """No weight-loading progress bars, and no 'install psutil' errors from continuous batching on CPU."""
     import logging

@@ -194,12 +194,7 @@ def main(argv=None) -> dict:
                                           "tpot": "(finish_time - first_token_time) / (output_tokens - 1)",
                                           "e2e": "finish_time - arrival",
                                           "queue_delay": "time between arrival and add_request (open loop)"}}}
-    png = bc.save_plot(bc.plot_path(args, out_path), draw(result))
-    if png:
-        result["plot"] = png
-    bc.write_json(out_path, result)
-    result["out"] = str(out_path)
-    bc.log(args, f"wrote {out_path}" + (f" and {png}" if png else ""))
+    bc.save_result(args, out_path, result, draw)
     print(table(result), flush=True)
     return result
 

@@ -146,12 +146,7 @@ def main(argv=None) -> dict:
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     result = {"name": NAME, "config": config, "workload": workload.describe(),
               "environment": bc.finish_environment(env), "figures": figures}
-    png = bc.save_plot(bc.plot_path(args, out_path), draw(result))
-    if png:
-        result["plot"] = png
-    bc.write_json(out_path, result)
-    result["out"] = str(out_path)
-    bc.log(args, f"wrote {out_path}" + (f" and {png}" if png else ""))
+    bc.save_result(args, out_path, result, draw)
     print(table(result), flush=True)
     return result
 

@@ -129,3 +129,15 @@ def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert data["environment"]["launched_by"] == "torchrun" and data["config"]["tp"] == 2
     assert data["figures"]["runs"][0]["lengths_ok"]
+
+
+def test_broadcast_latency_micro_benchmark_runs_and_cleans_up():
+    import os
+
+    from nanovllm_tp.distributed.channel_bench import measure_broadcast_latency
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"nvtp_bench_{os.getpid()}_")}
+    result = measure_broadcast_latency(payload_bytes=20_000, readers=2, iterations=50, warmup=10)
+    assert result["readers"] == 2 and result["iterations"] == 50
+    assert 0 < result["median_us"] <= result["p99_us"]
+    after = {n for n in os.listdir("/dev/shm") if n.startswith(f"nvtp_bench_{os.getpid()}_")}
+    assert after == before

@@ -18,13 +18,16 @@ its ranks would.  The result carries the 1-minute load average for context.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import secrets
 import statistics
 import struct
+import subprocess
+import sys
 import time
-from multiprocessing import get_context, shared_memory
+from multiprocessing import shared_memory
 
 _ACK = struct.Struct("<QQ")  # plan number, receive stamp (ns)
 _LINE = 64
@@ -81,17 +84,17 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
     total = warmup + iterations
     ack = shared_memory.SharedMemory(name=f"nvtp_bench_{os.getpid()}_{secrets.token_hex(4)}",
                                      create=True, size=readers * _LINE)
-    ctx = get_context("spawn")
     ncpu = len(os.sched_getaffinity(0))
     reader_cpus = sorted(os.sched_getaffinity(0))[1:] if pin and ncpu > 1 else None
-    procs = [ctx.Process(target=_bench_reader, daemon=True,
-                         args=(store.port, r, ack.name, total, key, spin_s, reader_cpus))
-             for r in range(1, readers + 1)]
+    # Readers are fresh interpreters whose arguments travel as JSON on the command line (nothing pickled).
+    commands = [[sys.executable, "-m", "nanovllm_tp.distributed.channel_bench", "--reader",
+                 json.dumps([store.port, r, ack.name, total, key, spin_s, reader_cpus])]
+                for r in range(1, readers + 1)]
     old_affinity = os.sched_getaffinity(0)
-    writer = None
+    writer, procs = None, []
     try:
-        for p in procs:
-            p.start()
+        for cmd in commands:
+            procs.append(subprocess.Popen(cmd))
         if reader_cpus:
             os.sched_setaffinity(0, sorted(old_affinity)[:1])
         writer = PlanWriter(store, list(range(1, readers + 1)), [], slot_bytes=slot_bytes, key=key)
@@ -108,7 +111,7 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
                 while _ACK.unpack_from(buf, r * _LINE)[0] != i:
                     os.sched_yield()  # spin, but let a reader sharing this core run
                     waited += 1
-                    if waited % 100_000 == 0 and not all(p.is_alive() for p in procs):
+                    if waited % 100_000 == 0 and any(p.poll() is not None for p in procs):
                         raise RuntimeError("a benchmark reader process died")
                 fence()
                 stamps.append(_ACK.unpack_from(buf, r * _LINE)[1])
@@ -119,7 +122,7 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
                 time.sleep(gap_s)
         writer.shutdown("benchmark done")
         for p in procs:
-            p.join(timeout=30)
+            p.wait(timeout=30)
         lat.sort()
         pub.sort()
         return {"payload_bytes": payload_bytes, "readers": readers, "iterations": iterations,
@@ -132,16 +135,18 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
         if writer is not None:
             writer.close()
         for p in procs:
-            if p.is_alive():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.kill()
-            p.join(timeout=5)
+                p.wait()
         ack.close()
         ack.unlink()
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    print(json.dumps(measure_broadcast_latency(readers=n), indent=1))
+    if len(sys.argv) == 3 and sys.argv[1] == "--reader":
+        _bench_reader(*json.loads(sys.argv[2]))
+    else:
+        print(json.dumps(measure_broadcast_latency(readers=int(sys.argv[1]) if len(sys.argv) > 1 else 2),
+                         indent=1))

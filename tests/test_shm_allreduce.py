@@ -1,9 +1,11 @@
 """Shared-memory all-reduce between real processes: bit-exact rank-order sums, gloo fallback for big
 tensors, a dead or departed peer raises within seconds, and no /dev/shm segment is left behind."""
-import multiprocessing as mp
+import json
 import os
-import queue
+import selectors
 import signal
+import subprocess
+import sys
 import time
 import traceback
 
@@ -46,7 +48,16 @@ def _join(rank, world, tmp, slot_bytes=1 << 20, timeout_s=60.0, gloo=False):
     return ar
 
 
-def _child(scenario, rank, world, tmp, q):
+class _Stdout:
+    """A child's messages to the test: one JSON line each on stdout (nothing is pickled)."""
+
+    @staticmethod
+    def put(msg):
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+
+def _child(scenario, rank, world, tmp, q=_Stdout):
     torch.set_num_threads(1)
     try:
         q.put((rank, "pid", os.getpid()))
@@ -99,32 +110,45 @@ def _child(scenario, rank, world, tmp, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _run(scenario, world, tmp_path, timeout=120):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(scenario, r, world, str(tmp_path), q)) for r in range(world)]
+    """Start `world` fresh interpreters running _child; collect their JSON lines until done."""
+    procs = []
     msgs, pids = [], {}
+    sel = selectors.DefaultSelector()
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            try:
-                rank, kind, value = q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if kind == "pid":
-                pids[rank] = value
-            else:
-                msgs.append((rank, kind, value))
-            if kind == "raised" or kind == "error" or (kind == "ok" and sum(k == "ok" for _, k, _ in msgs) == world):
-                break
+        for rank in range(world):
+            code = (f"import sys; sys.path.insert(0, {REPO!r}); from tests.test_shm_allreduce import _child; "
+                    f"_child({scenario!r}, {rank}, {world}, {str(tmp_path)!r})")
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+            procs.append(proc)
+            sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline, open_pipes, done = time.monotonic() + timeout, world, False
+        while open_pipes and not done and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=0.2):
+                line = key.fileobj.readline()
+                if not line:
+                    sel.unregister(key.fileobj)
+                    open_pipes -= 1
+                    continue
+                rank, kind, value = json.loads(line)
+                if kind == "pid":
+                    pids[rank] = value
+                else:
+                    msgs.append((rank, kind, value))
+                if kind in ("raised", "error") or (kind == "ok" and sum(k == "ok" for _, k, _ in msgs) == world):
+                    done = True
     finally:
-        for p in procs:
-            p.join(timeout=5 if scenario == "sums" else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5 if scenario == "sums" else 0.5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            proc.stdout.close()
+        sel.close()
     errors = [v for _, k, v in msgs if k == "error"]
     assert not errors, errors[0]
     return msgs, pids

@@ -1,11 +1,12 @@
 """Plan channel (shared-memory ring + ZMQ) tests with real processes and a real TCPStore."""
 from __future__ import annotations
 
-import multiprocessing as mp
 from multiprocessing import connection as mp_connection
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -78,10 +79,53 @@ def writer_exit_proc(q, port, key):
 
 
 # ---------------------------------------------------------------- process pool
-# A spawned child spends seconds importing torch (for TCPStore).  The pool keeps two
-# children that have already imported this module; each runs exactly one job and exits, and a
-# replacement starts warming up as soon as one is taken.  Jobs and results travel over the
-# child's own Pipe as msgpack bytes (send_bytes/recv_bytes: nothing is pickled).
+# A fresh child spends seconds importing torch (for TCPStore).  The pool keeps two children that
+# have already imported this module; each runs exactly one job and exits, and a replacement starts
+# warming up as soon as one is taken.  Children are plain subprocesses; jobs and results travel as
+# length-prefixed msgpack frames over two extra pipes (nothing is pickled).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FRAME = struct.Struct("<I")
+
+
+def _read_exact(f, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = f.read(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+class _FdConn:
+    """send_bytes / recv_bytes over a pair of pipe fds; fileno() lets multiprocessing.connection.wait poll it."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.r = os.fdopen(read_fd, "rb", buffering=0)
+        self.w = os.fdopen(write_fd, "wb", buffering=0)
+
+    def fileno(self) -> int:
+        return self.r.fileno()
+
+    def send_bytes(self, data: bytes) -> None:
+        self.w.write(_FRAME.pack(len(data)) + data)
+
+    def recv_bytes(self) -> bytes:
+        (n,) = _FRAME.unpack(_read_exact(self.r, _FRAME.size))
+        return _read_exact(self.r, n)
+
+    def close(self) -> None:
+        for f in (self.r, self.w):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+def _child_entry(read_fd: int, write_fd: int) -> None:
+    _pool_main(_FdConn(read_fd, write_fd))
+
+
 def _pool_main(conn):
     try:
         job = msgpack.unpackb(conn.recv_bytes())
@@ -99,19 +143,50 @@ class _PipeQ:
         self.conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
 
 
+class _Child:
+    """A pooled subprocess with the small part of multiprocessing.Process's interface the tests use."""
+
+    def __init__(self):
+        job_r, job_w = os.pipe()
+        msg_r, msg_w = os.pipe()
+        code = (f"import sys; sys.path.insert(0, {REPO!r}); "
+                f"from tests.test_channel import _child_entry; _child_entry({job_r}, {msg_w})")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(job_r, msg_w), cwd=REPO)
+        os.close(job_r)
+        os.close(msg_w)
+        self.conn = _FdConn(msg_r, job_w)
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout=None) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    @property
+    def exitcode(self):
+        return self.proc.poll()
+
+
 class _Pool:
     def __init__(self, size: int, budget: int):
-        self.ctx, self.idle, self.all, self.budget = mp.get_context("spawn"), [], [], budget
+        self.idle, self.all, self.budget = [], [], budget
         for _ in range(min(size, budget)):
             self._add()
 
     def _add(self):
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_pool_main, args=(child,), daemon=True)
-        proc.start()
-        child.close()
-        self.idle.append((proc, parent))
-        self.all.append(proc)
+        child = _Child()
+        self.idle.append((child, child.conn))
+        self.all.append(child)
 
     def take(self):
         if not self.idle:
@@ -126,6 +201,7 @@ class _Pool:
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+            proc.conn.close()
 
 
 _CHILDREN_USED = 11  # children the tests below take from the pool (more are started on demand)

@@ -65,7 +65,7 @@ class Scheduler:
             self.decode_batch = None
             self.scheduled, self.scheduled_kind = seqs, PREFILL
             self.step_id += 1
-            return self._build_plan(seqs, PREFILL)
+            return self._build_prefill_plan(seqs)
         batch = self.decode_batch
         if batch is None or not self._grow(batch):
             seqs = self._schedule_decode()
@@ -145,33 +145,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _build_plan(self, seqs: list[Sequence], kind: int) -> StepPlan:
+    def _build_prefill_plan(self, seqs: list[Sequence]) -> StepPlan:
+        """Decode plans come from DecodeBatch; this builds the prefill ones (chunks, cached prefixes)."""
         bs = self.block_size
         rows = len(seqs)
         q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
         starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
-        context_lens = (starts + q_lens).astype(np.int32)
         width = max(len(s.block_table) for s in seqs)
         block_tables = np.full((rows, width), -1, np.int32)
         for i, s in enumerate(seqs):
             block_tables[i, :len(s.block_table)] = s.block_table
-        if kind == DECODE:
-            input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, rows)
-            positions = starts
-            row_of_token = np.arange(rows)
-        else:
-            input_ids = np.fromiter((t for s in seqs for t in
-                                     s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
-                                    np.int64, int(q_lens.sum()))
-            row_of_token = np.repeat(np.arange(rows), q_lens)
-            cu = np.concatenate(([0], np.cumsum(q_lens)))
-            positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu[row_of_token])
+        input_ids = np.fromiter((t for s in seqs for t in
+                                 s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
+                                np.int64, int(q_lens.sum()))
+        row_of_token = np.repeat(np.arange(rows), q_lens)
+        cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+        positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
         slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         return StepPlan(
-            step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32),
-            context_lens=context_lens, block_tables=block_tables,
+            step_id=self.step_id, kind=PREFILL, input_ids=input_ids, positions=positions,
+            slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
+            context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
             temperatures=np.fromiter((s.temperature for s in seqs), np.float32, rows),
             seeds=np.fromiter((s.seed for s in seqs), np.int64, rows),
             sample_index=np.fromiter((s.num_completion_tokens for s in seqs), np.int64, rows),

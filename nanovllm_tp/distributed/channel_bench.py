@@ -19,7 +19,6 @@ its ranks would.  The result carries the 1-minute load average for context.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import secrets
 import statistics
@@ -40,12 +39,10 @@ def _bench_reader(port: int, rank: int, ack_name: str, total: int, key: str, spi
     import torch.distributed as dist
 
     from nanovllm_tp.distributed.channel import ChannelClosed, PlanReader
-    from nanovllm_tp.distributed.shm_ring import fence
+    from nanovllm_tp.distributed.shm_ring import attach, fence
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    fd = os.open(f"/dev/shm/{ack_name}", os.O_RDWR)
-    mm = mmap.mmap(fd, os.fstat(fd).st_size)
-    os.close(fd)
+    mm = attach(ack_name)
     buf, off = memoryview(mm), (rank - 1) * _LINE
     reader = PlanReader(store, rank, True, key=key, spin_s=spin_s)
     try:

@@ -12,12 +12,11 @@ suffices. The counter is stored after the data, behind a fence (see ``shm_ring.f
 
 Never hangs: while waiting it checks peers' ``closed`` flags, every 0.2 s their pid + start time (when
 they share our pid namespace), and gives up after ``timeout_s``, raising RuntimeError naming the rank.
-Rank 0 creates the segment (``nvtp_<pid>_<token>_ar``); others attach with os.open + mmap, bypassing
+Rank 0 creates the segment (``nvtp_<pid>_<token>_ar``); others attach with shm_ring.attach, bypassing
 Python's resource_tracker; rank 0 unlinks it on close, a rank that finds rank 0 dead unlinks it too.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import struct
@@ -27,7 +26,7 @@ from multiprocessing import shared_memory
 import torch
 
 from .channel_common import _CHECK_S, _MAX_NAP_S, proc_start_time
-from .shm_ring import SHM_DIR, fence
+from .shm_ring import SHM_DIR, attach, fence
 
 _MAGIC = 0x3172_6176_746E  # "ntvar1"
 _U64 = struct.Struct("<Q")
@@ -54,11 +53,7 @@ class ShmAllReduce:
         if shm is not None:
             self._buf = shm.buf
         else:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-            try:
-                self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
+            self._mm = attach(name)
             self._buf = memoryview(self._mm)
         magic, self.world, self.slot_bytes = _HDR.unpack_from(self._buf, 0)
         if magic != _MAGIC or not 0 <= rank < self.world:

@@ -59,6 +59,16 @@ def fence() -> None:
         pass
 
 
+def attach(name: str) -> mmap.mmap:
+    """Map an existing segment read-write without Python's resource_tracker (which would otherwise unlink
+    or warn about a segment this process did not create)."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def _round_up(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
 
@@ -195,11 +205,7 @@ class ShmRingWriter:
 
 class ShmRingReader:
     def __init__(self, name: str, index: int):
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        self._mm = attach(name)
         self._buf = memoryview(self._mm)
         magic, slots, slot_bytes, readers, stride, _, _, _ = _HDR.unpack_from(self._buf, 0)
         if magic != _MAGIC:

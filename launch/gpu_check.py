@@ -105,17 +105,6 @@ class Results:
 
 # =============================================================================================== child steps
 
-def _release(llm) -> None:
-    """Close an LLM (freeing its weights, KV cache and graphs) and hand the memory back to the GPU."""
-    import gc
-
-    import torch
-    llm.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
 def _device_facts() -> dict:
     import torch
     facts = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
@@ -194,7 +183,7 @@ def step_equal(args, res: Results) -> bool:
                                                                "generate_s": round(time.perf_counter() - t0, 2)}})
             progress(f"equal: {'eager' if eager else 'graphs'} done ({facts['describe']})")
         finally:
-            _release(llm)
+            llm.close()     # frees weights, KV cache and graph pools on the GPU
     diffs = {i: first_diff(a, b) for i, (a, b) in enumerate(zip(runs["eager"], runs["graphs"])) if a != b}
     identical = n - len(diffs)
     graphs_on = res.data["graphs"]["graph_sizes"] is not None
@@ -208,24 +197,13 @@ def step_equal(args, res: Results) -> bool:
     return verdict != "FAIL"
 
 
-def _hf_greedy(model, prompt, steps):
-    import torch
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        past, tokens = out.past_key_values, []
-        for _ in range(steps):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-    return tokens
-
-
 def step_ref(args, res: Results) -> bool:
     """bf16 engine (GPU, graphs on) vs transformers fp32 on CPU, greedy, on the tiny checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from nanovllm_tp import LLM, SamplingParams
+    from nanovllm_tp.launch.make_tiny import hf_greedy
     from nanovllm_tp.scheduler import Sequence
     res.update(**_device_facts())
     n, steps = 16, 32
@@ -246,7 +224,7 @@ def step_ref(args, res: Results) -> bool:
         got = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)]
     finally:
-        _release(llm)
+        llm.close()     # frees weights, KV cache and graph pools on the GPU
     progress("ref: engine done, transformers fp32 reference on CPU")
     torch.set_num_threads(min(8, os.cpu_count() or 1))
     hf = AutoModelForCausalLM.from_pretrained(args.tiny, dtype=torch.float32).eval()
@@ -255,7 +233,7 @@ def step_ref(args, res: Results) -> bool:
         with torch.no_grad():
             ref_logits = hf(torch.tensor([p])).logits[0, -1].float()
         rel.append(((logits[i] - ref_logits).abs().max() / ref_logits.std()).item())
-        want = _hf_greedy(hf, p, steps)
+        want = hf_greedy(hf, p, steps)
         k = first_diff(got[i], want)
         k = steps if k is None else k
         prefix.append(k)
@@ -309,7 +287,7 @@ def step_tput(args, res: Results) -> bool:
             progress(f"tput: {n} requests: {figures['tok_s']} tok/s in {figures['seconds']}s"
                      + (" (PARTIAL)" if figures["partial"] else ""))
     finally:
-        _release(llm)
+        llm.close()     # frees weights, KV cache and graph pools on the GPU
     runs = [r for r in (res.data.get("full"), res.data.get("subset")) if r]
     return bool(runs) and not any(r["partial"] for r in runs)
 

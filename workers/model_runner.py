@@ -2,6 +2,8 @@
 
 Every rank runs the same code on the same plan; only rank 0 receives logits (gathered from the LM head).
 """
+import gc
+
 import torch
 
 from nanovllm_tp.config import EngineConfig
@@ -98,7 +100,9 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = torch.tensor([])
         self.k_cache = self.v_cache = self.model = None
         self.attention_layers = []
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":     # hand the memory back to the GPU now, not when the allocator likes
+            gc.collect()
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
     def describe(self) -> str:

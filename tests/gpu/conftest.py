@@ -6,12 +6,8 @@ import torch
 
 
 def release_llm(llm) -> None:
-    """Close an LLM (which frees its weights, KV cache and CUDA graphs) and return the memory to the GPU."""
+    """Close an LLM: LLM.close() frees its weights, KV cache and CUDA graphs and empties the allocator."""
     llm.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 @pytest.fixture

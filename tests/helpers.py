@@ -1,19 +1,7 @@
-"""Shared pieces of the engine tests: a transformers greedy reference and a fixed prompt mix."""
+"""Shared pieces of the engine tests: the transformers greedy reference and fixed prompt mixes."""
 import random
 
-import torch
-
-
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding with transformers' KV cache, never stopping at EOS (the engine uses ignore_eos)."""
-    with torch.no_grad():
-        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-        past, tokens = out.past_key_values, []
-        for _ in range(max_new_tokens):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-    return tokens
+from nanovllm_tp.launch.make_tiny import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 
 def mixed_prompts(vocab_size: int, lengths=(1, 7, 16, 33, 64, 100, 180, 257, 300), seed: int = 0) -> list[list[int]]:

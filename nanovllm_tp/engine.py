@@ -37,9 +37,9 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
 
 
 def choose_attention_backend(device: torch.device, dtype: torch.dtype):
-    """flash-attn on CUDA when it imports and supports the dtype; the torch backend otherwise."""
+    """flash-attn on CUDA when it imports and supports the dtype, else torch-cuda; on CPU the C decode kernel."""
     from nanovllm_tp.layers.attention import TorchBackend
-    forced = os.environ.get("NANOVLLM_TP_ATTENTION")    # torch | torch-cuda | flash, for comparisons
+    forced = os.environ.get("NANOVLLM_TP_ATTENTION")    # torch | cpu | torch-cuda | flash, for comparisons
     if device.type == "cuda" and forced != "torch":
         from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend, flash_available
         if forced != "torch-cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
@@ -49,7 +49,10 @@ def choose_attention_backend(device: torch.device, dtype: torch.dtype):
         log.warning("flash-attn is not installed (or dtype is %s): attention uses torch varlen/SDPA for "
                     "prefill and a Triton kernel for decode", dtype)
         return CudaTorchBackend()
-    return TorchBackend()
+    if forced == "torch":
+        return TorchBackend()
+    from nanovllm_tp.layers.cpu_attention import CpuBackend
+    return CpuBackend()
 
 
 def resolve_block_size(config: EngineConfig, backend) -> None:

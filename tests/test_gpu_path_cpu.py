@@ -21,6 +21,7 @@ from nanovllm_tp.layers.attention import TorchBackend
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
 from nanovllm_tp.workers.cuda_graph import DecodeInputs, block_table_width, graph_batch_sizes, padded_batch_size
 from nanovllm_tp.workers.kv_cache import blocks_for_budget, gpu_kv_budget, kv_block_bytes
+from tests.helpers import random_paged_decode
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -217,7 +218,7 @@ def test_cpu_engine_never_builds_graphs(tiny_model_dir, monkeypatch):
     try:
         runner = llm.engine.runner
         assert runner.graphs is None and runner.device.type == "cpu"
-        assert "attention torch" in runner.describe()
+        assert "attention cpu" in runner.describe()
         out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
@@ -235,21 +236,9 @@ def _interpreter_child() -> None:
     reference, report = TorchBackend(), []
     configs = [(g, bs, 32) for g in (1, 2, 4) for bs in (8, 16, 32)] + [(2, 16, 128), (3, 8, 32)]
     for group, block_size, head_dim in configs:
-        kv_heads = 2
-        heads = kv_heads * group
         # 1 token, exact block multiples, ragged, one short of a block, and a zero-length padding row
         lens = [1, block_size, 2 * block_size, 3 * block_size + 5, block_size - 1, 0]
-        blocks_needed = [-(-n // block_size) for n in lens]
-        num_blocks = sum(blocks_needed) + 3
-        perm = torch.randperm(num_blocks).tolist()          # scattered, non-monotonic block ids
-        width = max(blocks_needed) + 1
-        table = torch.full((len(lens), width), -1, dtype=torch.int32)
-        for row, n in enumerate(blocks_needed):
-            table[row, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-        q = torch.randn(len(lens), heads, head_dim)
-        context_lens = torch.tensor(lens, dtype=torch.int32)
+        q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, block_size, 2, group, head_dim)
         scale = head_dim ** -0.5
         out = triton_decode.paged_decode_attention(q, k_cache, v_cache, table, context_lens, scale)
         live = [i for i, n in enumerate(lens) if n]

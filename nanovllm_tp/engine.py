@@ -51,7 +51,7 @@ def choose_attention_backend(device: torch.device, dtype: torch.dtype):
         return CudaTorchBackend()
     if forced == "torch":
         return TorchBackend()
-    from nanovllm_tp.layers.cpu_attention import CpuBackend
+    from nanovllm_tp.layers.cpu_kernels import CpuBackend
     return CpuBackend()
 
 

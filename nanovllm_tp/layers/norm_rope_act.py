@@ -1,7 +1,12 @@
-"""RMSNorm (with the residual add fused in), rotary embedding and SiLU-and-mul."""
+"""RMSNorm (with the residual add fused in), rotary embedding and SiLU-and-mul.
+
+Each runs as one C kernel call for fp32 on CPU (layers/cpu_kernels.py) and as torch ops otherwise.
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm_tp.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +22,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with residual: (norm(x + residual), x + residual), the sum written into residual."""
+        if (kernels := cpu_kernels.for_tensor(x)) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,6 +41,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotated q and k ([tokens, heads, head_dim]); the C kernel rotates them in place."""
+        if (kernels := cpu_kernels.for_tensor(q)) is not None:
+            return kernels.rope(q, k, positions, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
@@ -44,5 +55,7 @@ class RotaryEmbedding(nn.Module):
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (kernels := cpu_kernels.for_tensor(x)) is not None:
+            return kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

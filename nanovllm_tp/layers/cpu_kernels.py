@@ -1,0 +1,161 @@
+"""C kernels for fp32 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual add fused
+in, RoPE and SiLU-and-mul.
+
+In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
+pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
+paged cache in place and do each layer piece in one call. They are compiled once per machine with the C compiler
+(`$CC`, else `cc`) into the user's cache directory and loaded with ctypes. Without a compiler, for other dtypes,
+or with NANOVLLM_TP_CPU_KERNELS=0 (for comparisons), every layer runs its torch code instead.
+"""
+import ctypes
+import functools
+import hashlib
+import importlib.resources
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from nanovllm_tp.layers.attention import TorchBackend
+
+log = logging.getLogger("nanovllm_tp")
+SOURCE = importlib.resources.files("nanovllm_tp.layers") / "csrc" / "cpu_kernels.c"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
+    "paged_decode_f32": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float]),
+    "rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float]),
+    "rope_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int]),
+    "silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64]),
+}
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "nanovllm_tp"
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not be reused on another CPU model (a shared home directory, say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_library(compiler: str) -> pathlib.Path:
+    """Compile the kernels unless a build for this source, compiler, flags and CPU exists; return its path."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = pathlib.Path(tmp) / "cpu_kernels.c"
+        src.write_bytes(source)
+        built = pathlib.Path(tmp) / target.name
+        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(src), "-lm"], capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)     # atomic: ranks building at once each install a whole file
+    return target
+
+
+class CpuKernels:
+    """Typed wrappers over the library. Inputs are fp32 CPU tensors; see each C function for layouts."""
+
+    def __init__(self, path: pathlib.Path):
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, "_" + name, fn)
+
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+        rows, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        if self._paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                  tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
+                                  block_size, scale):
+            raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
+        return out
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """x [..., size] (rows may be strided, e.g. heads sliced out of a fused projection). With residual
+        ([tokens, size], contiguous) the sum x + residual is written into residual and normalised."""
+        shape, size = x.shape, x.shape[-1]
+        if residual is not None:
+            x, residual = x.contiguous(), residual.contiguous()
+        if x.stride(-1) != 1 or x.dim() not in (2, 3) or (x.dim() == 3 and x.stride(1) != size):
+            x = x.contiguous().view(-1, size)
+        outer, inner = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), outer, inner, x.stride(0), inner * size, size, eps)
+        out = out.view(shape)
+        return out if residual is None else (out, residual)
+
+    def rope(self, q, k, positions, cos_sin):
+        """Rotates q and k ([tokens, heads, dim]) in place (copies first unless heads are contiguous rows)."""
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
+            k = k.contiguous()
+        if positions.dtype is not torch.int64:
+            positions = positions.to(torch.int64)
+        tokens, q_heads, dim = q.shape
+        self._rope_f32(q.data_ptr(), k.data_ptr(), positions.contiguous().data_ptr(), cos_sin.data_ptr(), tokens,
+                       q_heads, k.shape[1], q.stride(0), k.stride(0), dim)
+        return q, k
+
+    def silu_mul(self, x) -> torch.Tensor:
+        x = x.contiguous()
+        rows, width = x.numel() // x.shape[-1], x.shape[-1] // 2
+        out = torch.empty(x.shape[:-1] + (width,), dtype=torch.float32)
+        self._silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, or None (logged once) where they cannot be built here or are switched off."""
+    if os.environ.get("NANOVLLM_TP_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler found ($CC or cc): CPU layers run as plain torch ops (slower)")
+        return None
+    try:
+        return CpuKernels(build_library(compiler))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("could not build the CPU kernels (%s): CPU layers run as plain torch ops (slower)", e)
+        return None
+
+
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels when x is an fp32 CPU tensor and they are available; the layers' torch code runs otherwise."""
+    return load() if x.dtype is torch.float32 and x.is_cpu else None
+
+
+class CpuBackend(TorchBackend):
+    """The torch backend's prefill; decode in place from the paged cache with the C kernel."""
+    name = "cpu"
+
+    def _decode(self, q, k_cache, v_cache, ctx, scale):
+        kernels = for_tensor(q)
+        if kernels is None:
+            return super()._decode(q, k_cache, v_cache, ctx, scale)
+        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)

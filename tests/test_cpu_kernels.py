@@ -1,0 +1,247 @@
+"""The C kernels for fp32 on CPU against the torch code they replace: paged decode (the torch backend's gather +
+softmax), RMSNorm with and without the residual, RoPE on strided head views, SiLU-and-mul; their build cache,
+and the fallback to torch when they cannot be built or are switched off."""
+import logging
+import shutil
+
+import pytest
+import torch
+
+from nanovllm_tp.context import Context
+from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.attention import TorchBackend
+from tests.helpers import random_paged_decode
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def decode_context(lens, table, context_lens) -> Context:
+    return Context(is_prefill=False, context_lens=context_lens, block_tables=table, context_lens_cpu=list(lens))
+
+
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])          # 48: the kernel's non-specialised path
+@pytest.mark.parametrize("group", [1, 2, 4, 20])                  # 20 > 16: query heads done in two chunks
+@pytest.mark.parametrize("block_size", [16, 256, 12])
+def test_kernel_matches_torch_backend(head_dim, group, block_size):
+    torch.manual_seed(head_dim * 1000 + group * 10 + block_size)
+    lens = [1, block_size, 2 * block_size, 3 * block_size + 5, block_size - 1, 700]
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, block_size, 2, group, head_dim)
+    ctx = decode_context(lens, table, context_lens)
+    backend = cpu_kernels.CpuBackend()
+    assert cpu_kernels.load() is not None
+    scale = head_dim ** -0.5
+    got = backend.forward(q, None, None, k_cache, v_cache, ctx, scale)
+    want = TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, scale)
+    assert got.shape == want.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_compiler
+def test_kernel_padding_row_and_thread_counts_agree():
+    torch.manual_seed(0)
+    lens = [0, 5, 300, 17, 64, 1, 129, 0]
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 4, 2, 64)
+    ctx = decode_context(lens, table, context_lens)
+    backend = cpu_kernels.CpuBackend()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend.forward(q, None, None, k_cache, v_cache, ctx, 0.125)
+        torch.set_num_threads(2)
+        two = backend.forward(q, None, None, k_cache, v_cache, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two), "each row is computed by one thread: no order dependence"
+    assert torch.count_nonzero(one[[0, 7]]) == 0, "a zero-length row attends to nothing"
+    live = [i for i, n in enumerate(lens) if n]
+    want = TorchBackend().forward(q[live], None, None, k_cache, v_cache,
+                                  decode_context([lens[i] for i in live], table[live], context_lens[live]), 0.125)
+    torch.testing.assert_close(one[live], want, rtol=1e-5, atol=2e-6)
+
+
+@needs_compiler
+def test_kernel_reads_only_the_rows_blocks():
+    """Blocks that no row owns are poisoned with NaN: the kernel must never touch them."""
+    torch.manual_seed(1)
+    lens = [33, 16, 7]
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, spare_blocks=6)
+    owned = set(table[table >= 0].tolist())
+    for block in set(range(k_cache.shape[0])) - owned:
+        k_cache[block] = float("nan")
+        v_cache[block] = float("nan")
+    out = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, decode_context(lens, table, context_lens),
+                                             32 ** -0.5)
+    assert torch.isfinite(out).all()
+
+
+@needs_compiler
+def test_build_is_cached_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = shutil.which("cc")
+    first = cpu_kernels.build_library(compiler)
+    assert first.parent == tmp_path / "nanovllm_tp" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build_library(compiler) == first and first.stat().st_mtime_ns == stamp, "no rebuild"
+    assert [p.name for p in first.parent.iterdir()] == [first.name], "no temporary files left behind"
+
+
+def test_without_a_compiler_decode_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanovllm_tp"):
+            assert cpu_kernels.load() is None
+        assert "no C compiler" in caplog.text
+        torch.manual_seed(2)
+        lens = [3, 40]
+        q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32)
+        ctx = decode_context(lens, table, context_lens)
+        got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
+        assert torch.equal(got, TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2))
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+@needs_compiler
+def test_failed_build_is_reported_and_falls_back(tmp_path, monkeypatch, caplog):
+    """A compiler that exits non-zero: a warning carrying its message, and no kernel."""
+    fake = tmp_path / "badcc"
+    fake.write_text("#!/bin/sh\necho 'badcc: out of licences' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanovllm_tp"):
+            assert cpu_kernels.load() is None
+    finally:
+        cpu_kernels.load.cache_clear()
+    assert "out of licences" in caplog.text
+
+
+def test_other_dtypes_use_the_torch_path():
+    torch.manual_seed(3)
+    lens = [9, 20]
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32)
+    q, k_cache, v_cache = (t.to(torch.bfloat16) for t in (q, k_cache, v_cache))
+    ctx = decode_context(lens, table, context_lens)
+    got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2))
+
+
+# ---------------------------------------------------------------- layer kernels vs the layers' torch code
+
+@pytest.fixture
+def both_paths(monkeypatch):
+    """Runs fn once with the C kernels and once with them switched off (the torch code every other device runs)."""
+    def run(fn):
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+        fast = fn()
+        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        try:
+            assert cpu_kernels.load() is None
+            reference = fn()
+        finally:
+            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
+            cpu_kernels.load.cache_clear()
+        return fast, reference
+    return run
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 7, 700])        # 700 x 128 crosses the kernels' threading threshold
+def test_rms_norm_with_and_without_residual(both_paths, tokens):
+    from nanovllm_tp.layers.norm_rope_act import RMSNorm
+    torch.manual_seed(tokens)
+    norm = RMSNorm(128, eps=1e-6)
+    norm.weight.data.normal_(1.0, 0.1)
+    x, residual = torch.randn(tokens, 128) * 3, torch.randn(tokens, 128)
+
+    def run():
+        plain = norm(x.clone())
+        res = residual.clone()
+        normed, summed = norm(x.clone(), res)
+        assert summed.data_ptr() == res.data_ptr(), "the sum is written into the residual buffer"
+        return plain, normed, summed
+
+    (plain, normed, summed), (plain_ref, normed_ref, summed_ref) = both_paths(run)
+    torch.testing.assert_close(plain, plain_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(normed, normed_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(summed, summed_ref) and torch.equal(summed, x + residual)
+
+
+@needs_compiler
+def test_rms_norm_on_heads_sliced_from_a_fused_projection(both_paths):
+    """Qwen3's q/k norms see [tokens, heads, dim] views whose rows are strided by the whole qkv width."""
+    from nanovllm_tp.layers.norm_rope_act import RMSNorm
+    torch.manual_seed(5)
+    norm = RMSNorm(32)
+    norm.weight.data.normal_(1.0, 0.1)
+    qkv = torch.randn(9, (4 + 2 + 2) * 32)
+    q = qkv[:, :128].view(9, 4, 32)
+    k = qkv[:, 128:192].view(9, 2, 32)
+    before = qkv.clone()
+    (q_fast, k_fast), (q_ref, k_ref) = both_paths(lambda: (norm(q), norm(k)))
+    assert torch.equal(qkv, before), "the norm writes a new tensor, never the projection output"
+    torch.testing.assert_close(q_fast, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_fast, k_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_rope_on_strided_views(both_paths, head_dim):
+    from nanovllm_tp.layers.norm_rope_act import RotaryEmbedding
+    torch.manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, max_position=4096, base=1e6)
+    tokens, heads, kv_heads = 11, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.tensor([0, 1, 2, 3, 100, 101, 2000, 4095, 7, 7, 50])
+
+    def run():
+        fresh = qkv.clone()
+        q = fresh[:, :heads * head_dim].view(tokens, heads, head_dim)
+        k = fresh[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v_before = fresh[:, (heads + kv_heads) * head_dim:].clone()
+        q, k = rope(positions, q, k)
+        assert torch.equal(fresh[:, (heads + kv_heads) * head_dim:], v_before), "v is never touched"
+        return q.clone(), k.clone()
+
+    (q_fast, k_fast), (q_ref, k_ref) = both_paths(run)
+    torch.testing.assert_close(q_fast, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_fast, k_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q_fast[0], qkv[0, :heads * head_dim].view(heads, head_dim)), "position 0 is the identity"
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_silu_and_mul(both_paths, tokens):
+    from nanovllm_tp.layers.norm_rope_act import SiluAndMul
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 2 * 384) * 4
+    fast, reference = both_paths(lambda: SiluAndMul()(x))
+    assert fast.shape == (tokens, 384)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_engine_uses_the_kernels_and_matches_with_them_off(tiny_model_dir, both_paths):
+    """The whole tiny model, greedy, with the C kernels and with plain torch: same tokens."""
+    from nanovllm_tp import LLM, SamplingParams
+    from tests.helpers import mixed_prompts
+    prompts = mixed_prompts(2003, lengths=(1, 30, 170))
+
+    def run():
+        llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory=32 << 20)
+        try:
+            out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        finally:
+            llm.close()
+        return [o.outputs[0].token_ids for o in out]
+
+    fast, reference = both_paths(run)
+    assert fast == reference

@@ -31,3 +31,17 @@ def test_greedy_rows_take_argmax_and_tiny_temperatures_are_greedy():
     temps = torch.tensor([0.0, 1e-7, 1.0, 0.0])
     tokens = Sampler()(logits, temps, torch.arange(4), torch.zeros(4, dtype=torch.int64))
     assert tokens[[0, 1, 3]].tolist() == logits.argmax(-1)[[0, 1, 3]].tolist()
+
+
+def test_argmax_rows_matches_torch_on_ties_and_slices():
+    from nanovllm_tp.layers.sampler import argmax_rows
+    torch.manual_seed(0)
+    x = torch.randn(9, 2010)
+    x[0, 5] = x[0, 700] = x[0, 2000] = 100.0       # a three-way tie: the first index wins
+    x[1] = 0.0                                      # all equal
+    x[2, 3] = float("-inf")
+    sliced = x[:, :2003]                            # the LM head's padded-vocab slice: not contiguous
+    got = argmax_rows(sliced)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, sliced.argmax(dim=-1))
+    assert got[0].item() == 5 and got[1].item() == 0

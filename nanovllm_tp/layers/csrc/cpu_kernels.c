@@ -93,7 +93,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      int dim, int block_size, float scale)
 {
     int failed = 0;
-    #pragma omp parallel
+    #pragma omp parallel if (rows > 1)
     {
         float *scratch = malloc(sizeof(float) * ((size_t)heads * block_size + 2 * (size_t)heads));
         /* every thread must reach the worksharing loop, so a thread without scratch only reports it */

@@ -8,13 +8,14 @@ from dataclasses import dataclass, fields
 import msgpack
 import numpy as np
 
-PREFILL, DECODE = 0, 1
+PREFILL, DECODE, MIXED = 0, 1, 2
 
 
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
-    kind: int                  # PREFILL (rows may compute several tokens, some KV may be cached) or DECODE
+    kind: int                  # PREFILL: prompt chunks (some KV may be cached); DECODE: one token per row;
+                               # MIXED: decode rows first, then prompt chunks
     input_ids: np.ndarray      # int64 [tokens]
     positions: np.ndarray      # int64 [tokens]
     slot_mapping: np.ndarray   # int64 [tokens]   KV cache slot = block_id * block_size + offset
@@ -35,7 +36,8 @@ class StepPlan:
 
     @property
     def is_prefill(self) -> bool:
-        return self.kind == PREFILL
+        """Rows of any length (the varlen path); False only for pure decode steps."""
+        return self.kind != DECODE
 
     def encode(self) -> bytes:
         out = {}

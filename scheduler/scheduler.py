@@ -1,7 +1,10 @@
-"""Decides who runs each step (prefill first, then decode), under a token and a sequence budget.
+"""Decides who runs each step, under a token and a sequence budget. Torch-free.
 
-Behaviour follows nano-vllm: strict FCFS on the waiting queue, only the first prefill of a step may be
-chunked, decode preempts the tail of the running queue by recompute when blocks run out. Torch-free.
+Running sequences come first: each computes its next token. Waiting sequences fill what is left of the budget
+in the same step (a mixed step, as vLLM V1 schedules), so a new prompt never pauses the decodes in flight.
+Otherwise as nano-vllm: strict FCFS on the waiting queue, only the first prefill of a step may be chunked,
+decode preempts the tail of the running queue by recompute when blocks run out. Back-to-back pure decode
+steps take a vectorized fast path (DecodeBatch).
 """
 import time
 from collections import deque
@@ -11,7 +14,7 @@ import numpy as np
 
 from nanovllm_tp.scheduler.block_manager import BlockManager
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
-from nanovllm_tp.scheduler.plan import DECODE, PREFILL, StepPlan
+from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -46,6 +49,7 @@ class Scheduler:
         self._eos_array = np.array(sorted(self.eos), dtype=np.int64)
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_mixed_steps = 0
 
     def add(self, seq: Sequence) -> None:
         if not 0 < seq.num_tokens < self.config.max_model_len:
@@ -60,12 +64,15 @@ class Scheduler:
         """The next step's plan, or None when nothing is left to run."""
         if self.scheduled:
             raise RuntimeError("schedule() called twice without postprocess()")
-        seqs = self._schedule_prefill()
-        if seqs:
-            self.decode_batch = None
-            self.scheduled, self.scheduled_kind = seqs, PREFILL
-            self.step_id += 1
-            return self._build_prefill_plan(seqs)
+        if self.waiting and (not self.running or self._waiting_head_fits()):
+            decodes = self._schedule_decode() if self.running else []
+            seqs = decodes + self._schedule_prefill(reserved=len(decodes))
+            if seqs:
+                self.decode_batch = None
+                self.scheduled, self.scheduled_kind = seqs, MIXED if decodes else PREFILL
+                self.num_mixed_steps += bool(decodes)
+                self.step_id += 1
+                return self._build_prefill_plan(seqs, self.scheduled_kind)
         batch = self.decode_batch
         if batch is None or not self._grow(batch):
             seqs = self._schedule_decode()
@@ -91,10 +98,19 @@ class Scheduler:
             batch.add_block(row, block_id)
         return True
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _waiting_head_fits(self) -> bool:
+        """Whether the next waiting sequence could join a step next to the running ones (else the step stays a
+        pure decode step, on the fast path)."""
+        cfg, head = self.config, self.waiting[0]
+        if len(self.running) >= min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            return False
+        return bool(head.block_table) or self.block_manager.can_allocate(head) is not None
+
+    def _schedule_prefill(self, reserved: int = 0) -> list[Sequence]:
+        """Waiting sequences for what is left after `reserved` decode rows (one token and one row each)."""
         cfg, bm = self.config, self.block_manager
-        seqs, budget_used = [], 0
-        while self.waiting and len(seqs) < cfg.max_num_seqs:
+        seqs, budget_used = [], reserved
+        while self.waiting and len(seqs) + reserved < cfg.max_num_seqs:
             remaining = cfg.max_num_batched_tokens - budget_used
             if remaining == 0:
                 break
@@ -142,11 +158,14 @@ class Scheduler:
         self.decode_batch = None
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        # back to the front of waiting, but behind a prompt that is part-way through its chunks (it holds
+        # blocks, and only the head of waiting may)
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
         self.num_preemptions += 1
 
-    def _build_prefill_plan(self, seqs: list[Sequence]) -> StepPlan:
-        """Decode plans come from DecodeBatch; this builds the prefill ones (chunks, cached prefixes)."""
+    def _build_prefill_plan(self, seqs: list[Sequence], kind: int) -> StepPlan:
+        """Pure decode plans come from DecodeBatch; this builds the others: prompt chunks over cached prefixes,
+        and in mixed steps decode rows too (one new token over num_tokens - 1 cached)."""
         bs = self.block_size
         rows = len(seqs)
         q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
@@ -163,7 +182,7 @@ class Scheduler:
         positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
         slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         return StepPlan(
-            step_id=self.step_id, kind=PREFILL, input_ids=input_ids, positions=positions,
+            step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
             slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
             context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
             temperatures=np.fromiter((s.temperature for s in seqs), np.float32, rows),

@@ -235,10 +235,11 @@ def test_engine_uses_the_kernels_and_matches_with_them_off(tiny_model_dir, both_
     from tests.helpers import mixed_prompts
     prompts = mixed_prompts(2003, lengths=(1, 30, 170))
 
-    def run():
-        llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory=32 << 20)
+    def run():    # a small token budget, so mixed steps (decode rows next to prompt chunks) happen too
+        llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory=32 << 20, max_num_batched_tokens=64)
         try:
             out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+            assert llm.engine.scheduler.num_mixed_steps > 0
         finally:
             llm.close()
         return [o.outputs[0].token_ids for o in out]

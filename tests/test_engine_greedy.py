@@ -54,6 +54,7 @@ def test_outputs_in_input_order_with_text(tiny_llm):
 def test_chunked_prefill_matches_unchunked(tiny_model_dir, prompts, baseline):
     llm = LLM(tiny_model_dir, kvcache_block_size=16, kv_cache_memory=64 << 20, max_num_batched_tokens=48)
     assert token_lists(llm.generate(prompts, GREEDY, use_tqdm=False)) == baseline
+    assert llm.engine.scheduler.num_mixed_steps > 0, "prompt chunks ran next to decoding rows"
     assert_all_blocks_free(llm)
 
 
@@ -101,11 +102,13 @@ def test_step_api_serves_requests_as_they_come(tiny_llm, prompts, baseline):
     for _ in range(3):
         for out in tiny_llm.step():
             done[out.request_id] = out
-    second = tiny_llm.add_request(prompts[1], GREEDY)      # joins while the first is decoding
+    mixed_before = tiny_llm.engine.scheduler.num_mixed_steps
+    second = tiny_llm.add_request(prompts[1], GREEDY)      # joins while the first is decoding: a mixed step
     while tiny_llm.has_unfinished_requests():
         for out in tiny_llm.step():
             done[out.request_id] = out
     assert done[first].outputs[0].token_ids == baseline[0]
     assert done[second].outputs[0].token_ids == baseline[1]
+    assert tiny_llm.engine.scheduler.num_mixed_steps == mixed_before + 1
     m = done[first].metrics
     assert m.arrival_time <= m.first_token_time <= m.finish_time

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from nanovllm_tp.scheduler import DECODE, PREFILL, Scheduler, SchedulerConfig, Sequence, SequenceStatus, StepPlan
+from nanovllm_tp.scheduler import DECODE, MIXED, PREFILL, Scheduler, SchedulerConfig, Sequence, SequenceStatus, StepPlan
 
 EOS = 0
 VOCAB = 50_000
@@ -209,7 +209,7 @@ def test_chunked_prefill_plans_and_middle_chunk_samples_are_dropped():
 
 def test_only_the_first_sequence_of_a_step_is_chunked():
     # Budget 8: A (6) fits, B (5) would need chunking behind A, so the step stops there; C (1 token) would
-    # fit the 2 left over but may not jump B (strict FCFS). Next step B and C run whole.
+    # fit the 2 left over but may not jump B (strict FCFS). Next step A decodes and B and C run whole.
     sched = make_scheduler(max_num_batched_tokens=8)
     a, b, c = Sequence(0, [1] * 6), Sequence(1, [2] * 5), Sequence(2, [3])
     for s in (a, b, c):
@@ -218,8 +218,8 @@ def test_only_the_first_sequence_of_a_step_is_chunked():
     assert plan.num_tokens == 6 and list(sched.scheduled) == [a]
     sched.postprocess([9])
     plan = sched.schedule()
-    assert plan.is_prefill and list(sched.scheduled) == [b, c]
-    np.testing.assert_array_equal(plan.cu_seqlens_q, [0, 5, 6])
+    assert plan.kind == MIXED and list(sched.scheduled) == [a, b, c]
+    np.testing.assert_array_equal(plan.cu_seqlens_q, [0, 1, 6, 7])
 
 
 def test_chunked_sequence_continues_with_prefix_cache_and_gives_exact_tokens():
@@ -239,7 +239,7 @@ def test_chunked_sequence_continues_with_prefix_cache_and_gives_exact_tokens():
 
 def test_prefix_hit_plan_is_exact_and_shared_blocks_are_ref_counted():
     # A = 1..9 fills blocks 0,1 and part of 2; once its prefill has run, B = 1..8,50,51 hits blocks 0,1 and
-    # computes only its last 2 tokens, in the next free block (3).
+    # computes only its last 2 tokens, in the next free block (3), in a mixed step behind A's decode row.
     model, sched = FakeModel(4), make_scheduler()
     bm = sched.block_manager
     a = Sequence(0, list(range(1, 10)), max_tokens=3)
@@ -248,8 +248,9 @@ def test_prefix_hit_plan_is_exact_and_shared_blocks_are_ref_counted():
     b = Sequence(1, list(range(1, 9)) + [50, 51], max_tokens=3)
     sched.add(b)
     plan = sched.schedule()
-    assert_plan(plan, kind=PREFILL, input_ids=[50, 51], positions=[8, 9], slot_mapping=[12, 13],
-                cu_seqlens_q=[0, 2], context_lens=[10], block_tables=[[0, 1, 3]], sample_index=[0])
+    assert_plan(plan, kind=MIXED, input_ids=[a.token_ids[9], 50, 51], positions=[9, 8, 9], slot_mapping=[9, 12, 13],
+                cu_seqlens_q=[0, 1, 3], context_lens=[10, 10], block_tables=[[0, 1, 2], [0, 1, 3]],
+                sample_index=[1, 0])
     assert b.num_cached_tokens == 8 and bm.num_prefix_hit_tokens == 8
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     assert bm.num_free_blocks == bm.num_blocks - 4
@@ -344,6 +345,70 @@ def test_fcfs_head_that_does_not_fit_blocks_those_behind_it():
     sched.postprocess(model(plan))
     order = [rows for p, rows in run(sched, model) if p.is_prefill]
     assert order[0][0] is b   # B is prefilled before C
+    assert_matches_reference(sched, [a, b, c])
+
+
+# ---------------------------------------------------------------- mixed steps
+
+def test_new_prompt_joins_running_decodes_in_a_mixed_step():
+    # A (6 tokens) is decoding when B (5 tokens) arrives: the next step computes A's next token and B's whole
+    # prompt together. A's row comes first: one token at position 6 over its 6 cached, in its block 1.
+    model, sched = FakeModel(4), make_scheduler()
+    a = Sequence(0, [1, 2, 3, 4, 5, 6], max_tokens=5, ignore_eos=True)
+    b = Sequence(1, [7, 8, 9, 10, 11], max_tokens=4, ignore_eos=True)
+    sched.add(a)
+    sched.postprocess(model(sched.schedule()))          # A's prefill: blocks 0, 1
+    plan = sched.schedule()
+    assert plan.kind == DECODE
+    sched.postprocess(model(plan))                      # A has 8 tokens, 7 computed
+    sched.add(b)
+    plan = sched.schedule()
+    assert list(sched.scheduled) == [a, b]
+    assert_plan(plan, kind=MIXED, input_ids=[a.token_ids[7], 7, 8, 9, 10, 11], positions=[7, 0, 1, 2, 3, 4],
+                slot_mapping=[7, 8, 9, 10, 11, 12], cu_seqlens_q=[0, 1, 6], context_lens=[8, 5],
+                block_tables=[[0, 1], [2, 3]], sample_index=[2, 0])
+    assert plan.is_prefill, "mixed steps take the varlen path on the workers"
+    sched.postprocess(model(plan))
+    assert a.num_completion_tokens == 3 and b.num_completion_tokens == 1
+    run(sched, model)
+    assert_matches_reference(sched, [a, b])
+    assert_all_blocks_free(sched)
+
+
+def test_mixed_step_decode_rows_take_their_share_of_the_budgets():
+    # 3 decoding rows leave 7 of the 10-token budget (a chunk of D's 12-token prompt) and 1 of the 4 rows.
+    model, sched = FakeModel(4), make_scheduler(num_blocks=32, max_num_seqs=4, max_num_batched_tokens=10)
+    running = [Sequence(i, [10 * i + 1, 10 * i + 2], max_tokens=20, ignore_eos=True) for i in range(3)]
+    for s in running:
+        sched.add(s)
+    sched.postprocess(model(sched.schedule()))
+    d, e = Sequence(3, list(range(40, 52)), max_tokens=2), Sequence(4, [60], max_tokens=2)
+    sched.add(d)
+    sched.add(e)
+    plan = sched.schedule()
+    assert plan.kind == MIXED and list(sched.scheduled) == running + [d]
+    assert np.diff(plan.cu_seqlens_q).tolist() == [1, 1, 1, 7] and plan.num_tokens == 10
+    sched.postprocess(model(plan))
+    assert d.num_cached_tokens == 7 and not d.completion_token_ids, "a middle chunk samples nothing"
+    assert list(sched.waiting) == [d, e]
+    run(sched, model)
+    assert_matches_reference(sched, running + [d, e])
+    assert_all_blocks_free(sched)
+
+
+def test_full_batch_keeps_the_decode_fast_path():
+    # max_num_seqs rows are running: a new prompt waits, and the step is a plain decode step.
+    model, sched = FakeModel(4), make_scheduler(max_num_seqs=2)
+    a, b = Sequence(0, [1, 2], max_tokens=4), Sequence(1, [3, 4], max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    sched.postprocess(model(sched.schedule()))
+    c = Sequence(2, [5, 6], max_tokens=2)
+    sched.add(c)
+    plan = sched.schedule()
+    assert plan.kind == DECODE and list(sched.scheduled) == [a, b] and list(sched.waiting) == [c]
+    sched.postprocess(model(plan))
+    run(sched, model)
     assert_matches_reference(sched, [a, b, c])
 
 
@@ -519,7 +584,7 @@ def _plans_of_every_kind():
 
 def test_step_plan_round_trip_is_exact():
     plans = _plans_of_every_kind()
-    assert {p.kind for p in plans} == {PREFILL, DECODE}
+    assert {p.kind for p in plans} == {PREFILL, DECODE, MIXED}
     for plan in plans:
         back = StepPlan.decode(plan.encode())
         for name in StepPlan.__dataclass_fields__:
@@ -649,14 +714,18 @@ def test_random_stress(seed, block_size, num_blocks, prefix_caching):
     while sched.has_unfinished() or pending:
         while pending and rng.random() < 0.3:
             sched.add(pending.popleft())
+        was_running = {id(s) for s in sched.running}
         plan = sched.schedule()
         rows = list(sched.scheduled)
         assert plan is not None
         check_invariants(sched)
         assert plan.num_rows == len(rows) <= max_num_seqs and plan.num_tokens <= budget
         assert len(set(map(id, rows))) == len(rows)
-        if plan.is_prefill:
-            assert all(s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens for s in rows[1:])
+        if plan.is_prefill:    # at most one row is a partial prompt chunk; mixed steps list decode rows first
+            assert sum(s.num_cached_tokens + s.num_scheduled_tokens != s.num_tokens for s in rows) <= 1
+            decodes = [id(s) in was_running for s in rows]
+            assert (plan.kind == MIXED) == decodes[0] and decodes == sorted(decodes, reverse=True)
+            assert all(q == 1 for q, d in zip(np.diff(plan.cu_seqlens_q), decodes) if d)
         else:
             assert plan.num_tokens == plan.num_rows
         for slot in plan.slot_mapping:    # KV is never written into a block another sequence reads

@@ -32,8 +32,22 @@ class TorchBackend:
     def _prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
         out = torch.empty_like(q)
         block_size = k_cache.shape[1] if k_cache.numel() else 0
-        start = 0
+        starts = [0]
+        for q_len in ctx.q_lens_cpu:
+            starts.append(starts[-1] + q_len)
+        decode_rows = [row for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu))
+                       if q_len == 1 < kv_len]
+        if decode_rows:       # a mixed step: rows computing one token over cached KV attend as a decode batch
+            rows = torch.tensor(decode_rows, device=q.device)
+            tokens = torch.tensor([starts[row] for row in decode_rows], device=q.device)
+            decode_ctx = Context(is_prefill=False, context_lens=ctx.context_lens[rows],
+                                 block_tables=ctx.block_tables[rows],
+                                 context_lens_cpu=[ctx.context_lens_cpu[row] for row in decode_rows])
+            out[tokens] = self._decode(q[tokens], k_cache, v_cache, decode_ctx, scale)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
+            if q_len == 1 < kv_len:
+                continue
+            start = starts[row]
             qi = q[start:start + q_len]
             if kv_len == q_len:       # nothing cached before: attend to this step's own K/V
                 ki, vi = k[start:start + q_len], v[start:start + q_len]
@@ -47,7 +61,6 @@ class TorchBackend:
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
             out[start:start + q_len] = self._sdpa(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), mask,
                                                   is_causal=mask is None, scale=scale)[0]
-            start += q_len
         return out
 
     def _decode(self, q, k_cache, v_cache, ctx, scale):

@@ -76,10 +76,13 @@ class CudaTorchBackend(TorchBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
         if not ctx.is_prefill:
-            return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+            return self._decode(q, k_cache, v_cache, ctx, scale)
         if self.varlen is not None and not ctx.has_cached_prefix and q.dtype in (torch.float16, torch.bfloat16):
             return self._varlen_prefill(q, k, v, ctx, scale)
         return self._prefill(q, k, v, k_cache, v_cache, ctx, scale)
+
+    def _decode(self, q, k_cache, v_cache, ctx, scale):
+        return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
 
     def _varlen_prefill(self, q, k, v, ctx, scale):
         kwargs = {"scale": scale}

@@ -16,7 +16,8 @@ from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 def decode_step_times(running: int, steps: int, block_size: int = 16, seed: int = 0) -> list[float]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(150_000) for _ in range(rng.randint(100, 1024))] for _ in range(running)]
-    blocks = sum(len(p) + steps + block_size for p in prompts) // block_size + 16
+    # room for every prompt, the timed steps, and the tokens rows decode in the mixed steps that admit the rest
+    blocks = sum(len(p) + 2 * steps + block_size for p in prompts) // block_size + 16
     sched = Scheduler(SchedulerConfig(num_kvcache_blocks=blocks, kvcache_block_size=block_size,
                                       max_num_seqs=running, max_num_batched_tokens=16384, max_model_len=4096))
     for i, p in enumerate(prompts):
@@ -39,7 +40,7 @@ def decode_plan_bytes(running: int, block_size: int) -> int:
     """Size of an encoded decode plan for `running` sequences with prompts of 100..1024 tokens."""
     rng = random.Random(1)
     prompts = [[rng.randrange(150_000) for _ in range(rng.randint(100, 1024))] for _ in range(running)]
-    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=sum(len(p) // block_size + 2 for p in prompts) + 16,
+    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=sum((len(p) + 200) // block_size + 2 for p in prompts) + 16,
                                       kvcache_block_size=block_size, max_num_seqs=running,
                                       max_num_batched_tokens=16384, max_model_len=4096))
     for i, p in enumerate(prompts):

@@ -108,12 +108,15 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             const int32_t *table = tables + (int64_t)r * table_stride;
             float *o = out + (int64_t)r * heads * dim;
             /* head_dim as a compile-time constant in the common cases, so the inner loops unroll fully */
+#define DECODE_ROW(DIM) decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, scale, \
+                                   scratch, o)
             switch (dim) {
-            case 64: decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, 64, block_size, scale, scratch, o); break;
-            case 128: decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, 128, block_size, scale, scratch, o); break;
-            case 32: decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, 32, block_size, scale, scratch, o); break;
-            default: decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, dim, block_size, scale, scratch, o);
+            case 64: DECODE_ROW(64); break;
+            case 128: DECODE_ROW(128); break;
+            case 32: DECODE_ROW(32); break;
+            default: DECODE_ROW(dim);
             }
+#undef DECODE_ROW
         }
         free(scratch);
     }

@@ -1,6 +1,8 @@
 """Shared pieces of the engine tests: the transformers greedy reference and fixed prompt mixes."""
 import random
 
+import torch
+
 from nanovllm_tp.launch.make_tiny import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 
@@ -15,17 +17,27 @@ def shared_prefix_prompts(vocab_size: int, prefix_len: int, tails=(5, 17, 40, 1)
     return [prefix + [rng.randrange(vocab_size) for _ in range(n)] for n in tails]
 
 
-def random_paged_decode(lens, block_size: int, kv_heads: int, group: int, head_dim: int, spare_blocks: int = 3):
-    """A decode batch over a paged cache: each row's blocks scattered (non-monotonic ids) through the pool.
-    Returns q [rows, heads, dim], k/v caches, block tables (-1 past a row's blocks) and int32 context lens."""
-    import torch
-    blocks_needed = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks_needed) + spare_blocks
-    free = torch.randperm(num_blocks).tolist()
-    table = torch.full((len(lens), max(blocks_needed) + 1), -1, dtype=torch.int32)
-    for row, n in enumerate(blocks_needed):
-        table[row, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    q = torch.randn(len(lens), kv_heads * group, head_dim)
+def random_paged_cache(lens, block_size: int, kv_heads: int, head_dim: int, dtype=torch.float32, device="cpu",
+                       spare: int = 3, seed: int = 0):
+    """Random K/V caches [blocks, block_size, kv_heads, head_dim] and a block table whose rows cover `lens`
+    tokens with scattered, non-monotonic block ids (-1 past a row's blocks; `spare` blocks belong to no row)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + spare
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(lens), max(max(need), 1) + 1), -1, dtype=torch.int32)
+    for row, n in enumerate(need):
+        table[row, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    return k_cache, v_cache, table.to(device)
+
+
+def random_paged_decode(lens, block_size: int, kv_heads: int, group: int, head_dim: int, spare: int = 3,
+                        seed: int = 0):
+    """A CPU fp32 decode batch over random_paged_cache: q [rows, kv_heads * group, head_dim], the caches, the
+    block table and int32 context lens."""
+    k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, head_dim, spare=spare, seed=seed)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)

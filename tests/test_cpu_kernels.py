@@ -24,9 +24,9 @@ def decode_context(lens, table, context_lens) -> Context:
 @pytest.mark.parametrize("group", [1, 2, 4, 20])                  # 20 > 16: query heads done in two chunks
 @pytest.mark.parametrize("block_size", [16, 256, 12])
 def test_kernel_matches_torch_backend(head_dim, group, block_size):
-    torch.manual_seed(head_dim * 1000 + group * 10 + block_size)
     lens = [1, block_size, 2 * block_size, 3 * block_size + 5, block_size - 1, 700]
-    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, block_size, 2, group, head_dim)
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, block_size, 2, group, head_dim,
+                                                                   seed=head_dim * 1000 + group * 10 + block_size)
     ctx = decode_context(lens, table, context_lens)
     backend = cpu_kernels.CpuBackend()
     assert cpu_kernels.load() is not None
@@ -39,9 +39,8 @@ def test_kernel_matches_torch_backend(head_dim, group, block_size):
 
 @needs_compiler
 def test_kernel_padding_row_and_thread_counts_agree():
-    torch.manual_seed(0)
     lens = [0, 5, 300, 17, 64, 1, 129, 0]
-    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 4, 2, 64)
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 4, 2, 64, seed=0)
     ctx = decode_context(lens, table, context_lens)
     backend = cpu_kernels.CpuBackend()
     threads = torch.get_num_threads()
@@ -63,9 +62,8 @@ def test_kernel_padding_row_and_thread_counts_agree():
 @needs_compiler
 def test_kernel_reads_only_the_rows_blocks():
     """Blocks that no row owns are poisoned with NaN: the kernel must never touch them."""
-    torch.manual_seed(1)
     lens = [33, 16, 7]
-    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, spare_blocks=6)
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, spare=6, seed=1)
     owned = set(table[table >= 0].tolist())
     for block in set(range(k_cache.shape[0])) - owned:
         k_cache[block] = float("nan")
@@ -94,9 +92,8 @@ def test_without_a_compiler_decode_falls_back_to_torch(tmp_path, monkeypatch, ca
         with caplog.at_level(logging.WARNING, logger="nanovllm_tp"):
             assert cpu_kernels.load() is None
         assert "no C compiler" in caplog.text
-        torch.manual_seed(2)
         lens = [3, 40]
-        q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32)
+        q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, seed=2)
         ctx = decode_context(lens, table, context_lens)
         got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
         assert torch.equal(got, TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2))
@@ -122,9 +119,8 @@ def test_failed_build_is_reported_and_falls_back(tmp_path, monkeypatch, caplog):
 
 
 def test_other_dtypes_use_the_torch_path():
-    torch.manual_seed(3)
     lens = [9, 20]
-    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32)
+    q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, seed=3)
     q, k_cache, v_cache = (t.to(torch.bfloat16) for t in (q, k_cache, v_cache))
     ctx = decode_context(lens, table, context_lens)
     got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)

@@ -15,7 +15,7 @@ from nanovllm_tp.context import Context, reset_context
 from nanovllm_tp.layers.attention import TorchBackend, store_kvcache
 from nanovllm_tp.scheduler import Sequence
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
-from tests.helpers import hf_greedy, mixed_prompts
+from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"      # the backend helpers below take their device from here
@@ -208,21 +208,6 @@ def dense_reference(q, k, v, scale, offset):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def paged_cache(lens, block_size, kv_heads, head_dim, dtype, spare=3, seed=0):
-    """Random caches and a block table of scattered block ids covering each row's length."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lens]
-    num_blocks = sum(need) + spare
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(lens), max(max(need), 1) + 1), -1, dtype=torch.int32)
-    for row, n in enumerate(need):
-        table[row, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    return k_cache, v_cache, table.to(DEVICE)
-
-
 def gather(cache, table_row, n, block_size):
     slots = (table_row[: -(-n // block_size)].long()[:, None] * block_size
              + torch.arange(block_size, device=cache.device)).flatten()[:n]
@@ -239,7 +224,7 @@ def test_decode_backends_match_dense_reference(block_size):
     torch.manual_seed(0)
     heads, kv_heads, dim, scale = 16, 8, 128, 128 ** -0.5        # Qwen3-0.6B's attention shape
     lens = [1, 16, 17, 128, 300, 1023]
-    k_cache, v_cache, table = paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16)
+    k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, DEVICE)
     q = torch.randn(len(lens), heads, dim, device=DEVICE, dtype=torch.bfloat16)
     ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                   block_tables=table, context_lens_cpu=lens)
@@ -306,12 +291,12 @@ def test_prefill_backends_match_dense_reference(dtype):
                 assert bool(calls) == (dtype == torch.bfloat16), "varlen is the bf16/fp16 path, fp32 falls back"
 
 
-def test_prefill_with_cached_prefix_falls_back_and_matches():
-    torch.manual_seed(2)
-    heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 16
-    cached, new = [32, 0, 48, 5], [16, 20, 1, 11]       # row 3: a prefix that ends mid-block
+def cached_prefix_batch(cached, new, block_size, heads, kv_heads, dim, scale, seed):
+    """A bf16 prefill over cached prefixes: `new` tokens per row after `cached` ones already in a random paged
+    cache. The new K/V are stored first, as Attention.forward does. Returns q, k, v, the caches, the step's
+    context and the dense fp32 reference output."""
     lens = [c + n for c, n in zip(cached, new)]
-    k_cache, v_cache, table = paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, seed=3)
+    k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, DEVICE, seed=seed)
     q = torch.randn(sum(new), heads, dim, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(sum(new), kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(sum(new), kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
@@ -319,13 +304,21 @@ def test_prefill_with_cached_prefix_falls_back_and_matches():
     for row, (c, n) in enumerate(zip(cached, new)):
         pos = torch.arange(c, c + n)
         slots.append(table[row].cpu()[pos // block_size].long() * block_size + pos % block_size)
-    store_kvcache(k, v, k_cache, v_cache, torch.cat(slots).to(DEVICE))    # what Attention.forward does first
-    ctx = prefill_context(new, lens, table)
-    assert ctx.has_cached_prefix
+    store_kvcache(k, v, k_cache, v_cache, torch.cat(slots).to(DEVICE))
     starts = np.concatenate(([0], np.cumsum(new)))
     want = torch.cat([dense_reference(q[a:b], gather(k_cache, table[i], lens[i], block_size),
                                       gather(v_cache, table[i], lens[i], block_size), scale, cached[i])
                       for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))])
+    return q, k, v, k_cache, v_cache, prefill_context(new, lens, table), want
+
+
+def test_prefill_with_cached_prefix_falls_back_and_matches():
+    torch.manual_seed(2)
+    heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 16
+    cached, new = [32, 0, 48, 5], [16, 20, 1, 11]       # row 3: a prefix that ends mid-block
+    q, k, v, k_cache, v_cache, ctx, want = cached_prefix_batch(cached, new, block_size, heads, kv_heads, dim, scale,
+                                                               seed=3)
+    assert ctx.has_cached_prefix
     for backend in cuda_backends():
         calls = spy_varlen(backend)
         got = backend.forward(q, k, v, k_cache, v_cache, ctx, scale).float()
@@ -392,7 +385,7 @@ def test_flash_backend_matches_dense_reference():
     heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 256
     # decode
     lens = [1, 255, 256, 257, 1000]
-    k_cache, v_cache, table = paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16)
+    k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, DEVICE)
     q = torch.randn(len(lens), heads, dim, device=DEVICE, dtype=torch.bfloat16)
     ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                   block_tables=table, context_lens_cpu=lens)
@@ -412,21 +405,9 @@ def test_flash_backend_matches_dense_reference():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     # prefill over a cached prefix, through the block table
     cached, new = [256, 0, 512], [16, 20, 1]
-    lens = [c + n for c, n in zip(cached, new)]
-    k_cache, v_cache, table = paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, seed=4)
-    q = torch.randn(sum(new), heads, dim, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(sum(new), kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
-    v = torch.randn(sum(new), kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
-    slots = []
-    for row, (c, n) in enumerate(zip(cached, new)):
-        pos = torch.arange(c, c + n)
-        slots.append(table[row].cpu()[pos // block_size].long() * block_size + pos % block_size)
-    store_kvcache(k, v, k_cache, v_cache, torch.cat(slots).to(DEVICE))
-    starts = np.concatenate(([0], np.cumsum(new)))
-    want = torch.cat([dense_reference(q[a:b], gather(k_cache, table[i], lens[i], block_size),
-                                      gather(v_cache, table[i], lens[i], block_size), scale, cached[i])
-                      for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))])
-    got = backend.forward(q, k, v, k_cache, v_cache, prefill_context(new, lens, table), scale).float()
+    q, k, v, k_cache, v_cache, ctx, want = cached_prefix_batch(cached, new, block_size, heads, kv_heads, dim, scale,
+                                                               seed=4)
+    got = backend.forward(q, k, v, k_cache, v_cache, ctx, scale).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 

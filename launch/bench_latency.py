@@ -81,8 +81,10 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 def run_point(llm, workload: bc.Workload, prompts, point: dict, temperature: float, seed: int) -> dict:
     from nanovllm_tp import SamplingParams
+    from nanovllm_tp.sampling_params import RequestOutputKind
     n = workload.num_requests
-    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in workload.output_lens]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True,
+                             output_kind=RequestOutputKind.FINAL_ONLY) for m in workload.output_lens]
     offsets = arrival_offsets(n, point["request_rate"], seed) if point["mode"] == "poisson" else None
     cap = point["concurrency"] or n
     arrival: dict[str, float] = {}          # request id -> arrival time (Poisson point, or the add time)

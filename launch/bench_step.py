@@ -24,13 +24,13 @@ def decode_step_times(running: int, steps: int, block_size: int = 16, seed: int 
         sched.add(Sequence(i, p, max_tokens=10 * steps, ignore_eos=True))
     while sched.waiting:                        # prefill everything first
         plan = sched.schedule()
-        sched.postprocess([1] * plan.num_rows)
+        sched.postprocess([1] * len(sched.sampling))
     times = []
     for step in range(steps):
         start = time.perf_counter()
         plan = sched.schedule()
         plan.encode()
-        sched.postprocess([step % 1000] * plan.num_rows)
+        sched.postprocess([step % 1000] * len(sched.sampling))
         times.append(time.perf_counter() - start)
         assert plan.num_rows == running and not plan.is_prefill
     return times
@@ -46,7 +46,8 @@ def decode_plan_bytes(running: int, block_size: int) -> int:
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, p, max_tokens=100, ignore_eos=True))
     while sched.waiting:
-        sched.postprocess([1] * sched.schedule().num_rows)
+        sched.schedule()
+        sched.postprocess([1] * len(sched.sampling))
     return len(sched.schedule().encode())
 
 

@@ -17,6 +17,7 @@ class Context:
     has_cached_prefix: bool = False               # some row attends to KV it did not compute this step
     context_lens_cpu: list[int] | None = None     # host copies so the torch backend can slice without syncs
     q_lens_cpu: list[int] | None = None
+    logits_indices: torch.Tensor | None = None    # int64: tokens the LM head computes (None: each row's last)
 
 
 _context = Context()

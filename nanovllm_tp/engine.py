@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import torch
 
 from nanovllm_tp.config import EngineConfig
@@ -91,6 +92,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=config.model_config.eos_token_ids))
+        from nanovllm_tp.layers.sampler import Sampler
+        self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
         _exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
@@ -114,16 +117,24 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request between steps (abort, stop string); its blocks are free at once."""
+        self.scheduler.finish(seq, reason, stop_reason)
+
     def step(self) -> tuple[list[Sequence], int, bool]:
-        """Run one step: (finished sequences, tokens computed, whether it was a prefill)."""
-        plan = self.scheduler.schedule()
+        """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
+        from nanovllm_tp.layers.sampler import prompt_logprobs
+        sched = self.scheduler
+        plan = sched.schedule()
         if plan is None:
             return [], 0, False
         try:
             if self.writer is not None:
                 self.writer.publish(plan.encode())
             logits = self.runner.execute(plan)
-            tokens = self.runner.sample(logits, plan)
+            tokens, lp = self.sampler(logits, sched.sampling)
+            if sched.prompt_chunks:
+                prompt_logprobs(logits, sched.prompt_chunks, lambda seq: seq.params.prompt_logprobs)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -131,7 +142,9 @@ class LLMEngine:
             else:
                 self.close()
             raise
-        return self.scheduler.postprocess(tokens), plan.num_tokens, plan.is_prefill
+        if lp is not None:
+            _record_logprobs(sched.sampling, lp)
+        return sched.postprocess(tokens), plan.num_tokens, plan.is_prefill
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
@@ -180,6 +193,16 @@ class LLMEngine:
         if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
             runner.release()
             self.runner = None
+
+
+def _record_logprobs(batch, lp) -> None:
+    """Attach each sampled token's logprobs to its sequence (entries asked for them, in order)."""
+    entries = np.flatnonzero(batch.rows["logprobs"] >= 0).tolist()
+    for i, e in enumerate(entries):
+        seq = batch.seqs[e]
+        n = int(batch.rows["logprobs"][e])
+        seq.logprobs.append((float(lp.logprob[i]), int(lp.rank[i]), lp.top_ids[i, :n], lp.top_logprobs[i, :n]))
+        seq.cumulative_logprob += float(lp.logprob[i])
 
 
 def _under_torchrun() -> bool:

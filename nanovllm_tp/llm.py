@@ -1,14 +1,18 @@
-"""The client API, with vLLM's names: LLM(model, ...).generate(prompts, sampling_params)."""
+"""The client API, with vLLM's names: LLM(model, ...).generate / chat / add_request / step / abort_request."""
 import itertools
 import os
 import sys
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from nanovllm_tp.config import EngineConfig
-from nanovllm_tp.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm_tp.output_processor import RequestState
+from nanovllm_tp.outputs import RequestOutput
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler import Sequence
+
+_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class LLM:
@@ -34,8 +38,12 @@ class LLM:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.engine = LLMEngine(config)
-        self._request_ids = itertools.count()
-        self._requests: dict[str, tuple[str | None, Sequence]] = {}     # request id -> (prompt text, sequence)
+        self._request_numbers = itertools.count()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
+        self._dirty: dict[str, None] = {}       # requests with news that step() has not returned yet
+        self._token_text: dict[int, str] = {}
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -51,34 +59,37 @@ class LLM:
                             f"got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise ValueError("prompts is empty")
+        return [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
+
+    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         vocab = self.config.model_config.vocab_size
         limit = self.config.max_model_len - 1
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, dict):
-                p = p.get("prompt_token_ids", p.get("prompt"))
-            if isinstance(p, str):
-                text, ids = p, self.tokenizer.encode(p)
-            elif isinstance(p, (list, tuple)):
-                bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
-                if bad is not None:
-                    raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__}")
-                text, ids = None, list(p)
-                out_of_range = [t for t in ids if not 0 <= t < vocab]
-                if out_of_range:
-                    raise ValueError(f"prompt {i}: token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
-            else:
-                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if len(ids) > limit:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_model_len="
-                                 f"{self.config.max_model_len} at most {limit} fit (one slot is for output)")
-            out.append((text, ids))
-        return out
+        if isinstance(p, dict):
+            p = p.get("prompt_token_ids", p.get("prompt"))
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"prompt {i} is not valid Unicode text ({exc.reason} at index {exc.start})") from None
+            text, ids = p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+        elif isinstance(p, (list, tuple)):
+            bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__}")
+            text, ids = None, list(p)
+            out_of_range = [t for t in ids if not 0 <= t < vocab]
+            if out_of_range:
+                raise ValueError(f"prompt {i}: token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
+        else:
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if len(ids) > limit:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_model_len="
+                             f"{self.config.max_model_len} at most {limit} fit (one slot is for output)")
+        return text, ids
 
-    @staticmethod
-    def _normalize_params(sampling_params, n: int) -> list[SamplingParams]:
+    def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -92,85 +103,149 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params entries must be SamplingParams, got {type(sp).__name__}")
             sp.validate()
+            sp.check_vocab(self.config.model_config.vocab_size)
         return list(sampling_params)
 
     # ---- generation ----
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order, whole whatever their output_kind.
+        Requests queued with add_request keep going alongside, and a later step() reports them."""
         items = self._normalize_prompts(prompts)
-        params = self._normalize_params(sampling_params, len(items))
-        ids = [self._add(text, token_ids, sp) for (text, token_ids), sp in zip(items, params)]
-        try:
-            self._run(len(ids), use_tqdm)
-        except BaseException:
-            self._drop_aborted()     # the engine failed every unfinished request; the error says why
-            raise
-        return [self._output(self._requests.pop(i)) for i in ids]
+        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> str:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
+        rendered with the tokenizer's chat template (or `chat_template`)."""
+        conversations = [messages] if _is_conversation(messages) else messages
+        if not isinstance(conversations, list) or not conversations or \
+                not all(_is_conversation(c) for c in conversations):
+            raise TypeError("messages must be a list of {'role': str, 'content': str} dicts, or a list of such lists")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError("chat_template_kwargs must be a dict")
+        items = []
+        for i, conv in enumerate(conversations):
+            text = self.tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+            items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
+        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
         """Queue one request for step()-driven serving; returns its request id."""
-        (text, token_ids), = self._normalize_prompts([prompt])
+        if request_id is not None and (not isinstance(request_id, str) or request_id in self._requests):
+            raise ValueError(f"request_id must be a new string, got {request_id!r}")
+        text, token_ids = self._normalize_prompt(0, prompt)
         sp, = self._normalize_params(sampling_params, 1)
-        return self._add(text, token_ids, sp)
+        return self._add(text, token_ids, sp, request_id)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
+        the next step() reports them with finish_reason "abort". Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is None or state.finished:
+                continue
+            for c in state.completions:
+                self.engine.finish(c.seq, "abort")
+            self._dirty[rid] = None
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
-        try:
-            finished, _, _ = self.engine.step()
-        except BaseException:
-            self._drop_aborted()
-            raise
-        return [self._output(self._requests.pop(str(seq.seq_id))) for seq in finished
-                if str(seq.seq_id) in self._requests]
+        """Run one engine step; returns an output for every request that progressed (per its output_kind),
+        including what happened to step()-driven requests since the last call."""
+        if self.engine.has_unfinished():
+            self._engine_step()
+        outputs = []
+        for rid in list(self._dirty):
+            del self._dirty[rid]
+            state = self._requests[rid]
+            out = state.output()
+            if out is not None:
+                outputs.append(out)
+            if state.finished:
+                self._forget(state)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_unfinished() or bool(self._dirty)
 
-    def _drop_aborted(self) -> None:
-        for request_id in [i for i, (_, seq) in self._requests.items() if seq.finish_reason == "abort"]:
-            del self._requests[request_id]
+    def _engine_step(self) -> tuple[int, bool]:
+        """One engine step: detokenize, match stop strings, mark the requests that progressed."""
+        try:
+            progressed, num_tokens, is_prefill = self.engine.step()
+        except BaseException:
+            for state in list(self._requests.values()):     # the engine failed them all; the error says why
+                self._forget(state)
+            self._dirty.clear()
+            raise
+        for seq in progressed:
+            state = self._by_seq[seq.seq_id]
+            stop = state.update(seq)
+            if stop is not None:
+                self.engine.finish(seq, "stop", stop)
+                state.update(seq)
+            self._dirty[state.request_id] = None
+        return num_tokens, is_prefill
 
-    def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams) -> str:
-        request_id = next(self._request_ids)
-        seed = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + request_id) % (1 << 63)
-        seq = Sequence(request_id, token_ids, temperature=sp.temperature, max_tokens=sp.max_tokens,
-                       ignore_eos=sp.ignore_eos, seed=seed)
-        self.engine.add(seq)
-        self._requests[str(request_id)] = (text, seq)
-        return str(request_id)
-
-    def _output(self, entry) -> RequestOutput:
-        text, seq = entry
-        completion = seq.completion_token_ids
-        return RequestOutput(
-            request_id=str(seq.seq_id), prompt=text, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, self.tokenizer.decode(completion, skip_special_tokens=True), completion,
-                                      seq.finish_reason)],
-            finished=seq.is_finished,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
-
-    def _run(self, total: int, use_tqdm: bool) -> None:
+    def _generate(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+        ids = [self._add(text, token_ids, sp) for (text, token_ids), sp in zip(items, params)]
+        mine = [self._requests[i] for i in ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
+            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
         prefill_tps = decode_tps = 0.0
+        done = 0
         try:
-            while self.engine.has_unfinished():
+            while not all(s.finished for s in mine):
                 start = time.perf_counter()
-                finished, num_tokens, is_prefill = self.engine.step()
+                num_tokens, is_prefill = self._engine_step()
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-                if is_prefill:
-                    prefill_tps = rate
-                else:
-                    decode_tps = rate
+                prefill_tps, decode_tps = (rate, decode_tps) if is_prefill else (prefill_tps, rate)
                 if bar is not None:
+                    now_done = sum(s.finished for s in mine)
                     bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
-                    bar.update(len(finished))
+                    bar.update(now_done - done)
+                    done = now_done
         finally:
             if bar is not None:
                 bar.close()
+        outputs = []
+        for state in mine:
+            outputs.append(state.output(full=True))
+            self._dirty.pop(state.request_id, None)
+            self._forget(state)
+        return outputs
+
+    def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None) -> str:
+        number = next(self._request_numbers)
+        request_id = str(number) if request_id is None else request_id
+        base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
+        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i)
+                for i in range(sp.n)]
+        seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
+        self.engine.add(seqs[0])
+        state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_text_of)
+        self._requests[request_id] = state
+        for seq in seqs:
+            self._by_seq[seq.seq_id] = state
+        return request_id
+
+    def _forget(self, state: RequestState) -> None:
+        self._requests.pop(state.request_id, None)
+        for c in state.completions:
+            self._by_seq.pop(c.seq.seq_id, None)
+
+    def _token_text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def close(self) -> None:
         self.engine.close()
@@ -180,3 +255,8 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_conversation(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)

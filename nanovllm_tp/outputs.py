@@ -1,5 +1,16 @@
-"""Results with vLLM's shape: RequestOutput.outputs[0].text / .token_ids / .finish_reason."""
+"""Results with vLLM's shape: RequestOutput.outputs[i].text / .token_ids / .logprobs / .finish_reason."""
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None             # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the chosen token and the top-N, by token id.
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
@@ -7,19 +18,35 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None      # "stop" (EOS) or "length" (max_tokens / max_model_len)
+    cumulative_logprob: float | None = None      # None unless logprobs were asked for
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None             # "stop", "length" or "abort"; None while running
+    stop_reason: int | str | None = None         # the stop string or stop token id that ended it (None for EOS)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
 class RequestMetrics:
     """time.perf_counter() timestamps of one request."""
     arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_generation_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
+        """Time to first token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -27,6 +54,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None

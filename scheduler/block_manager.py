@@ -53,8 +53,9 @@ class BlockManager:
         return hash((prefix_hash, token_ids))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids holding the longest cached prefix of seq, leaving at least one token to compute (none for a
+        prompt whose logprobs are still owed: they need the logits of every position)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logits:
             return []
         hits, prefix_hash = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -91,6 +92,10 @@ class BlockManager:
             seq.block_table.append(self.take_block())
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_prefix_hit_tokens += seq.num_cached_tokens
+
+    def share(self, block_id: int) -> None:
+        """One more owner of an allocated block (a forked sequence reading its sibling's prompt KV)."""
+        self.blocks[block_id].ref_count += 1
 
     def take_block(self) -> int:
         """A free block, evicting whatever cache entry it held; its ref count becomes 1."""

@@ -8,6 +8,7 @@ a block or finish. The scheduler drops the batch whenever its running queue chan
 import numpy as np
 
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
+from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence
 
 _WIDTH_HEADROOM = 8    # spare block-table columns, so growing sequences rarely force a resize
@@ -25,10 +26,7 @@ class DecodeBatch:
         for i, s in enumerate(seqs):
             self.block_tables[i, :len(s.block_table)] = s.block_table
         self.completion = np.fromiter((s.num_completion_tokens for s in seqs), np.int64, n)
-        self.max_tokens = np.fromiter((s.max_tokens for s in seqs), np.int64, n)
-        self.ignore_eos = np.fromiter((s.ignore_eos for s in seqs), np.bool_, n)
-        self.temperatures = np.fromiter((s.temperature for s in seqs), np.float32, n)
-        self.seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
+        self.rows = rows_of(seqs)        # sampling knobs and stop limits (scheduler/rows.py)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -50,9 +48,10 @@ class DecodeBatch:
         return StepPlan(step_id=step_id, kind=DECODE, input_ids=self.last_tokens.copy(), positions=pos.copy(),
                         slot_mapping=slots, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
                         context_lens=(pos + 1).astype(np.int32),
-                        block_tables=self.block_tables[:, :int(self.num_blocks.max())].copy(),
-                        temperatures=self.temperatures.copy(), seeds=self.seeds.copy(),
-                        sample_index=self.completion.copy())
+                        block_tables=self.block_tables[:, :int(self.num_blocks.max())].copy())
+
+    def sampling(self) -> SamplingBatch:
+        return SamplingBatch(self.seqs, self.rows, self.completion.copy())
 
     def advance(self, tokens: np.ndarray) -> None:
         """Every row computed its token and sampled the next one."""
@@ -63,6 +62,5 @@ class DecodeBatch:
     def keep(self, mask: np.ndarray) -> None:
         """Drop the rows where mask is False (finished sequences)."""
         self.seqs = [s for s, k in zip(self.seqs, mask.tolist()) if k]
-        for name in ("positions", "last_tokens", "num_blocks", "block_tables", "completion", "max_tokens",
-                     "ignore_eos", "temperatures", "seeds"):
+        for name in ("positions", "last_tokens", "num_blocks", "block_tables", "completion", "rows"):
             setattr(self, name, getattr(self, name)[mask])

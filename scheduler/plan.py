@@ -1,7 +1,8 @@
 """StepPlan: the one thing that crosses from the scheduler to the workers.
 
 Flat numpy arrays and ints only; encoded with msgpack (each array as dtype, shape, raw bytes), never pickled.
-Rows are sequences, tokens are the flattened new tokens of all rows in row order.
+Rows are sequences, tokens are the flattened new tokens of all rows in row order. Sampling state never travels:
+it stays on rank 0 (scheduler/rows.py).
 """
 from dataclasses import dataclass, fields
 
@@ -22,9 +23,10 @@ class StepPlan:
     cu_seqlens_q: np.ndarray   # int32 [rows + 1] new tokens per row, cumulated
     context_lens: np.ndarray   # int32 [rows]     KV length per row after this step (cached + new)
     block_tables: np.ndarray   # int32 [rows, max_blocks] padded with -1
-    temperatures: np.ndarray   # float32 [rows]   0 = greedy
-    seeds: np.ndarray          # int64 [rows]
-    sample_index: np.ndarray   # int64 [rows]     how many tokens the row generated before this one
+    prompt_logits: np.ndarray | None = None   # bool [rows]: logits at every token of the row, not just its last
+                                              # (prompt logprobs); None = last token of every row
+    block_copies: np.ndarray | None = None    # int32 [copies, 2]: (src, dst) blocks copied in every layer before
+                                              # the forward (a forked sequence's partly filled last block)
 
     @property
     def num_rows(self) -> int:
@@ -53,7 +55,7 @@ class StepPlan:
         raw = msgpack.unpackb(data, raw=False)
         kwargs = {}
         for f in fields(cls):
-            value = raw[f.name]
+            value = raw.get(f.name)
             if isinstance(value, list):
                 dtype, shape, buf = value
                 value = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)

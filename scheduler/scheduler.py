@@ -15,7 +15,10 @@ import numpy as np
 from nanovllm_tp.scheduler.block_manager import BlockManager
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan
+from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
+
+_REASONS = {LENGTH: "length"}    # every other finish code is "stop"
 
 
 @dataclass(slots=True)
@@ -46,16 +49,41 @@ class Scheduler:
         self.scheduled: list[Sequence] = []
         self.scheduled_kind = PREFILL
         self.decode_batch: DecodeBatch | None = None    # valid while decode steps follow each other
+        self.sampling: SamplingBatch | None = None       # the scheduled step's rows that produce a token
+        # rows that want every prompt logit: (seq, first logits row, first position, tokens)
+        self.prompt_chunks: list[tuple[Sequence, int, int, int]] = []
+        self._copies: list[tuple[int, int]] = []         # block copies the next plan carries (forks)
         self._eos_array = np.array(sorted(self.eos), dtype=np.int64)
         self.step_id = 0
         self.num_preemptions = 0
         self.num_mixed_steps = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request; its n > 1 siblings (seq.forks) start from its prompt KV when its prefill ends."""
         if not 0 < seq.num_tokens < self.config.max_model_len:
             raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens; it needs 1 to "
                              f"{self.config.max_model_len - 1} (max_model_len={self.config.max_model_len})")
         self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End an unfinished sequence from outside (abort, a stop string): it leaves its queue, its blocks are
+        freed at once, and siblings it has not started yet end with it."""
+        if seq.is_finished:
+            return
+        if self.scheduled:
+            raise RuntimeError("finish() between schedule() and postprocess()")
+        for child in seq.forks:
+            self.finish(child, reason, stop_reason)
+        seq.forks = []
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.decode_batch = None
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason, seq.finish_time = reason, stop_reason, time.perf_counter()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,8 +111,15 @@ class Scheduler:
                 return None
             batch = self.decode_batch = DecodeBatch(seqs, self.block_size)
         self.scheduled, self.scheduled_kind = batch.seqs, DECODE
+        self.sampling, self.prompt_chunks = batch.sampling(), []
         self.step_id += 1
-        return batch.plan(self.step_id)
+        plan = batch.plan(self.step_id)
+        plan.block_copies = self._take_copies()
+        return plan
+
+    def _take_copies(self) -> np.ndarray | None:
+        copies, self._copies = self._copies, []
+        return np.asarray(copies, np.int32).reshape(-1, 2) if copies else None
 
     def _grow(self, batch: DecodeBatch) -> bool:
         """Give the batch's rows the blocks their next token needs; False when the pool is short (then the
@@ -181,85 +216,136 @@ class Scheduler:
         cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
         positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
         slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
+        logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
+        self.prompt_chunks = [(s, int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))
+                              for i, s in enumerate(seqs) if all_logits[i]]
+        self.sampling = self._prefill_sampling(seqs, logits_end - 1)
         return StepPlan(
             step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
             slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
             context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
-            temperatures=np.fromiter((s.temperature for s in seqs), np.float32, rows),
-            seeds=np.fromiter((s.seed for s in seqs), np.int64, rows),
-            sample_index=np.fromiter((s.num_completion_tokens for s in seqs), np.int64, rows),
+            prompt_logits=all_logits if all_logits.any() else None, block_copies=self._take_copies(),
         )
 
+    @staticmethod
+    def _prefill_sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:
+        """Rows whose prompt is complete after this step sample a token (a middle chunk does not); a prompt
+        with unstarted siblings samples theirs from the same logits."""
+        entries, logits_index = [], []
+        for i, seq in enumerate(seqs):
+            if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                continue
+            for s in (seq, *seq.forks):
+                entries.append(s)
+                logits_index.append(last_logits[i])
+        index = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
+        return SamplingBatch(entries, rows_of(entries), index, np.asarray(logits_index, np.int64))
+
     def postprocess(self, token_ids: list[int]) -> list[Sequence]:
-        """Apply one sampled token per scheduled row; return the sequences that finished."""
+        """Apply the sampled tokens, one per entry of self.sampling; return the sequences that got a token
+        (finished ones have status FINISHED and a finish_reason)."""
+        if self.sampling is None:
+            raise RuntimeError("postprocess() without a scheduled step")
         seqs, self.scheduled = self.scheduled, []
-        if len(token_ids) != len(seqs):
-            raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled rows")
+        entries, self.sampling = self.sampling.seqs, None
+        if len(token_ids) != len(entries):
+            raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(entries)} sampling rows")
         if self.scheduled_kind == DECODE:
             return self._postprocess_decode(token_ids)
-        bm, finished, now = self.block_manager, [], time.perf_counter()
-        for seq, token_id in zip(seqs, token_ids):
+        bm, now = self.block_manager, time.perf_counter()
+        for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             bm.hash_blocks(seq)
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens < seq.num_tokens:
-                continue           # a middle chunk of a prefill: its sample is not a real token
+        for seq in entries:
+            if seq.forks:
+                for child in seq.forks:
+                    self._start_fork(seq, child)
+                seq.forks = []
+        for seq, token_id in zip(entries, token_ids):
             seq.token_ids.append(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq, token_id)
-            if reason:
-                self._finish(seq, reason, now)
-                finished.append(seq)
-        return finished
+            seq.last_token_time = now
+        tokens = np.asarray(token_ids, np.int64)
+        completion = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
+        total = np.fromiter((s.num_tokens for s in entries), np.int64, len(entries))
+        codes = finish_codes(entries, rows_of(entries), tokens, completion, total, self._eos_array,
+                             self.config.max_model_len)
+        for e in np.flatnonzero(codes != RUNNING).tolist():
+            self._finish(entries[e], int(codes[e]), int(tokens[e]), now)
+        return entries
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.ignore_eos and token_id in self.eos:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+    def _start_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A sibling of an n > 1 request joins with the parent's prompt KV: full blocks shared, the partly
+        filled last block copied (the next plan carries the copy). Short of a block, it queues to recompute."""
+        bm, bs = self.block_manager, self.block_size
+        full = parent.num_prompt_tokens // bs
+        partial = parent.num_prompt_tokens % bs != 0
+        if partial and bm.num_free_blocks == 0:
+            self.waiting.appendleft(child) if not (self.waiting and self.waiting[0].block_table) \
+                else self.waiting.insert(1, child)
+            return
+        for block_id in parent.block_table[:full]:
+            bm.share(block_id)
+        child.block_table = parent.block_table[:full]
+        if partial:
+            dst = bm.take_block()
+            self._copies.append((parent.block_table[full], dst))
+            child.block_table.append(dst)
+        child.num_cached_tokens = parent.num_prompt_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self.decode_batch = None
 
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+    def _finish(self, seq: Sequence, code: int, token_id: int, now: float) -> None:
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason, seq.finish_time = reason, now
+        seq.finish_reason = _REASONS.get(code, "stop")
+        seq.stop_reason = token_id if code == STOP_TOKEN else None
+        seq.finish_time = now
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)      # a fork that queued to recompute
 
     def _postprocess_decode(self, token_ids: list[int]) -> list[Sequence]:
-        batch, bm = self.decode_batch, self.block_manager
+        batch, bm, now = self.decode_batch, self.block_manager, time.perf_counter()
         for seq, token_id in zip(batch.seqs, token_ids):
             seq.token_ids.append(token_id)
             seq.num_cached_tokens += 1
+            seq.last_token_time = now
         if bm.enable_prefix_caching:     # rows whose token just completed a block
             for row in np.flatnonzero((batch.positions + 1) % self.block_size == 0).tolist():
                 bm.hash_block(batch.seqs[row], int(batch.positions[row]) // self.block_size)
         tokens = np.asarray(token_ids, dtype=np.int64)
+        progressed = batch.seqs
         batch.advance(tokens)
-        stop = (tokens[:, None] == self._eos_array[None, :]).any(axis=1) & ~batch.ignore_eos
-        done = stop | (batch.completion >= batch.max_tokens) | (batch.positions + 1 >= self.config.max_model_len)
+        codes = finish_codes(batch.seqs, batch.rows, tokens, batch.completion, batch.positions + 1,
+                             self._eos_array, self.config.max_model_len)
+        done = codes != RUNNING
         if not done.any():
-            return []
-        now, finished = time.perf_counter(), []
+            return progressed
         for row in np.flatnonzero(done).tolist():
-            seq = batch.seqs[row]
-            self._finish(seq, "stop" if stop[row] else "length", now)
-            finished.append(seq)
+            self._finish(batch.seqs[row], int(codes[row]), int(tokens[row]), now)
         batch.keep(~done)
         if len(batch) == 0 or len(self.running) > len(batch):
             self.decode_batch = None      # rows that were waiting for room in the batch join it next step
-        return finished
+        return progressed
 
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence and free its blocks (used when a step fails)."""
         dropped = list(self.waiting) + [s for s in self.running if s not in self.waiting]
+        dropped += [child for s in dropped for child in s.forks]
         for seq in dropped:
+            seq.forks = []
             if seq.block_table:
                 self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
         self.waiting.clear()
         self.running.clear()
-        self.scheduled = []
+        self.scheduled, self.sampling, self._copies = [], None, []
         self.decode_batch = None
         return dropped

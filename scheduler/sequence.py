@@ -1,6 +1,10 @@
-"""A request as the scheduler sees it: tokens so far, how many have KV, and the blocks holding that KV."""
+"""A request as the scheduler sees it: tokens so far, how many have KV, the blocks holding that KV, and the
+request's SamplingParams (held, not copied field by field)."""
 import time
 from enum import IntEnum
+
+from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.scheduler.rows import row_record
 
 
 class SequenceStatus(IntEnum):
@@ -11,12 +15,17 @@ class SequenceStatus(IntEnum):
 
 class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
-                 "num_scheduled_tokens", "block_table", "temperature", "max_tokens", "ignore_eos",
-                 "seed", "finish_reason",
-                 "arrival_time", "first_token_time", "finish_time")
+                 "num_scheduled_tokens", "block_table", "params", "seed", "row", "forks", "index",
+                 "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
+                 "arrival_time", "first_token_time", "last_token_time", "finish_time")
 
-    def __init__(self, seq_id: int, token_ids: list[int], *, temperature: float = 0.0,
-                 max_tokens: int = 16, ignore_eos: bool = False, seed: int = 0):
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
+                 seed: int = 0, index: int = 0, **sampling):
+        """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise)."""
+        if params is None:
+            params = SamplingParams(**{"temperature": 0.0, **sampling})
+        elif sampling:
+            raise TypeError("pass either params or sampling keyword arguments, not both")
         self.seq_id = seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -24,15 +33,27 @@ class Sequence:
         self.num_cached_tokens = 0       # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0    # tokens computed in the step being run
         self.block_table: list[int] = []
-        self.temperature = float(temperature)
-        self.max_tokens = max_tokens
-        self.ignore_eos = ignore_eos
+        self.params = params
         self.seed = seed
-        self.finish_reason: str | None = None
+        self.row = row_record(params, seed)     # this request's entry of the per-row sampling arrays
+        self.forks: list[Sequence] = []         # siblings of an n > 1 request, started when this prefill ends
+        self.index = index                      # which of the request's n completions this is
+        self.finish_reason: str | None = None   # "stop", "length" or "abort"
+        self.stop_reason: int | str | None = None
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         # perf_counter() timestamps, for latency figures (TTFT, TPOT)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def fork(self, seq_id: int, seed: int, index: int) -> "Sequence":
+        """A sibling completion of the same prompt (n > 1), sharing this sequence's prompt."""
+        child = Sequence(seq_id, self.token_ids[:self.num_prompt_tokens], self.params, seed=seed, index=index)
+        child.arrival_time = self.arrival_time
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -52,6 +73,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.params.max_tokens
+
+    @property
+    def ignore_eos(self) -> bool:
+        return self.params.ignore_eos
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such a prompt is computed in full."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size

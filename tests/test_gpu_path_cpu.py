@@ -89,8 +89,7 @@ def make_decode_plan(context_lens, block_tables, block_size, vocab=1000, seed=0)
     return StepPlan(step_id=1, kind=DECODE, input_ids=rng.integers(0, vocab, rows).astype(np.int64),
                     positions=positions, slot_mapping=slots,
                     cu_seqlens_q=np.arange(rows + 1, dtype=np.int32), context_lens=context_lens,
-                    block_tables=table, temperatures=np.zeros(rows, np.float32), seeds=np.zeros(rows, np.int64),
-                    sample_index=np.zeros(rows, np.int64))
+                    block_tables=table)
 
 
 def test_decode_inputs_fill_pads_and_leaves_no_stale_rows():

@@ -112,14 +112,28 @@ def run(sched: Scheduler, model, on_step=None, max_steps=5_000) -> list[tuple[St
     while (plan := sched.schedule()) is not None:
         rows = list(sched.scheduled)
         steps.append((plan, rows))
-        sched.postprocess(model(plan))
+        postprocess(sched, model(plan))
         if on_step is not None:
             on_step(sched, plan, rows)
         assert len(steps) < max_steps, "scheduler does not terminate"
     return steps
 
 
-def assert_plan(plan: StepPlan, **expected):
+def postprocess(sched: Scheduler, row_tokens) -> list[Sequence]:
+    """Hand the scheduler the tokens of the rows that sample (row_tokens has one per plan row, as the fake model
+    computes them); returns the sequences that finished."""
+    index = {id(s): i for i, s in enumerate(sched.scheduled)}
+    progressed = sched.postprocess([row_tokens[index[id(s)]] for s in sched.sampling.seqs])
+    return [s for s in progressed if s.is_finished]
+
+
+def assert_plan(plan: StepPlan, sched: Scheduler, **expected):
+    """Plan fields, and sample_index (per plan row) of the rows that sample this step."""
+    if "sample_index" in expected:
+        want = expected.pop("sample_index")
+        rows = list(sched.scheduled)
+        got = [int(i) for i in sched.sampling.sample_index]
+        assert got == [want[rows.index(s)] for s in sched.sampling.seqs], "sample_index"
     for name, value in expected.items():
         got = getattr(plan, name)
         if isinstance(got, np.ndarray):
@@ -152,7 +166,7 @@ def test_prefill_then_decode_plans_are_exact():
     sched.add(a)
     sched.add(b)
     plan = sched.schedule()
-    assert_plan(plan, kind=PREFILL, step_id=1,
+    assert_plan(plan, sched, kind=PREFILL, step_id=1,
                 input_ids=[10, 11, 12, 13, 14, 15, 20, 21, 22],
                 positions=[0, 1, 2, 3, 4, 5, 0, 1, 2],
                 slot_mapping=[0, 1, 2, 3, 4, 5, 8, 9, 10],      # block*4+offset
@@ -160,20 +174,20 @@ def test_prefill_then_decode_plans_are_exact():
                 block_tables=[[0, 1], [2, -1]], sample_index=[0, 0])
     assert plan.input_ids.dtype == np.int64 and plan.cu_seqlens_q.dtype == np.int32
     assert plan.block_tables.dtype == np.int32 and plan.slot_mapping.dtype == np.int64
-    assert sched.postprocess([100, 200]) == []
+    assert postprocess(sched, [100, 200]) == []
 
     # Decode: one row per sequence, the last sampled token at position len-1.
     plan = sched.schedule()
-    assert_plan(plan, kind=DECODE, step_id=2, input_ids=[100, 200], positions=[6, 3],
+    assert_plan(plan, sched, kind=DECODE, step_id=2, input_ids=[100, 200], positions=[6, 3],
                 slot_mapping=[1 * 4 + 2, 2 * 4 + 3], cu_seqlens_q=[0, 1, 2], context_lens=[7, 4],
                 block_tables=[[0, 1], [2, -1]], sample_index=[1, 1])
-    sched.postprocess([101, 201])
+    postprocess(sched, [101, 201])
 
     # B's next token (position 4) crosses into a new block: the next free one, 3.
     plan = sched.schedule()
-    assert_plan(plan, kind=DECODE, input_ids=[101, 201], positions=[7, 4], slot_mapping=[7, 12],
+    assert_plan(plan, sched, kind=DECODE, input_ids=[101, 201], positions=[7, 4], slot_mapping=[7, 12],
                 context_lens=[8, 5], block_tables=[[0, 1], [2, 3]], sample_index=[2, 2])
-    sched.postprocess([102, 202])
+    postprocess(sched, [102, 202])
     assert a.completion_token_ids == [100, 101, 102] and b.completion_token_ids == [200, 201, 202]
 
 
@@ -186,23 +200,23 @@ def test_chunked_prefill_plans_and_middle_chunk_samples_are_dropped():
     sched.add(b)
 
     plan = sched.schedule()
-    assert_plan(plan, kind=PREFILL, input_ids=[30, 31, 32, 33], positions=[0, 1, 2, 3], slot_mapping=[0, 1, 2, 3],
+    assert_plan(plan, sched, kind=PREFILL, input_ids=[30, 31, 32, 33], positions=[0, 1, 2, 3], slot_mapping=[0, 1, 2, 3],
                 cu_seqlens_q=[0, 4], context_lens=[4], block_tables=[[0, 1, 2]], sample_index=[0])
-    assert sched.postprocess([777]) == []
+    assert postprocess(sched, [777]) == []
     assert a.num_tokens == 10 and a.num_cached_tokens == 4          # the middle-chunk sample is dropped
     assert list(sched.waiting) == [a, b] and a.status == SequenceStatus.WAITING
 
     plan = sched.schedule()
-    assert_plan(plan, input_ids=[34, 35, 36, 37], positions=[4, 5, 6, 7], slot_mapping=[4, 5, 6, 7],
+    assert_plan(plan, sched, input_ids=[34, 35, 36, 37], positions=[4, 5, 6, 7], slot_mapping=[4, 5, 6, 7],
                 cu_seqlens_q=[0, 4], context_lens=[8], block_tables=[[0, 1, 2]], sample_index=[0])
-    sched.postprocess([778])
+    postprocess(sched, [778])
     assert a.num_tokens == 10
 
     plan = sched.schedule()
-    assert_plan(plan, kind=PREFILL, input_ids=[38, 39, 50, 51], positions=[8, 9, 0, 1], slot_mapping=[8, 9, 12, 13],
+    assert_plan(plan, sched, kind=PREFILL, input_ids=[38, 39, 50, 51], positions=[8, 9, 0, 1], slot_mapping=[8, 9, 12, 13],
                 cu_seqlens_q=[0, 2, 4], context_lens=[10, 2], block_tables=[[0, 1, 2], [3, -1, -1]],
                 sample_index=[0, 0])
-    sched.postprocess([5, 6])
+    postprocess(sched, [5, 6])
     assert a.completion_token_ids == [5] and b.completion_token_ids == [6]
     assert list(sched.running) == [a, b] and not sched.waiting
 
@@ -216,7 +230,7 @@ def test_only_the_first_sequence_of_a_step_is_chunked():
         sched.add(s)
     plan = sched.schedule()
     assert plan.num_tokens == 6 and list(sched.scheduled) == [a]
-    sched.postprocess([9])
+    postprocess(sched, [9])
     plan = sched.schedule()
     assert plan.kind == MIXED and list(sched.scheduled) == [a, b, c]
     np.testing.assert_array_equal(plan.cu_seqlens_q, [0, 1, 6, 7])
@@ -244,17 +258,17 @@ def test_prefix_hit_plan_is_exact_and_shared_blocks_are_ref_counted():
     bm = sched.block_manager
     a = Sequence(0, list(range(1, 10)), max_tokens=3)
     sched.add(a)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     b = Sequence(1, list(range(1, 9)) + [50, 51], max_tokens=3)
     sched.add(b)
     plan = sched.schedule()
-    assert_plan(plan, kind=MIXED, input_ids=[a.token_ids[9], 50, 51], positions=[9, 8, 9], slot_mapping=[9, 12, 13],
+    assert_plan(plan, sched, kind=MIXED, input_ids=[a.token_ids[9], 50, 51], positions=[9, 8, 9], slot_mapping=[9, 12, 13],
                 cu_seqlens_q=[0, 1, 3], context_lens=[10, 10], block_tables=[[0, 1, 2], [0, 1, 3]],
                 sample_index=[1, 0])
     assert b.num_cached_tokens == 8 and bm.num_prefix_hit_tokens == 8
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     assert bm.num_free_blocks == bm.num_blocks - 4
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert_matches_reference(sched, [a, b])
     assert_all_blocks_free(sched)
@@ -272,9 +286,9 @@ def test_block_aligned_prompt_fully_cached_still_computes_a_token():
     sched.add(again)
     plan = sched.schedule()
     assert plan.num_tokens >= 1
-    assert_plan(plan, input_ids=prompt[4:], positions=[4, 5, 6, 7], context_lens=[8])
+    assert_plan(plan, sched, input_ids=prompt[4:], positions=[4, 5, 6, 7], context_lens=[8])
     assert again.num_cached_tokens == 4 and again.block_table[0] == first_block(sched, prompt)
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert again.completion_token_ids == first.completion_token_ids
     assert_all_blocks_free(sched)
@@ -293,8 +307,8 @@ def test_prompt_of_one_block_plus_one_token_hits_and_computes_one_token():
     s = Sequence(1, prompt, max_tokens=1)
     sched.add(s)
     plan = sched.schedule()
-    assert_plan(plan, input_ids=[5], positions=[4], context_lens=[5])
-    sched.postprocess(model(plan))
+    assert_plan(plan, sched, input_ids=[5], positions=[4], context_lens=[5])
+    postprocess(sched, model(plan))
     assert_matches_reference(sched, [s])
 
 
@@ -336,13 +350,13 @@ def test_fcfs_head_that_does_not_fit_blocks_those_behind_it():
     a = Sequence(0, list(range(1, 13)), max_tokens=3)
     b, c = Sequence(1, list(range(20, 28)), max_tokens=2), Sequence(2, [40], max_tokens=2)
     sched.add(a)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     sched.add(b)
     sched.add(c)
     plan = sched.schedule()
     assert plan.kind == DECODE and list(sched.scheduled) == [a]
     assert list(sched.waiting) == [b, c] and not b.block_table and not c.block_table
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     order = [rows for p, rows in run(sched, model) if p.is_prefill]
     assert order[0][0] is b   # B is prefilled before C
     assert_matches_reference(sched, [a, b, c])
@@ -357,18 +371,18 @@ def test_new_prompt_joins_running_decodes_in_a_mixed_step():
     a = Sequence(0, [1, 2, 3, 4, 5, 6], max_tokens=5, ignore_eos=True)
     b = Sequence(1, [7, 8, 9, 10, 11], max_tokens=4, ignore_eos=True)
     sched.add(a)
-    sched.postprocess(model(sched.schedule()))          # A's prefill: blocks 0, 1
+    postprocess(sched, model(sched.schedule()))          # A's prefill: blocks 0, 1
     plan = sched.schedule()
     assert plan.kind == DECODE
-    sched.postprocess(model(plan))                      # A has 8 tokens, 7 computed
+    postprocess(sched, model(plan))                      # A has 8 tokens, 7 computed
     sched.add(b)
     plan = sched.schedule()
     assert list(sched.scheduled) == [a, b]
-    assert_plan(plan, kind=MIXED, input_ids=[a.token_ids[7], 7, 8, 9, 10, 11], positions=[7, 0, 1, 2, 3, 4],
+    assert_plan(plan, sched, kind=MIXED, input_ids=[a.token_ids[7], 7, 8, 9, 10, 11], positions=[7, 0, 1, 2, 3, 4],
                 slot_mapping=[7, 8, 9, 10, 11, 12], cu_seqlens_q=[0, 1, 6], context_lens=[8, 5],
                 block_tables=[[0, 1], [2, 3]], sample_index=[2, 0])
     assert plan.is_prefill, "mixed steps take the varlen path on the workers"
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     assert a.num_completion_tokens == 3 and b.num_completion_tokens == 1
     run(sched, model)
     assert_matches_reference(sched, [a, b])
@@ -381,14 +395,14 @@ def test_mixed_step_decode_rows_take_their_share_of_the_budgets():
     running = [Sequence(i, [10 * i + 1, 10 * i + 2], max_tokens=20, ignore_eos=True) for i in range(3)]
     for s in running:
         sched.add(s)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     d, e = Sequence(3, list(range(40, 52)), max_tokens=2), Sequence(4, [60], max_tokens=2)
     sched.add(d)
     sched.add(e)
     plan = sched.schedule()
     assert plan.kind == MIXED and list(sched.scheduled) == running + [d]
     assert np.diff(plan.cu_seqlens_q).tolist() == [1, 1, 1, 7] and plan.num_tokens == 10
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     assert d.num_cached_tokens == 7 and not d.completion_token_ids, "a middle chunk samples nothing"
     assert list(sched.waiting) == [d, e]
     run(sched, model)
@@ -402,12 +416,12 @@ def test_full_batch_keeps_the_decode_fast_path():
     a, b = Sequence(0, [1, 2], max_tokens=4), Sequence(1, [3, 4], max_tokens=4)
     sched.add(a)
     sched.add(b)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     c = Sequence(2, [5, 6], max_tokens=2)
     sched.add(c)
     plan = sched.schedule()
     assert plan.kind == DECODE and list(sched.scheduled) == [a, b] and list(sched.waiting) == [c]
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert_matches_reference(sched, [a, b, c])
 
@@ -423,24 +437,24 @@ def test_decode_preempts_the_tail_first_and_it_completes_by_recompute():
                          for i in range(4)]
     for s in seqs:
         sched.add(s)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     plan = sched.schedule()
     assert plan.kind == DECODE and list(sched.scheduled) == [a, b]
-    assert_plan(plan, positions=[4, 4], slot_mapping=[3 * 4, 2 * 4], block_tables=[[0, 3], [1, 2]])
+    assert_plan(plan, sched, positions=[4, 4], slot_mapping=[3 * 4, 2 * 4], block_tables=[[0, 3], [1, 2]])
     assert sched.num_preemptions == 2
     assert list(sched.waiting) == [c, d] and list(sched.running) == [a, b]
     for s in (c, d):
         assert s.status == SequenceStatus.WAITING
         assert s.block_table == [] and s.num_cached_tokens == 0 and s.num_tokens == 5
     generated_before = c.completion_token_ids
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
 
     steps = run(sched, model)
     # C comes back as a prefill of prompt + the token it had sampled (its cached block was evicted by B).
     redo, rows = next((p, rows) for p, rows in steps if c in rows)
     r = rows.index(c)
     lo, hi = redo.cu_seqlens_q[r], redo.cu_seqlens_q[r + 1]
-    assert redo.is_prefill and redo.sample_index[r] == 1
+    assert redo.is_prefill
     assert redo.input_ids[lo:hi].tolist() == c.token_ids[:5] and redo.positions[lo:hi].tolist() == [0, 1, 2, 3, 4]
     assert c.completion_token_ids[:1] == generated_before
     assert_matches_reference(sched, seqs)
@@ -457,12 +471,12 @@ def test_decode_preempts_itself_when_alone():
     c = Sequence(2, list(range(21, 29)), max_tokens=3)
     sched.add(a)
     sched.add(b)
-    sched.postprocess(model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))
     sched.add(c)
     plan = sched.schedule()
     assert plan.kind == DECODE and list(sched.scheduled) == [a] and list(sched.waiting) == [b, c]
     assert b.block_table == [] and sched.num_preemptions == 1
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert_matches_reference(sched, [a, b, c])
     assert_all_blocks_free(sched)
@@ -479,20 +493,20 @@ def test_preempted_sequence_re_hits_its_freed_blocks():
     b = Sequence(1, list(range(11, 20)), max_tokens=4)
     sched.add(a)
     sched.add(b)
-    sched.postprocess(model(sched.schedule()))
-    sched.postprocess(model(sched.schedule()))        # A decodes, B preempted
+    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule()))        # A decodes, B preempted
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
     assert bm.blocks[1].hash is not None and bm.blocks[2].hash is not None   # kept while free
     plan = sched.schedule()                            # B does not fit yet: A decodes and finishes
     assert plan.kind == DECODE and list(sched.scheduled) == [a]
-    assert [s.seq_id for s in sched.postprocess(model(plan))] == [0]
+    assert [s.seq_id for s in postprocess(sched, model(plan))] == [0]
 
     plan = sched.schedule()
     assert list(sched.scheduled) == [b]
-    assert_plan(plan, kind=PREFILL, input_ids=[19, b.token_ids[9]], positions=[8, 9], slot_mapping=[12, 13],
+    assert_plan(plan, sched, kind=PREFILL, input_ids=[19, b.token_ids[9]], positions=[8, 9], slot_mapping=[12, 13],
                 context_lens=[10], block_tables=[[1, 2, 3]], sample_index=[1])
     assert bm.num_prefix_hit_tokens == 8
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert_matches_reference(sched, [a, b])
     assert_all_blocks_free(sched)
@@ -512,7 +526,7 @@ def test_later_identical_prompt_hits_freed_blocks():
     plan = sched.schedule()
     assert plan.num_tokens == 2 and second.num_cached_tokens == 8
     assert [bm.blocks[i].ref_count for i in second.block_table[:2]] == [1, 1]
-    sched.postprocess(model(plan))
+    postprocess(sched, model(plan))
     run(sched, model)
     assert model.num_computed_tokens - computed == 2 + 2    # 2 prompt tokens + 2 decode steps
     assert second.completion_token_ids == first.completion_token_ids
@@ -567,9 +581,9 @@ def test_eos_ids_are_the_configured_ones():
     a, b, c = Sequence(0, [1], max_tokens=4), Sequence(1, [1], max_tokens=4), Sequence(2, [1], max_tokens=4)
     for s in (a, b, c):
         sched.add(s)
-    sched.postprocess(constant(9)(sched.schedule()))
+    postprocess(sched, constant(9)(sched.schedule()))
     sched.schedule()
-    finished = sched.postprocess([3, 4, EOS])   # EOS=0 is not an eos id of this scheduler
+    finished = postprocess(sched, [3, 4, EOS])   # EOS=0 is not an eos id of this scheduler
     assert finished == [a, b] and a.finish_reason == b.finish_reason == "stop" and not c.is_finished
 
 
@@ -636,7 +650,7 @@ def test_schedule_and_postprocess_must_alternate():
     sched.schedule()
     with pytest.raises(RuntimeError):
         sched.schedule()
-    with pytest.raises(RuntimeError, match="1 scheduled"):
+    with pytest.raises(RuntimeError, match="2 sampled tokens for 1 sampling rows"):
         sched.postprocess([1, 2])
 
 
@@ -645,7 +659,7 @@ def test_abort_all_frees_everything():
     seqs = [Sequence(i, list(range(1, 11)), max_tokens=5) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    sched.postprocess(model(sched.schedule()))     # one chunk of seq 0
+    postprocess(sched, model(sched.schedule()))     # one chunk of seq 0
     sched.schedule()                               # a step in flight
     dropped = sched.abort_all()
     assert sorted(s.seq_id for s in dropped) == [0, 1, 2]
@@ -730,7 +744,7 @@ def test_random_stress(seed, block_size, num_blocks, prefix_caching):
             assert plan.num_tokens == plan.num_rows
         for slot in plan.slot_mapping:    # KV is never written into a block another sequence reads
             assert bm.blocks[int(slot) // block_size].ref_count == 1
-        finished = sched.postprocess(model(plan))
+        finished = postprocess(sched, model(plan))
         assert all(s.is_finished and not s.block_table for s in finished)
         check_invariants(sched)
         num_steps += 1
@@ -768,7 +782,7 @@ def _plan_stream(seed: int, rebuild_every_decode: bool, monkeypatch) -> tuple[li
             sched.add(pending.popleft())
         plan = sched.schedule()
         plans.append(plan.encode())
-        sched.postprocess(model(plan))
+        postprocess(sched, model(plan))
     monkeypatch.undo()
     return plans, [s.completion_token_ids for s in seqs]
 

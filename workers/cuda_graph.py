@@ -128,10 +128,10 @@ def profile_kv_budget(runner, config) -> int:
         runner.model.compute_logits(runner.model(torch.zeros(tokens, dtype=torch.long, device=device), positions))
     finally:
         reset_context()
+    from nanovllm_tp.layers.sampler import run_worst_case
     # The sampler's [rows, vocab] temporaries for a full decode batch count towards the peak too.
     rows, vocab = config.max_num_seqs, config.model_config.vocab_size
-    runner.sampler(torch.zeros(rows, vocab, device=device), torch.ones(rows, device=device),
-                   torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+    run_worst_case(device, rows, vocab)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()     # cached activation blocks are free for KV; the peak below accounts for them
     free, total = torch.cuda.mem_get_info(device)

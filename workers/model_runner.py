@@ -1,4 +1,4 @@
-"""Turns a StepPlan into tensors, runs this rank's shard of the model, and (on rank 0) samples.
+"""Turns a StepPlan into tensors and runs this rank's shard of the model (rank 0's engine samples).
 
 Every rank runs the same code on the same plan; only rank 0 receives logits (gathered from the LM head).
 """
@@ -9,8 +9,9 @@ import torch
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
+import numpy as np
+
 from nanovllm_tp.layers.attention import Attention, get_attention_backend
-from nanovllm_tp.layers.sampler import Sampler
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
@@ -33,7 +34,6 @@ class ModelRunner:
         load_model(self.model, config.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sampler = Sampler()
         self.num_kv_blocks = 0
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
 
@@ -74,12 +74,30 @@ class ModelRunner:
             block_tables=self._to_device(plan.block_tables),
             has_cached_prefix=bool((context_lens > q_lens).any()),
             context_lens_cpu=context_lens.tolist(), q_lens_cpu=q_lens.tolist(),
+            logits_indices=None if plan.prompt_logits is None else self._to_device(self.logits_indices(plan)),
         ))
         return self._to_device(plan.input_ids), self._to_device(plan.positions)
 
+    @staticmethod
+    def logits_indices(plan: StepPlan) -> np.ndarray:
+        """Every token of the rows flagged in plan.prompt_logits, the last token of the others."""
+        cu = plan.cu_seqlens_q.astype(np.int64)
+        return np.concatenate([np.arange(cu[i] if flag else cu[i + 1] - 1, cu[i + 1])
+                               for i, flag in enumerate(plan.prompt_logits.tolist())])
+
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        """Copy whole KV blocks (src -> dst) in every layer."""
+        src = torch.from_numpy(copies[:, 0].astype(np.int64)).to(self.device)
+        dst = torch.from_numpy(copies[:, 1].astype(np.int64)).to(self.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Forward one step; logits [rows, vocab] on rank 0, None on the other ranks."""
+        """Forward one step; logits on rank 0 (a row per sampled token, plus every prompt token of the rows in
+        plan.prompt_logits), None on the other ranks."""
+        if plan.block_copies is not None and len(plan.block_copies):
+            self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
             return self.graphs.run(plan)
         input_ids, positions = self.prepare(plan)
@@ -87,12 +105,6 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
-
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, plan: StepPlan) -> list[int]:
-        tokens = self.sampler(logits, self._to_device(plan.temperatures), self._to_device(plan.seeds),
-                              self._to_device(plan.sample_index))
-        return tokens.tolist()
 
     def release(self) -> None:
         self.graphs = None

@@ -34,11 +34,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last token of each row, gathered whole on rank 0 (None elsewhere)."""
+    """Logits for the last token of each row (or the tokens the context names), gathered whole on rank 0
+    (None elsewhere)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
-        if ctx.is_prefill:
+        if ctx.logits_indices is not None:
+            hidden = hidden[ctx.logits_indices]
+        elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
         logits = gather_last_dim_to_rank0(F.linear(hidden, self.weight))
         return logits[:, :self.vocab_size] if logits is not None else None

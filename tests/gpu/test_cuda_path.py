@@ -90,8 +90,7 @@ def decode_plan(context_lens, block_size, first_block=0, vocab=2003, seed=0) -> 
     slots = table[np.arange(rows), positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepPlan(step_id=1, kind=DECODE, input_ids=rng.integers(0, vocab, rows).astype(np.int64),
                     positions=positions, slot_mapping=slots, cu_seqlens_q=np.arange(rows + 1, dtype=np.int32),
-                    context_lens=context_lens, block_tables=table, temperatures=np.zeros(rows, np.float32),
-                    seeds=np.zeros(rows, np.int64), sample_index=np.zeros(rows, np.int64))
+                    context_lens=context_lens, block_tables=table)
 
 
 # ------------------------------------------------------------------------ (a) eager vs CUDA graphs

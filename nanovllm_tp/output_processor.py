@@ -1,0 +1,154 @@
+"""Rank 0's side of a request after sampling: incremental detokenization, stop strings, and RequestOutputs
+(cumulative, delta or final only). Torch-free.
+
+Text grows token by token. Each new token is decoded in a small window with the tokens before it (so a leading
+space or a multi-byte character split across tokens comes out right) and is only added once the window no
+longer ends in an incomplete character. Stop strings are searched in the newly added text plus the tail that a
+stop string could straddle; while a request runs, the last len(longest stop) - 1 characters are held back, so
+nothing past a stop is ever emitted.
+"""
+from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
+
+_CONTEXT_TOKENS = 6      # prompt tokens that seed the first decode window
+
+
+class Detokenizer:
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_special")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.text = ""
+        self.skip_special = skip_special_tokens
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: list[int], final: bool = False) -> int:
+        """Append tokens; returns how many characters the text grew by. `final` flushes an incomplete tail."""
+        before = len(self.text)
+        for t in token_ids:
+            self.ids.append(t)
+            self._advance(False)
+        if final:
+            self._advance(True)
+        return len(self.text) - before
+
+    def _advance(self, final: bool) -> None:
+        if self.read_offset == len(self.ids):
+            return
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+
+class _Completion:
+    __slots__ = ("seq", "detok", "num_detok", "sent_chars", "sent_tokens", "sent_logprobs")
+
+    def __init__(self, seq, detok: Detokenizer):
+        self.seq, self.detok = seq, detok
+        self.num_detok = 0                     # completion tokens given to the detokenizer
+        self.sent_chars = self.sent_tokens = self.sent_logprobs = 0
+
+
+class RequestState:
+    """One request (its n completions) on rank 0, between the engine and the caller."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 seqs: list, tokenizer, token_text):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.completions = [_Completion(s, Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
+                            for s in seqs]
+        self.token_text = token_text           # token id -> its text, for logprobs
+        self.sent_prompt_logprobs = False
+        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1 \
+            if not params.include_stop_str_in_output else 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+    def update(self, seq) -> str | None:
+        """Detokenize what seq generated since the last call; a matched stop string is returned (the text is
+        already cut) and the caller ends the sequence."""
+        c = next(c for c in self.completions if c.seq is seq)
+        ids = seq.completion_token_ids
+        new = ids[c.num_detok:]
+        p = self.params
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if new and stopped_by_token and not p.include_stop_str_in_output:
+            new = new[:-1]                      # an EOS / stop id ends the request without its text
+        c.num_detok = len(ids)
+        grew = c.detok.add(new, final=seq.is_finished)
+        if not p.stop_strings or seq.is_finished or len(ids) <= p.min_tokens:
+            return None
+        return self._match_stop(c.detok, grew)
+
+    def _match_stop(self, detok: Detokenizer, grew: int) -> str | None:
+        p, text = self.params, detok.text
+        longest = max(len(s) for s in p.stop_strings)
+        start = max(0, len(text) - grew - longest + 1)
+        best = None
+        for stop in p.stop_strings:
+            i = text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        detok.text = text[:i + len(stop)] if p.include_stop_str_in_output else text[:i]
+        detok.prefix_offset = detok.read_offset = len(detok.ids)     # nothing after the stop is decoded
+        return stop
+
+    def output(self, full: bool = False) -> RequestOutput | None:
+        """This request's output now, per its output_kind (full: everything, whatever the kind)."""
+        kind = RequestOutputKind.CUMULATIVE if full else self.params.output_kind
+        finished = self.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        outs = [o for o in (self._completion(c, delta) for c in self.completions) if o is not None]
+        prompt_lp = None
+        if self.completions[0].seq.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):
+            prompt_lp = [None] + [self._position(self.prompt_ids[i + 1], e)
+                                  for i, e in enumerate(self.completions[0].seq.prompt_logprobs[1:])]
+            self.sent_prompt_logprobs = True
+        if delta and not outs and not finished:
+            return None
+        seq = self.completions[0].seq
+        metrics = RequestMetrics(seq.arrival_time, min((c.seq.first_token_time for c in self.completions
+                                                        if c.seq.first_token_time is not None), default=None),
+                                 max((c.seq.last_token_time or 0.0 for c in self.completions), default=None) or None,
+                                 max((c.seq.finish_time or 0.0 for c in self.completions)) if finished else None,
+                                 sum(c.seq.num_completion_tokens for c in self.completions))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, prompt_lp, outs, finished, metrics)
+
+    def _completion(self, c: _Completion, delta: bool) -> CompletionOutput | None:
+        seq, text = c.seq, c.detok.text
+        visible = len(text) if seq.is_finished else max(c.sent_chars, len(text) - self.hold)
+        ids = seq.completion_token_ids
+        lps = seq.logprobs
+        start_chars, start_tokens, start_lps = (c.sent_chars, c.sent_tokens, c.sent_logprobs) if delta else (0, 0, 0)
+        if delta and visible == c.sent_chars and len(ids) == c.sent_tokens and not seq.is_finished:
+            return None
+        c.sent_chars, c.sent_tokens = visible, len(ids)
+        c.sent_logprobs = len(lps) if lps is not None else 0
+        logprobs = None
+        if lps is not None:
+            logprobs = [self._position(ids[start_lps + i], e) for i, e in enumerate(lps[start_lps:])]
+        return CompletionOutput(
+            index=seq.index, text=text[start_chars:visible], token_ids=ids[start_tokens:],
+            cumulative_logprob=seq.cumulative_logprob if lps is not None else None, logprobs=logprobs,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+    def _position(self, token_id: int, entry) -> dict[int, Logprob]:
+        """{token id: Logprob} for one position: the top-N (ranks 1..N) and the chosen token."""
+        logprob, rank, top_ids, top_lps = entry
+        out = {token_id: Logprob(logprob, rank, self.token_text(token_id))}
+        for r, (t, v) in enumerate(zip(top_ids.tolist(), top_lps.tolist())):
+            out.setdefault(t, Logprob(float(v), r + 1, self.token_text(t)))
+        return out

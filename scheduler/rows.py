@@ -1,0 +1,91 @@
+"""The per-row arrays rank 0 keeps for the rows of a step: sampling knobs and stop limits, declared once.
+
+Each Sequence carries its record (`row_record`, built once from its SamplingParams); a step's rows are one
+`np.fromiter` over those records into the structured ROW_DTYPE, and the decode batch filters the same array.
+A new sampling knob is a SamplingParams field, a line here, and its op in the sampler.
+The stop rule (`finish_codes`) is here too, so prefill, mixed and decode steps finish requests the same way.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+_NO_LIMIT = np.iinfo(np.int64).max
+
+ROW_DTYPE = np.dtype([
+    ("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int32), ("min_p", np.float32),
+    ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
+    ("seed", np.int64), ("logprobs", np.int32),           # logprobs: -1 = none
+    ("max_tokens", np.int64), ("min_tokens", np.int64), ("ignore_eos", np.bool_),
+    ("has_stop_ids", np.bool_),                          # stop_token_ids are checked per row in Python
+])
+
+# Finish codes, per row
+RUNNING, STOP_EOS, STOP_TOKEN, LENGTH = 0, 1, 2, 3
+
+
+def row_record(params, seed: int) -> tuple:
+    """One request's entry, in ROW_DTYPE's field order."""
+    special = {"seed": seed, "top_k": max(params.top_k, 0),
+               "logprobs": -1 if params.logprobs is None else params.logprobs,
+               "max_tokens": _NO_LIMIT if params.max_tokens is None else params.max_tokens,
+               "has_stop_ids": bool(params.stop_token_ids)}
+    return tuple(special[name] if name in special else getattr(params, name) for name in ROW_DTYPE.names)
+
+
+def rows_of(seqs) -> np.ndarray:
+    return np.fromiter((s.row for s in seqs), ROW_DTYPE, len(seqs))
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """What rank 0's sampler needs for one step: one entry per row that produces a token this step."""
+    seqs: list                    # the Sequence each entry's token goes to
+    rows: np.ndarray              # ROW_DTYPE [entries]
+    sample_index: np.ndarray      # int64 [entries]: tokens generated before this one (the noise counter)
+    logits_index: np.ndarray | None = None   # int64 [entries]: the logits row each entry reads (None: i -> i)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def penalty_tokens(self, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(entry, token id, is an output token) for every token of the given entries' sequences."""
+        counts, tokens, outputs = [], [], []
+        for e in entries.tolist():
+            seq = self.seqs[e]
+            counts.append(seq.num_tokens)
+            tokens.append(np.asarray(seq.token_ids, np.int64))
+            out = np.zeros(seq.num_tokens, np.bool_)
+            out[seq.num_prompt_tokens:] = True
+            outputs.append(out)
+        if not counts:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, np.zeros(0, np.bool_)
+        return np.repeat(entries, counts), np.concatenate(tokens), np.concatenate(outputs)
+
+    def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""
+        under = np.flatnonzero(self.sample_index < self.rows["min_tokens"])
+        pairs = []
+        for e in under.tolist():
+            params = self.seqs[e].params
+            ids = set() if params.ignore_eos else set(eos.tolist())
+            ids.update(params.stop_token_ids or ())
+            pairs.extend((e, t) for t in ids)
+        if not pairs:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        arr = np.asarray(pairs, np.int64)
+        return arr[:, 0], arr[:, 1]
+
+
+def finish_codes(seqs, rows: np.ndarray, tokens: np.ndarray, completion: np.ndarray, total: np.ndarray,
+                 eos: np.ndarray, max_model_len: int) -> np.ndarray:
+    """Finish code of each row after it appended `tokens` (now `completion` generated, `total` in all).
+    EOS and stop ids count once min_tokens are out; EOS wins over a stop id, which wins over length."""
+    may_stop = completion > rows["min_tokens"]
+    codes = np.where((completion >= rows["max_tokens"]) | (total >= max_model_len), LENGTH, RUNNING)
+    for r in np.flatnonzero(rows["has_stop_ids"] & may_stop).tolist():
+        if int(tokens[r]) in seqs[r].params.stop_token_ids:
+            codes[r] = STOP_TOKEN
+    eos_hit = np.isin(tokens, eos) & ~rows["ignore_eos"] & may_stop
+    codes[eos_hit] = STOP_EOS
+    return codes

@@ -57,6 +57,7 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_mixed_steps = 0
+        self.num_computed_tokens = 0    # lifetime: tokens run through the model (prompt chunks and decodes)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; its n > 1 siblings (seq.forks) start from its prompt KV when its prefill ends."""
@@ -100,7 +101,9 @@ class Scheduler:
                 self.scheduled, self.scheduled_kind = seqs, MIXED if decodes else PREFILL
                 self.num_mixed_steps += bool(decodes)
                 self.step_id += 1
-                return self._build_prefill_plan(seqs, self.scheduled_kind)
+                plan = self._build_prefill_plan(seqs, self.scheduled_kind)
+                self.num_computed_tokens += plan.num_tokens
+                return plan
         batch = self.decode_batch
         if batch is None or not self._grow(batch):
             seqs = self._schedule_decode()
@@ -115,6 +118,7 @@ class Scheduler:
         self.step_id += 1
         plan = batch.plan(self.step_id)
         plan.block_copies = self._take_copies()
+        self.num_computed_tokens += plan.num_tokens
         return plan
 
     def _take_copies(self) -> np.ndarray | None:

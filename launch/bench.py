@@ -3,6 +3,7 @@
     python -m nanovllm_tp.launch.bench                              # tiny checkpoint, 64 requests, 16..256
     python -m nanovllm_tp.launch.bench --compare hf --repeats 3     # + transformers generate and generate_batch
     python -m nanovllm_tp.launch.bench --preset small --tp 2        # compute-bound random-weight preset, 2 ranks
+    python -m nanovllm_tp.launch.bench --sampling mixed --repeats 5 # sampling knobs on half the rows vs greedy
     ./torchrun.sh 2 -m nanovllm_tp.launch.bench --tp 2
 
 N requests with random prompt ids; prompt and output lengths uniform in --prompt-len / --output-len; every
@@ -10,6 +11,10 @@ request ignores EOS, so it yields exactly its requested tokens. Throughput = req
 of one generate() call (after a small warm-up). With --repeats K every measurement runs K times, the engines
 interleaved (engine, transformers, engine, ...) so load from other processes hits them alike, and medians are
 reported. Each repeat redraws the prompt ids (same lengths), so the prefix cache cannot hit across repeats.
+
+--sampling mixed: each repeat also runs the workload with half the rows sampling with top-p, top-k, min-p,
+repetition / presence / frequency penalties and 5 logprobs per token (the other half as --temperature says),
+interleaved with the plain run, and reports mixed / plain throughput.
 
 --compare hf, in this process, on the same checkpoint, dtype and device as the engine, same prompts:
   hf generate: model.generate on static batches: requests sorted by requested output length (then prompt length),
@@ -37,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_workload_args(parser)
     parser.add_argument("--repeats", type=int, default=1, help="runs per measurement; medians are reported")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate")
+    parser.add_argument("--sampling", choices=["plain", "mixed"], default="plain",
+                        help="mixed: also run with sampling knobs and logprobs on half the rows, same run")
     g = parser.add_argument_group("comparison with transformers")
     g.add_argument("--compare", choices=["hf"], help="also run transformers on the same model and workload")
     g.add_argument("--hf-modes", nargs="+", choices=["generate", "cb"], default=["generate", "cb"],
@@ -52,9 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # =============================================================================================== engine
 
-def sampling_params(workload: bc.Workload, temperature: float):
+def sampling_params(workload: bc.Workload, temperature: float, mixed: bool = False):
+    """Every row at `temperature`; with mixed, every other row samples with the full set of knobs instead."""
     from nanovllm_tp import SamplingParams
-    return [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in workload.output_lens]
+    knobs = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, presence_penalty=0.3,
+                 frequency_penalty=0.2, logprobs=5)
+    return [SamplingParams(**(knobs if mixed and i % 2 else {"temperature": temperature}), seed=i, max_tokens=m,
+                           ignore_eos=True) for i, m in enumerate(workload.output_lens)]
 
 
 def warm_up_engine(llm, vocab_size: int, seed: int, temperature: float) -> float:
@@ -66,8 +77,8 @@ def warm_up_engine(llm, vocab_size: int, seed: int, temperature: float) -> float
     return time.perf_counter() - t0
 
 
-def run_engine(llm, workload: bc.Workload, prompts, temperature: float) -> dict:
-    params = sampling_params(workload, temperature)
+def run_engine(llm, workload: bc.Workload, prompts, temperature: float, mixed: bool = False) -> dict:
+    params = sampling_params(workload, temperature, mixed)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -200,6 +211,10 @@ def table(result: dict) -> str:
     f, c, w = result["figures"], result["config"], result["workload"]
     engine = f["engine"]
     rows = [[f"nanovllm_tp TP={c['tp']}", engine["tok_s"], f"{engine['seconds']:.3f}", "1.00"]]
+    if "engine_mixed" in f:
+        m = f["engine_mixed"]
+        rows.append(["nanovllm_tp, mixed sampling", m["tok_s"], f"{m['seconds']:.3f}",
+                     f"{1 / f['ratios']['engine_mixed/engine']:.2f}"])
     for key, label in (("hf_generate", "hf generate"), ("hf_continuous", "hf continuous batching")):
         if key in f:
             e = f[key]
@@ -264,12 +279,15 @@ def main(argv=None) -> dict:
             hf = HFRunner(args.model, llm.engine.dtype, llm.engine.device, args.temperature, args.seed, cb_tokens)
             extra["hf_warmup_s"] = hf.warm_up(vocab, args.hf_modes)
         batch_sizes = sorted({min(b, workload.num_requests) for b in args.hf_batch_sizes if b > 0})
-        engine_runs, static_runs, cb_runs = [], {b: [] for b in batch_sizes}, []
+        engine_runs, static_runs, cb_runs, mixed_runs = [], {b: [] for b in batch_sizes}, [], []
         for r in range(args.repeats):
             prompts = workload.prompts(draw=r + 1)
             engine_runs.append(run_engine(llm, workload, prompts, args.temperature))
             bc.log(args, f"[{r + 1}/{args.repeats}] engine: {engine_runs[-1]['tok_s']:.1f} tok/s "
                          f"in {engine_runs[-1]['seconds']:.2f}s")
+            if args.sampling == "mixed":      # fresh prompts: no prefix hits from the plain run
+                mixed_runs.append(run_engine(llm, workload, workload.prompts(draw=1000 + r), args.temperature, True))
+                bc.log(args, f"[{r + 1}/{args.repeats}] engine, mixed sampling: {mixed_runs[-1]['tok_s']:.1f} tok/s")
             if hf is None:
                 continue
             if "generate" in args.hf_modes:
@@ -296,6 +314,11 @@ def main(argv=None) -> dict:
         figures["hf_continuous"] = {**summarize_runs(cb_runs), "config": hf.cb_config(workload),
                                     "path": "init_continuous_batching + add_request(max_new_tokens=per request, "
                                             "eos_token_id=-1)"}
+    if mixed_runs:
+        figures["engine_mixed"] = {**summarize_runs(mixed_runs), "knobs": "odd rows: T=0.8, top_p=0.9, top_k=50, "
+                                   "min_p=0.02, repetition 1.1, presence 0.3, frequency 0.2, logprobs=5"}
+        figures["ratios"]["engine_mixed/engine"] = bc.median(m["tok_s"] / e["tok_s"]
+                                                             for m, e in zip(mixed_runs, engine_runs))
     for key in ("hf_generate", "hf_continuous"):
         if key in figures:
             figures["ratios"][f"engine/{key}"] = figures["engine"]["tok_s"] / figures[key]["tok_s"]

@@ -88,7 +88,8 @@ def start_rank0(model_dir, tmp_path, tp=2, launcher=()):
 @contextlib.contextmanager
 def logged(cmd, log_path):
     """started() with stdout and stderr in log_path. Once every process of the session is gone, the log must
-    not hold Python's leaked-shared-memory warning: removing segments is the engine's job, not the tracker's."""
+    not hold Python's leaked-shared-memory warning: removing segments is the engine's job, not the tracker's.
+    (A torchrun worker, and the tracker it starts, run in a session of their own: tests wait for those.)"""
     with open(log_path, "w") as log, started(cmd, stdout=log, stderr=subprocess.STDOUT) as proc:
         yield proc
         wait_gone(session_pids(proc.pid), 10)
@@ -143,7 +144,7 @@ def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
         assert worker is not None and pids["workers"] == []
         os.kill(pids["rank0"], signal.SIGKILL)
         assert wait_gone([worker], 10) is not None, "the worker outlived its rank 0 by more than 10 s"
-        assert wait_gone([agent.pid], 10) is not None
+        assert wait_gone([agent.pid, *session_pids(pids["rank0"])], 10) is not None     # its tracker too
     assert not segments_of(pids["rank0"])
 
 
@@ -162,6 +163,6 @@ def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
         os.kill(remote, signal.SIGKILL)
         took = wait_gone([pids["rank0"]], 10)
         assert took is not None, "rank 0 did not notice its remote rank dying within 10 s"
-        assert wait_gone([node0.pid, node1.pid], 10) is not None
+        assert wait_gone([node0.pid, node1.pid, *session_pids(pids["rank0"])], 10) is not None
         assert node0.returncode != 0
     assert not segments_of(pids["rank0"])

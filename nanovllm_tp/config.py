@@ -22,6 +22,8 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
+    o_proj_bias: bool = False    # Llama and Qwen3 bias o_proj when attention_bias is set; Qwen2 never does
+    mlp_bias: bool = False       # Llama's mlp_bias: gate, up and down projections
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -62,6 +64,8 @@ class ModelConfig:
             qk_norm=is_qwen3,
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=_eos_ids(model_dir, raw),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
         )
 
 

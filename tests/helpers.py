@@ -41,3 +41,10 @@ def random_paged_decode(lens, block_size: int, kv_heads: int, group: int, head_d
     k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, head_dim, spare=spare, seed=seed)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def written_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    """KV slots (block * block_size + offset) that differ between two snapshots of a paged cache
+    [layers, blocks, block_size, kv_heads, head_dim], in any layer."""
+    changed = (before != after).flatten(3).any(-1).any(0)      # [blocks, block_size]
+    return set(torch.nonzero(changed.flatten()).flatten().tolist())

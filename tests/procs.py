@@ -56,14 +56,34 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+def descendants(root: int) -> list[int]:
+    """Every live process below root (torchrun starts its workers in sessions of their own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if alive(child):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
 @contextlib.contextmanager
 def started(cmd: list[str], env: dict | None = None, **kwargs):
-    """Popen in its own session; on exit the whole session is killed and reaped."""
+    """Popen in its own session; on exit the whole session and everything below it is killed and reaped."""
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True, **kwargs)
     try:
         yield proc
     finally:
-        for pid in session_pids(proc.pid):
+        for pid in {*descendants(proc.pid), *session_pids(proc.pid)}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
@@ -72,3 +92,24 @@ def started(cmd: list[str], env: dict | None = None, **kwargs):
 
 def python_cmd(*args) -> list[str]:
     return [sys.executable, *args]
+
+
+# Printed by Python's resource_tracker when a process dies with shared memory it still had registered: the
+# engine removes its own segments, so this must never appear in a rank's output.
+LEAK_WARNING = "leaked shared_memory objects"
+
+
+def rank_pid(root: int, rank: int, marker: str) -> int | None:
+    """The process below root whose command line contains `marker` and whose environment says RANK=rank
+    (a torchrun worker; its agent has no RANK, a resource tracker runs another command)."""
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    return None

@@ -277,3 +277,32 @@ def test_collision_end_to_end_tokens_unchanged(colliding_hash):
 ], ids=["block-at-another-position", "same-block-twice"])
 def test_collision_never_hands_out_kv_of_another_prefix(colliding_hash, prompts):
     got, bm = run_with_kv_model(prompts)
+
+
+@pytest.fixture
+def parent_blind_hash(monkeypatch):
+    """A block's hash ignores the blocks before it: equal blocks collide at every depth, so a lookup past
+    depth 0 can find a block computed after another parent, and only the parent check stands in the way."""
+    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda prefix_hash, token_ids: hash(token_ids)))
+
+
+def test_child_of_a_reused_parent_is_not_a_hit(parent_blind_hash):
+    # A = X T 13: block `parent` holds X, block `child` holds T computed after X; both freed, both cached.
+    x, t, y = (1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)
+    bm = BlockManager(6, BS)
+    a = Sequence(0, [*x, *t, 13])
+    prefill(bm, a)
+    parent, child = a.block_table[:2]
+    bm.deallocate(a)
+    # The parent is reused before its child (LRU with tail-first freeing never does this, but the hit check
+    # must not depend on the eviction order) and is registered again, now holding Y at depth 0.
+    bm.free_block_ids.move_to_end(parent, last=False)
+    b = Sequence(1, [*y, 14])
+    prefill(bm, b)
+    assert b.block_table[0] == parent and bm.blocks[parent].token_ids == y
+    assert bm.blocks[child].token_ids == t and bm.blocks[child].parent == parent
+    # Y T 15: depth 0 hits `parent` (Y, legitimately); depth 1 finds `child` by its hash, with the right tokens
+    # and the same parent id, but its KV was computed after X: the parent's version is what tells.
+    c = Sequence(2, [*y, *t, 15])
+    assert bm.can_allocate(c) == [parent]
+    assert prefill(bm, c) == [parent] and c.block_table[1] != child

@@ -13,10 +13,11 @@ SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_at
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6)
 
 
-def save_random_hf_model(kind: str, out_dir, tokenizer_dir, vocab_size: int):
+def save_random_hf_model(kind: str, out_dir, tokenizer_dir, vocab_size: int, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[kind]
-    config = config_cls(vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, **SMALL)
+    config = config_cls(vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0,
+                        **SMALL, **extra)
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():      # wide weights, so greedy decoding is decided by clear margins
@@ -42,6 +43,26 @@ def test_greedy_matches_transformers(kind, tmp_path, tiny_model_dir):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24)
+
+
+@pytest.mark.parametrize("kind,extra", [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True})],
+                         ids=["qwen2-qkv-bias", "llama-attention-and-mlp-bias"])
+def test_biases_at_tp2_match_transformers(kind, extra, tmp_path, tiny_model_dir):
+    # Column-parallel biases are split with their rows; a row-parallel bias (o_proj, down_proj) is added once,
+    # after the all-reduce of the partial sums.
+    vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
+    hf = save_random_hf_model(kind, tmp_path / kind, tiny_model_dir, vocab, **extra)
+    names = {n for n, _ in hf.named_parameters() if n.endswith(".bias")}
+    assert any("q_proj" in n for n in names) and any("o_proj" in n for n in names) == (kind == "llama")
+    assert any("down_proj" in n for n in names) == (kind == "llama")
+    llm = LLM(str(tmp_path / kind), tensor_parallel_size=2, kvcache_block_size=16, kv_cache_memory=16 << 20)
+    try:
+        prompts = mixed_prompts(vocab, lengths=(1, 9, 40), seed=4)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
 @pytest.mark.parametrize("layout", ["flat-4.x", "nested-5.x"])

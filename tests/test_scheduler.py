@@ -705,7 +705,7 @@ def check_invariants(sched: Scheduler):
 
 
 @pytest.mark.parametrize("seed,block_size,num_blocks,prefix_caching", [
-    (0, 4, 10, True), (1, 4, 12, False), (2, 1, 40, True), (3, 8, 5, True), (4, 4, 10, True)])
+    (0, 4, 10, True), (1, 4, 12, False), (2, 1, 40, True), (3, 8, 5, True), (4, 4, 10, True), (5, 2, 20, True)])
 def test_random_stress(seed, block_size, num_blocks, prefix_caching):
     rng = random.Random(seed)
     max_model_len, max_num_seqs, budget, eos_every = 40, 5, 12, 13
@@ -747,6 +747,11 @@ def test_random_stress(seed, block_size, num_blocks, prefix_caching):
         finished = postprocess(sched, model(plan))
         assert all(s.is_finished and not s.block_table for s in finished)
         check_invariants(sched)
+        for s in finished:     # a follow-up: prompt + completion + more, over blocks that decode steps filled
+            if rng.random() < 0.25 and s.num_tokens < max_model_len - 2:
+                seqs.append(Sequence(len(seqs), s.token_ids + [rng.randrange(1, 20)], max_tokens=rng.randint(1, 8),
+                                     ignore_eos=True))
+                pending.append(seqs[-1])
         num_steps += 1
         assert num_steps < 50_000
     assert sched.schedule() is None
@@ -793,3 +798,23 @@ def test_decode_batch_fast_path_equals_rebuilding_every_step(seed, monkeypatch):
     slow_plans, slow_out = _plan_stream(seed, True, monkeypatch)
     assert fast_out == slow_out
     assert fast_plans == slow_plans
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_follow_up_reuses_decode_filled_blocks_only_once_computed(block_size):
+    # The last sampled token completes a block but is never computed (the request ends there): that block may
+    # not be a prefix-cache hit for the follow-up, the blocks before it (filled by decode steps) must be.
+    prompt = [3, 1, 4, 1, 5]
+    max_tokens = 3 * block_size - len(prompt) % block_size
+    sched, model = make_scheduler(num_blocks=16, block_size=block_size), FakeModel(block_size)
+    first = Sequence(0, prompt, max_tokens=max_tokens, ignore_eos=True)
+    sched.add(first)
+    run(sched, model)
+    assert first.num_tokens % block_size == 0
+    follow = Sequence(1, first.token_ids + [9], max_tokens=4, ignore_eos=True)
+    sched.add(follow)
+    run(sched, model)
+    assert follow.block_table == [] and follow.is_finished
+    assert_matches_reference(sched, [first, follow])
+    hits = sched.block_manager.num_prefix_hit_tokens
+    assert hits == first.num_tokens - block_size       # everything but the never-computed last block

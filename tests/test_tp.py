@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -125,6 +126,7 @@ def test_spawn_script_and_torchrun_wrapper(tiny_model_dir, tmp_path, tp1_tokens)
                           out)
     assert result["tokens"] == tp1_tokens
     out2 = tmp_path / "wrapped.json"
+    # the running interpreter, not whichever python3 is first on PATH (outside an activated venv, not this one)
     result = run_and_read(["bash", os.path.join(REPO, "torchrun.sh"), "2", SCRIPT, tiny_model_dir, str(out2), "2",
-                           "--engine-json", json.dumps(SMALL_KV)], out2)
+                           "--engine-json", json.dumps(SMALL_KV)], out2, env={"PYTHON": sys.executable})
     assert result["tokens"] == tp1_tokens

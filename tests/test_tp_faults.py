@@ -1,7 +1,9 @@
 """A dead or failing rank never hangs the others, and nothing is left behind (processes, /dev/shm)."""
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -9,7 +11,8 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.channel import PeerError
-from tests.procs import alive, python_cmd, segments_of, session_pids, started, wait_gone
+from tests.procs import (LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of, session_pids, started,
+                         wait_gone)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "tp_scripts", "generate_tokens.py")
@@ -68,14 +71,33 @@ def test_sigkill_worker_mid_generation(tiny_model_dir):
     assert not segments_of(os.getpid())
 
 
-def start_rank0(model_dir, tmp_path, extra=()):
+@pytest.fixture(scope="module")
+def tp3_model_dir(tmp_path_factory):
+    from nanovllm_tp.launch.make_tiny import make_tiny
+    return str(make_tiny(tmp_path_factory.mktemp("tp3") / "tiny-3-heads", num_attention_heads=3,
+                         num_key_value_heads=3, intermediate_size=192))
+
+
+def start_rank0(model_dir, tmp_path, tp=2, launcher=()):
     pids_file = tmp_path / "pids.json"
-    cmd = python_cmd(SCRIPT, model_dir, str(tmp_path / "out.json"), "2", "--engine-json", json.dumps(SMALL_KV),
-                     "--pids", str(pids_file), "--long", *extra)
+    cmd = python_cmd(*launcher, SCRIPT, model_dir, str(tmp_path / "out.json"), str(tp), "--engine-json",
+                     json.dumps(SMALL_KV), "--pids", str(pids_file), "--long")
     return cmd, pids_file
 
 
-def wait_for_pids(pids_file, proc, timeout=60):
+@contextlib.contextmanager
+def logged(cmd, log_path):
+    """started() with stdout and stderr in log_path. Once every process of the session is gone, the log must
+    not hold Python's leaked-shared-memory warning: removing segments is the engine's job, not the tracker's.
+    (A torchrun worker, and the tracker it starts, run in a session of their own: tests wait for those.)"""
+    with open(log_path, "w") as log, started(cmd, stdout=log, stderr=subprocess.STDOUT) as proc:
+        yield proc
+        wait_gone(session_pids(proc.pid), 10)
+    text = log_path.read_text()
+    assert LEAK_WARNING not in text, text[-3000:]
+
+
+def wait_for_pids(pids_file, proc, timeout=90):
     deadline = time.monotonic() + timeout
     while not pids_file.exists():
         assert proc.poll() is None, "rank 0 exited before its engine was up"
@@ -86,21 +108,23 @@ def wait_for_pids(pids_file, proc, timeout=60):
     return pids
 
 
-def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tmp_path):
-    cmd, pids_file = start_rank0(tiny_model_dir, tmp_path)
-    with started(cmd) as proc:
+@pytest.mark.parametrize("tp", [2, 3])
+def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir, tmp_path, tp):
+    cmd, pids_file = start_rank0(tiny_model_dir if tp == 2 else tp3_model_dir, tmp_path, tp)
+    with logged(cmd, tmp_path / "rank0.log") as proc:
         pids = wait_for_pids(pids_file, proc)
+        assert len(pids["workers"]) == tp - 1
         os.kill(pids["rank0"], signal.SIGKILL)
         took = wait_gone(pids["workers"], 10)
         assert took is not None, "a worker outlived its rank 0 by more than 10 s"
-        assert session_pids(proc.pid) == []
+    assert session_pids(proc.pid) == []
     assert not segments_of(pids["rank0"])
 
 
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm-rank0"])
 def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
     cmd, pids_file = start_rank0(tiny_model_dir, tmp_path)
-    with started(cmd) as proc:
+    with logged(cmd, tmp_path / "rank0.log") as proc:
         pids = wait_for_pids(pids_file, proc)
         if how == "sigint-group":
             os.killpg(proc.pid, signal.SIGINT)      # what Ctrl-C in a terminal does
@@ -108,4 +132,37 @@ def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
             os.kill(pids["rank0"], signal.SIGTERM)
         assert wait_gone([pids["rank0"], *pids["workers"]], 10) is not None
         assert proc.returncode != 0
+    assert not segments_of(pids["rank0"])
+
+
+def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    cmd, pids_file = start_rank0(tiny_model_dir, tmp_path, launcher=torchrun)
+    with logged(cmd, tmp_path / "torchrun.log") as agent:
+        pids = wait_for_pids(pids_file, agent)
+        worker = rank_pid(agent.pid, 1, SCRIPT)
+        assert worker is not None and pids["workers"] == []
+        os.kill(pids["rank0"], signal.SIGKILL)
+        assert wait_gone([worker], 10) is not None, "the worker outlived its rank 0 by more than 10 s"
+        assert wait_gone([agent.pid, *session_pids(pids["rank0"])], 10) is not None     # its tracker too
+    assert not segments_of(pids["rank0"])
+
+
+def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
+    # Two one-rank "nodes": rank 1 reads plans over ZMQ and all-reduces over gloo, whose own timeout is 120 s.
+    port = free_port()
+    agents = []
+    for node in range(2):
+        torchrun = ("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                    "1", "--master-addr", "127.0.0.1", "--master-port", str(port))
+        agents.append(start_rank0(tiny_model_dir, tmp_path, launcher=torchrun))
+    with logged(agents[1][0], tmp_path / "node1.log") as node1, logged(agents[0][0], tmp_path / "node0.log") as node0:
+        pids = wait_for_pids(agents[0][1], node0)
+        remote = rank_pid(node1.pid, 1, SCRIPT)
+        assert remote is not None
+        os.kill(remote, signal.SIGKILL)
+        took = wait_gone([pids["rank0"]], 10)
+        assert took is not None, "rank 0 did not notice its remote rank dying within 10 s"
+        assert wait_gone([node0.pid, node1.pid, *session_pids(pids["rank0"])], 10) is not None
+        assert node0.returncode != 0
     assert not segments_of(pids["rank0"])

@@ -239,3 +239,31 @@ def test_prompt_at_the_length_limit(tiny_model_dir):
     assert not llm.engine.has_unfinished()
     again = llm.generate([[7] * 31, [7] * 29], many, use_tqdm=False)
     assert token_ids(again) == token_ids(out)
+
+
+# ---------------------------------------------------------------- a bad request while others are in flight
+
+@pytest.mark.parametrize("prompt,params,exc,pattern", [
+    ([], GREEDY, ValueError, r"prompt 0 is empty"),
+    ([7, 2003], GREEDY, ValueError, r"token id 2003 is outside the vocabulary"),
+    ([5] * 4096, GREEDY, ValueError, r"4096 tokens.*max_model_len=4096"),
+    ([7, 8], "greedy", TypeError, r"sampling_params must be a SamplingParams"),
+    ([7, 8], edited(temperature=-1.0), ValueError, r"temperature"),
+], ids=["empty", "vocab", "too-long", "params-type", "edited-params"])
+def test_bad_add_request_mid_flight_leaves_the_others_unchanged(tiny_llm, baseline, prompt, params, exc, pattern):
+    llm, sched = tiny_llm, tiny_llm.engine.scheduler
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    done = {o.request_id: o for _ in range(2) for o in llm.step()}     # prefill, then a decode step
+    state = [(s.seq_id, list(s.token_ids), list(s.block_table)) for s in sched.running]
+    assert len(state) == 2 and not sched.waiting and not done
+    step_before, free_before = sched.step_id, sched.block_manager.num_free_blocks
+    with pytest.raises(exc, match=pattern):
+        llm.add_request(prompt, params)
+    assert [(s.seq_id, list(s.token_ids), list(s.block_table)) for s in sched.running] == state
+    assert not sched.waiting and sched.step_id == step_before
+    assert sched.block_manager.num_free_blocks == free_before
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step())
+    assert sorted(done) == sorted(ids)
+    assert [done[i].outputs[0].token_ids for i in ids] == baseline
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks

@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
 
@@ -98,7 +97,9 @@ def serve(runner: ModelRunner, reader) -> None:
 def run_worker(config: EngineConfig) -> int:
     """Entry for ranks > 0 (torchrun or spawned). Returns the process exit code."""
     from nanovllm_tp.distributed.channel import PlanReader
-    from nanovllm_tp.engine import choose_attention_backend, resolve_block_size, resolve_device_and_dtype
+    from nanovllm_tp.engine import (_exit_on_sigterm, choose_attention_backend, resolve_block_size,
+                                    resolve_device_and_dtype)
+    _exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
     reader = None
     try:
         device, dtype = resolve_device_and_dtype(config)
@@ -133,7 +134,6 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="nanovllm_tp worker rank (started by rank 0)")
     parser.add_argument("--config", required=True, help="engine config as JSON")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     config = EngineConfig(**json.loads(args.config))
     config.validate()
     sys.exit(run_worker(config))

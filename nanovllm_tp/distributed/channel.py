@@ -15,8 +15,9 @@ in the ring header; ZMQ readers expect a heartbeat frame every second.  The writ
 thread watches local readers' pids (or heartbeats, same rule) and remote readers'
 back-channel heartbeats; deaths and reported errors surface as ``PeerError`` from
 ``check_readers`` and ``publish``.  Idle is not death: heartbeats flow without plans.  A
-reader that sees its writer's process gone unlinks the writer's segments (``nvtp_<pid>_<token>_*``);
-a writer that exits normally or via ``close`` unlinks them itself (atexit as well).
+reader that sees its writer's process gone (then, on close, or at exit) unlinks every segment named after the
+writer's pid (``nvtp_<pid>_*``: ring, overflow, shm all-reduce); a writer that exits normally or via ``close``
+unlinks them itself (atexit as well).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Reader side of the plan channel (see ``channel.py`` for the protocol)."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -41,6 +42,7 @@ class PlanReader:
                     raise ChannelClosed(f"plan ring {meta['shm']} is gone (writer exited)") from None
                 if meta["start"] is not None and proc_start_time(meta["pid"]) == meta["start"]:
                     self._writer_pid, self._writer_start = meta["pid"], meta["start"]
+                    atexit.register(self._clean_up_after_dead_writer)
                 self._last_hb = self._ring.heartbeat()
             else:
                 self._sub, self._expect = SubLink(self._ctx, meta["pub"]), 1
@@ -110,7 +112,7 @@ class PlanReader:
             data = self._ring.poll()  # a plan completed just before the death is still valid
             if data is not None:
                 return data
-            unlink_by_prefix(self._prefix + "_")  # the writer cannot clean up any more
+            self._clean_up_after_dead_writer()
             self._fail(f"writer process {self._writer_pid} died")
         if self._writer_pid is not None:
             return None  # the pid is authoritative; a writer busy holding the GIL is not dead
@@ -120,6 +122,13 @@ class PlanReader:
         elif now - self._last_alive > self._timeout:
             self._fail(f"no heartbeat from writer for {now - self._last_alive:.1f} s")
         return None
+
+    def _clean_up_after_dead_writer(self) -> None:
+        """A dead writer cannot unlink its segments any more: its ring and overflow segments and its shm
+        all-reduce, all named ``nvtp_<writer pid>_*``. Checked whenever this rank finds it dead, on close, and at
+        exit (a rank that failed first, in a collective with it, may only see it dead once it is reaped)."""
+        if self._writer_pid is not None and proc_start_time(self._writer_pid) != self._writer_start:
+            unlink_by_prefix(f"nvtp_{self._writer_pid}_")
 
     def _receive_zmq(self, timeout: float | None) -> bytes:
         if self._pending is not None:
@@ -179,5 +188,6 @@ class PlanReader:
         for part in (self._sub, self._ring):
             if part is not None:
                 part.close()
+        self._clean_up_after_dead_writer()
         self._ctx.term()
         self._ctx = None

@@ -21,12 +21,11 @@ import os
 import secrets
 import struct
 import time
-from multiprocessing import shared_memory
 
 import torch
 
 from .channel_common import _CHECK_S, _MAX_NAP_S, proc_start_time
-from .shm_ring import SHM_DIR, attach, fence
+from .shm_ring import SHM_DIR, attach, create_segment, fence
 
 _MAGIC = 0x3172_6176_746E  # "ntvar1"
 _U64 = struct.Struct("<Q")
@@ -70,7 +69,7 @@ class ShmAllReduce:
     def create(cls, world: int, slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 60.0) -> ShmAllReduce:
         slot_bytes = (slot_bytes + 4095) // 4096 * 4096
         name = f"nvtp_{os.getpid()}_{secrets.token_hex(4)}_ar"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=DATA_AT + 2 * world * slot_bytes)
+        shm = create_segment(name, DATA_AT + 2 * world * slot_bytes)
         _HDR.pack_into(shm.buf, 0, _MAGIC, world, slot_bytes)
         return cls(shm.name, 0, shm, timeout_s)
 
@@ -177,10 +176,7 @@ class ShmAllReduce:
         self._buf = None
         if self._shm is not None:
             self._shm.close()
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+            self.unlink()
         elif self._mm is not None:
             self._mm.close()
 

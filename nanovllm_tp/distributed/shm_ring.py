@@ -28,8 +28,9 @@ set (checked on each publish) and, at the latest, when the slot is reused or on 
 
 Readers attach with ``os.open`` + ``mmap`` on ``/dev/shm`` and therefore never touch
 Python's resource_tracker (which would otherwise unlink or warn about segments it does
-not own).  The writer creates segments with ``SharedMemory(create=True)``, which keeps the
-tracker as a last-resort cleaner if the writer process is killed.
+not own).  The writer's segments are kept out of the tracker too (``create_segment``): the
+engine removes them itself, the writer on close or at exit, a reader once it finds the writer
+dead; a tracker that owned them would race that cleanup and warn about "leaked" segments.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import mmap
 import os
 import struct
 import threading
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
@@ -67,6 +68,20 @@ def attach(name: str) -> mmap.mmap:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment that Python's resource_tracker does not own: remove it with ``unlink_segment``."""
+    seg = shared_memory.SharedMemory(name=name, create=True, size=size)
+    resource_tracker.unregister(seg._name, "shared_memory")
+    return seg
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
 
 
 def _round_up(n: int, a: int = 64) -> int:
@@ -103,7 +118,7 @@ class ShmRingWriter:
         self._flags_len = num_readers
         self.stride = _round_up(_payload_at(num_readers) + slot_bytes)
         size = HEADER_BYTES + num_slots * self.stride
-        self._shm = shared_memory.SharedMemory(name=f"{prefix}_r", create=True, size=size)
+        self._shm = create_segment(f"{prefix}_r", size)
         self.name = self._shm.name
         self._buf = self._shm.buf
         _HDR.pack_into(self._buf, 0, _MAGIC, num_slots, slot_bytes, num_readers, self.stride, 0, 0, 0)
@@ -143,7 +158,7 @@ class ShmRingWriter:
             buf[p:p + n] = payload
             kind = KIND_INLINE
         else:
-            seg = shared_memory.SharedMemory(name=f"{self.prefix}_o{seq}", create=True, size=n)
+            seg = create_segment(f"{self.prefix}_o{seq}", n)
             seg.buf[:n] = payload
             seg.close()  # the mapping is not needed any more; the name stays until unlink
             self._overflow[seq] = seg
@@ -169,10 +184,7 @@ class ShmRingWriter:
 
     @staticmethod
     def _drop(seg: shared_memory.SharedMemory) -> None:
-        try:
-            seg.unlink()
-        except FileNotFoundError:
-            pass
+        unlink_segment(seg.name)
 
     # -- control ----------------------------------------------------------------
     def set_closed(self, reason: str) -> None:

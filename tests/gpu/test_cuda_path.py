@@ -15,7 +15,7 @@ from nanovllm_tp.context import Context, reset_context
 from nanovllm_tp.layers.attention import TorchBackend, store_kvcache
 from nanovllm_tp.scheduler import Sequence
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
-from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache
+from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache, written_slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"      # the backend helpers below take their device from here
@@ -161,6 +161,32 @@ def test_graph_replay_matches_eager_forward(tiny_model_dir, release, dtype, tol)
                     reset_context()
             err = ((graph_hidden - eager_hidden).abs().max() / eager_hidden.std()).item()
             assert err < tol, f"{rows} rows ({dtype}): graph vs eager hidden states differ by {err:.2e} std"
+    finally:
+        release(llm)
+
+
+def test_graph_padding_rows_leave_the_last_usable_block_alone(tiny_model_dir, release):
+    """A small cache whose last usable block a live sequence holds: a padded graph replay writes the real rows'
+    slots and the null block (one past the last usable block), nothing else."""
+    from nanovllm_tp import LLM, SamplingParams
+    llm = LLM(tiny_model_dir, dtype="float32", kvcache_block_size=16, kv_cache_memory=9 * (32 << 10),
+              max_model_len=128, max_num_seqs=4)
+    try:
+        runner, sched = llm.engine.runner, llm.engine.scheduler
+        assert sorted(runner.graphs.graphs) == [1, 2, 4] and runner.num_kv_blocks == 8
+        assert runner.k_cache.shape[1] == 9 and runner.null_slot == 8 * 16
+        for n in (80, 20, 10):      # blocks 0-4, 5-6 and 7, the last usable one
+            llm.add_request(list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.step()
+        assert [s.block_table for s in sched.running] == [[0, 1, 2, 3, 4], [5, 6], [7]]
+        plan = sched.schedule()
+        assert plan.kind == DECODE and plan.num_rows == 3
+        k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
+        runner.graphs.replay(plan)      # 3 rows on the 4-row graph: one padding row
+        torch.cuda.synchronize()
+        sched.postprocess([0, 0, 0])
+        want = set(plan.slot_mapping.tolist()) | {8 * 16}
+        assert written_slots(k_before, runner.k_cache) == written_slots(v_before, runner.v_cache) == want
     finally:
         release(llm)
 

@@ -167,16 +167,16 @@ def test_gpu_kv_budget():
 
 # ---------------------------------------------------------------- backend block-size checks
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256, 1024])
 def test_cuda_torch_backend_accepts_power_of_two_blocks(block_size):
     from nanovllm_tp.layers.flash_backend import CudaTorchBackend
     object.__new__(CudaTorchBackend).check_block_size(block_size)
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 12, 24, 100, 256, 512])
+@pytest.mark.parametrize("block_size", [1, 4, 12, 24, 100, 768, 2048])
 def test_cuda_torch_backend_rejects_other_blocks(block_size):
     from nanovllm_tp.layers.flash_backend import CudaTorchBackend
-    with pytest.raises(ValueError, match=rf"power of two in \[8, 128\], got {block_size}"):
+    with pytest.raises(ValueError, match=rf"power of two in \[8, 1024\] as kvcache_block_size, got {block_size}"):
         object.__new__(CudaTorchBackend).check_block_size(block_size)
 
 
@@ -186,8 +186,73 @@ def test_flash_backend_block_sizes():
     for ok in (256, 512, 1024):
         backend.check_block_size(ok)
     for bad in (16, 128, 255, 300):
-        with pytest.raises(ValueError, match=rf"multiple of 256, got {bad}"):
+        with pytest.raises(ValueError, match=rf"multiple of 256 as kvcache_block_size, got {bad}"):
             backend.check_block_size(bad)
+
+
+# ---------------------------------------------------------------- CUDA backend choice, flash-attn present or not
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("flash_ok,dtype,block_size,want", [
+    (True, BF16, None, "flash"), (True, BF16, 256, "flash"), (True, BF16, 512, "flash"),
+    (True, BF16, 16, "torch-cuda"), (True, BF16, 128, "torch-cuda"),     # an explicit block flash cannot use
+    (True, FP32, None, "torch-cuda"), (True, FP32, 256, "torch-cuda"),   # flash-attn has no fp32
+    (False, BF16, None, "torch-cuda"), (False, BF16, 16, "torch-cuda"), (False, BF16, 256, "torch-cuda"),
+])
+def test_cuda_backend_choice(flash_ok, dtype, block_size, want, caplog):
+    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    with caplog.at_level("INFO", logger="nanovllm_tp"):
+        assert pick_cuda_backend(dtype, block_size, flash_ok, None) == want
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if want == "flash":
+        assert not said
+    else:     # every fall-back says why, in one line
+        assert "torch-cuda" in said
+        reason = ("multiple of 256" if flash_ok and dtype == BF16 else "not installed" if not flash_ok else
+                  "does not support torch.float32")
+        assert reason in said, said
+        assert (f"kvcache_block_size={block_size}" in said) == (flash_ok and dtype == BF16)
+
+
+@pytest.mark.parametrize("flash_ok", [True, False])
+@pytest.mark.parametrize("block_size", [12, 768, 2048])
+def test_cuda_backend_choice_block_size_no_backend_takes(flash_ok, block_size):
+    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    if flash_ok and block_size % 256 == 0:      # flash-attn takes it
+        assert pick_cuda_backend(BF16, block_size, flash_ok, None) == "flash"
+        block_size = 1292       # neither rule holds
+    with pytest.raises(ValueError) as err:
+        pick_cuda_backend(BF16, block_size, flash_ok, None)
+    text = str(err.value)
+    assert f"kvcache_block_size={block_size} fits no CUDA attention backend" in text
+    assert "power of two in [8, 1024]" in text
+    assert ("multiple of 256" in text) == (block_size % 256 != 0) and ("(installed)" in text) == flash_ok
+    assert ("not installed" in text) != flash_ok
+
+
+def test_cuda_backend_choice_forced():
+    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    assert pick_cuda_backend(BF16, 256, True, "torch-cuda") == "torch-cuda"
+    assert pick_cuda_backend(BF16, None, True, "flash") == "flash"
+    with pytest.raises(ValueError, match=r"=flash, but flash-attn's paged KV cache needs a multiple of 256 "
+                                         r"\(kvcache_block_size=16\)"):
+        pick_cuda_backend(BF16, 16, True, "flash")
+    with pytest.raises(ValueError, match="=flash, but flash-attn is not installed"):
+        pick_cuda_backend(BF16, 256, False, "flash")
+    with pytest.raises(ValueError, match=r"=flash, but flash-attn does not support torch.float32"):
+        pick_cuda_backend(FP32, 256, True, "flash")
+    with pytest.raises(ValueError, match="fits no CUDA attention backend"):
+        pick_cuda_backend(BF16, 12, True, "torch-cuda")
+
+
+def test_cuda_backend_choice_with_this_machines_flash_attn(caplog):
+    """The same choice with the real availability flag of this environment (flash-attn installed or not)."""
+    from nanovllm_tp.layers.flash_backend import flash_available, pick_cuda_backend
+    present = flash_available()
+    assert pick_cuda_backend(BF16, None, present, None) == ("flash" if present else "torch-cuda")
+    assert pick_cuda_backend(BF16, 16, present, None) == "torch-cuda"
 
 
 def test_backend_graph_support_flags():

@@ -106,7 +106,7 @@ def run_worker(config: EngineConfig) -> int:
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0])
         shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
-        backend = choose_attention_backend(device, dtype)
+        backend = choose_attention_backend(device, dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)
         serve(build_runner(config, device, dtype, backend), reader)
         return 0

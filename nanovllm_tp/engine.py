@@ -147,11 +147,13 @@ class LLMEngine:
             raise peer from exc
 
     def close(self) -> None:
-        """Stop every rank: shutdown message first (idle workers leave at once), then the process group
-        (a worker stuck in a collective with us errors out), then wait for spawned workers."""
+        """Stop every rank: shutdown message first (idle workers leave at once), then this rank's graphs and
+        KV cache (NCCL cannot destroy a communicator that live graphs captured), then the process group (a
+        worker stuck in a collective with us errors out), then wait for spawned workers."""
         if self._closed:
             return
         self._closed = True
+        failed = self.dead is not None
         self.dead = self.dead or "the engine was closed"
         atexit.unregister(self.close)
         import torch.distributed as dist
@@ -163,6 +165,10 @@ class LLMEngine:
                 self.writer.shutdown("rank 0 closed the engine")
             except Exception:
                 pass
+        runner = getattr(self, "runner", None)
+        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
+            runner.release(hand_back=not failed)
+            self.runner = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -173,10 +179,6 @@ class LLMEngine:
         stop_children(self.children)
         if self.writer is not None:
             self.writer.close()
-        runner = getattr(self, "runner", None)
-        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
-            runner.release()
-            self.runner = None
 
 
 def _under_torchrun() -> bool:

@@ -330,3 +330,85 @@ def test_triton_decode_kernel_matches_torch_backend_in_interpreter():
         assert r["finite"], r
         assert r["max_err"] < 1e-4, r          # fp32 on both sides: only summation order differs
         assert r["padding_row_max"] == 0.0, r  # a zero-length row (graph padding) gives exact zeros
+
+
+# ---------------------------------------------------------------- teardown order, graph runner lifetime, fallback
+
+def _load_teardown_recorder():
+    import importlib.util
+    path = REPO / "tests" / "tp_scripts" / "teardown_order" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("teardown_recorder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_teardown_releases_runner_before_destroying_the_process_group(tiny_model_dir, tmp_path, monkeypatch):
+    """Rank 0 and the worker each drop graphs + KV cache before destroy_process_group (NCCL hangs destroying
+    a communicator that live graphs captured), with no ModelRunner holding a KV cache left at that moment."""
+    from nanovllm_tp import LLM, SamplingParams
+    log_path = tmp_path / "teardown.jsonl"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(REPO / "tests" / "tp_scripts" / "teardown_order"), str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("NVTP_TEST_TEARDOWN_LOG", str(log_path))
+    _load_teardown_recorder().install(str(log_path), setattr=monkeypatch.setattr)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, device="cpu", kvcache_block_size=16,
+              kv_cache_memory=16 << 20, max_num_seqs=4)
+    try:
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.close()
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    for rank in ("0", "1"):
+        mine = [(e["event"], e["live_kv_runners"]) for e in events if e["rank"] == rank]
+        assert mine == [("release", 0), ("destroy", 0)], f"rank {rank}: {mine}"
+
+
+def _cpu_runner(tiny_model_dir):
+    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.distributed.parallel_state import set_tp
+    from nanovllm_tp.layers.cpu_kernels import CpuBackend
+    from nanovllm_tp.workers.worker import build_runner
+    config = EngineConfig(model=tiny_model_dir, device="cpu", kvcache_block_size=16, kv_cache_memory=8 << 20,
+                          max_model_len=256, max_num_seqs=4)
+    config.validate()
+    set_tp(0, 1, None)
+    return build_runner(config, torch.device("cpu"), torch.float32, CpuBackend())
+
+
+def test_graph_runner_does_not_keep_the_model_runner_alive(tiny_model_dir):
+    """No runner <-> graph-runner cycle: dropping the last reference frees the runner (and its KV cache) at
+    once, without the cycle collector."""
+    import gc
+    import weakref
+
+    from nanovllm_tp.workers.cuda_graph import CUDAGraphRunner
+    runner = _cpu_runner(tiny_model_dir)
+    runner.graphs = CUDAGraphRunner(runner, 4, 256)     # buffers only: capture needs CUDA
+    assert runner.graphs.null_slot == runner.null_slot and runner.graphs.model is runner.model
+    gone = weakref.ref(runner)
+    gc.collect()
+    gc.disable()
+    try:
+        del runner
+        assert gone() is None, "a reference cycle keeps the ModelRunner (and its KV cache) alive"
+    finally:
+        gc.enable()
+
+
+def test_graph_capture_failure_falls_back_to_eager(tiny_model_dir, caplog):
+    """Capture raises here for real (no CUDA): the runner gets no graphs, a warning says so, and it decodes."""
+    from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
+    runner = _cpu_runner(tiny_model_dir)
+    try:
+        with caplog.at_level("WARNING", logger="nanovllm_tp"):
+            assert capture_decode_graphs(runner, 4, 256) is None
+        assert any("CUDA graph capture failed" in r.getMessage() and "eagerly" in r.getMessage()
+                   for r in caplog.records)
+        plan = make_decode_plan([3, 20], [[0], [1, 2]], runner.block_size)
+        logits = runner.execute(plan)
+        assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+    finally:
+        runner.release()

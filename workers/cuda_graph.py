@@ -5,6 +5,7 @@ least n rows. Padded rows have context length 0 and write their K/V into the res
 needs no branches. Inputs go through persistent pinned host buffers, one non-blocking copy each.
 """
 import bisect
+import logging
 import math
 
 import numpy as np
@@ -12,6 +13,8 @@ import torch
 
 from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.workers.kv_cache import gpu_kv_budget
+
+log = logging.getLogger("nanovllm_tp")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -66,37 +69,49 @@ class DecodeInputs:
 
 
 class CUDAGraphRunner:
+    """The decode graphs of one rank. It keeps the model and its own buffers, never the ModelRunner, so that
+    dropping the runner frees graphs and KV cache at once (no reference cycle left for the collector)."""
+
     def __init__(self, runner, max_num_seqs: int, max_model_len: int):
-        self.runner = runner
+        self.model, self.null_slot = runner.model, runner.null_slot
         self.sizes = graph_batch_sizes(max_num_seqs)
         width = block_table_width(max_model_len, runner.block_size)
         self.inputs = DecodeInputs(self.sizes[-1], width, runner.device)
         hidden_size = runner.model.model.embed_tokens.weight.shape[1]
         self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=runner.dtype, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
 
     @torch.inference_mode()
-    def _capture(self) -> None:
-        model, d, pool = self.runner.model, self.inputs.device, None
-        d["slot_mapping"].fill_(self.runner.null_slot)
-        for rows in reversed(self.sizes):     # largest first, so smaller graphs reuse its memory pool
-            set_context(self.inputs.context(rows))
-            self.hidden[:rows] = model(d["input_ids"][:rows], d["positions"][:rows])   # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.hidden[:rows] = model(d["input_ids"][:rows], d["positions"][:rows])
-            pool = graph.pool()
-            self.graphs[rows] = graph
+    def capture(self) -> None:
+        model, d, pool = self.model, self.inputs.device, None
+        d["slot_mapping"].fill_(self.null_slot)
+        try:
+            for rows in reversed(self.sizes):     # largest first, so smaller graphs reuse its memory pool
+                set_context(self.inputs.context(rows))
+                self.hidden[:rows] = model(d["input_ids"][:rows], d["positions"][:rows])   # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.hidden[:rows] = model(d["input_ids"][:rows], d["positions"][:rows])
+                pool = graph.pool()
+                self.graphs[rows] = graph
+        finally:
             reset_context()
         torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Free the graphs and their pool now: NCCL cannot destroy a communicator whose kernels a live graph
+        captured (pytorch/pytorch#115388), so this runs before the process group goes."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.model = self.inputs = self.hidden = None
 
     def can_run(self, rows: int) -> bool:
         return rows <= self.sizes[-1]
 
     def replay(self, plan) -> torch.Tensor:
         rows = padded_batch_size(plan.num_rows, self.sizes)
-        self.inputs.fill(plan, rows, self.runner.null_slot)
+        self.inputs.fill(plan, rows, self.null_slot)
         self.graphs[rows].replay()
         return self.hidden[:plan.num_rows]
 
@@ -104,9 +119,30 @@ class CUDAGraphRunner:
         hidden = self.replay(plan)
         set_context(Context(is_prefill=False))
         try:
-            return self.runner.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden)
         finally:
             reset_context()
+
+
+def capture_decode_graphs(runner, max_num_seqs: int, max_model_len: int) -> CUDAGraphRunner | None:
+    """Decode graphs for this runner, or None (decode runs eagerly) with a warning when capture raises,
+    e.g. an attention kernel that syncs with the host (flash-attn newer than the checked range). Every rank
+    runs the same kernels, so they fail at the same capture and stay in step."""
+    graphs = CUDAGraphRunner(runner, max_num_seqs, max_model_len)
+    try:
+        graphs.capture()
+    except Exception as exc:
+        graphs.release()
+        if runner.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(runner.device)
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+        log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly, as with enforce_eager=True",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return graphs
 
 
 @torch.inference_mode()

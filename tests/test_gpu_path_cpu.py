@@ -412,3 +412,34 @@ def test_graph_capture_failure_falls_back_to_eager(tiny_model_dir, caplog):
         assert logits.shape[0] == 2 and torch.isfinite(logits).all()
     finally:
         runner.release()
+
+
+# ---------------------------------------------------------------- packaging and the GPU check script
+
+def test_cuda_extra_pins_flash_attn_to_the_checked_range():
+    import configparser
+
+    from packaging.requirements import Requirement
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    (req,) = [Requirement(line) for line in cfg["options.extras_require"]["cuda"].splitlines() if line.strip()]
+    assert req.name == "flash-attn"
+    assert all(req.specifier.contains(v) for v in ("2.6.3", "2.8.3", "2.8.3.post1"))
+    assert not any(req.specifier.contains(v) for v in ("2.8.4", "2.9.0", "3.0.0", "2.5.9"))
+
+
+def test_gpu_check_script_uses_python3_when_python_is_absent(tmp_path):
+    """A fresh image has python3 only: the script must start the check with it (here just --help)."""
+    import shutil
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "python3_was_used"
+    (bin_dir / "python3").write_text(f'#!/bin/sh\n: > "{marker}"\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    proc = subprocess.run([shutil.which("bash"), str(REPO / "scripts" / "gpu_check.sh"), "--help"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout and "--smoke" in proc.stdout
+    assert marker.exists()

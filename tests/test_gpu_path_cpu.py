@@ -93,34 +93,39 @@ def make_decode_plan(context_lens, block_tables, block_size, vocab=1000, seed=0)
                     sample_index=np.zeros(rows, np.int64))
 
 
-def test_decode_inputs_fill_pads_and_leaves_no_stale_rows():
+def test_decode_inputs_fill_pads_and_copies_only_the_used_width():
     bs, null_slot = 16, 999 * 16
     inputs = DecodeInputs(max_rows=16, width=8, device=torch.device("cpu"))
     assert all(not t.is_pinned() for t in inputs.host.values())      # pinning only on CUDA
     big = make_decode_plan([5, 17, 33, 64, 100], [[1], [2, 3], [4, 5, 6], [7, 8, 9, 10],
                                                   [11, 12, 13, 14, 15, 16, 17]], bs, seed=1)
     inputs.fill(big, rows=8, null_slot=null_slot)
-    d = {k: v[:8] for k, v in inputs.device.items()}
+    d = {k: v[:8] for k, v in inputs.device.items() if k != "block_tables"}
+    table = inputs.block_tables[:8]
     assert torch.equal(d["input_ids"][:5], torch.from_numpy(big.input_ids))
     assert torch.equal(d["positions"][:5], torch.from_numpy(big.positions))
     assert torch.equal(d["slot_mapping"][:5], torch.from_numpy(big.slot_mapping))
     assert torch.equal(d["context_lens"][:5], torch.from_numpy(big.context_lens))
-    assert torch.equal(d["block_tables"][:5, :7], torch.from_numpy(big.block_tables))
-    assert (d["block_tables"][:5, 7:] == -1).all()
+    assert torch.equal(table[:5, :7], torch.from_numpy(big.block_tables))
+    assert (table[:5, 7:] == -1).all()
     # padding rows: null slot, no context, no blocks, token 0 at position 0
     assert (d["slot_mapping"][5:] == null_slot).all() and (d["context_lens"][5:] == 0).all()
-    assert (d["block_tables"][5:] == -1).all()
+    assert (table[5:] == -1).all()
     assert (d["input_ids"][5:] == 0).all() and (d["positions"][5:] == 0).all()
     # host and device agree on every filled row
-    for k in inputs.host:
-        assert torch.equal(inputs.host[k][:8], inputs.device[k][:8]), k
+    for k in d:
+        assert torch.equal(inputs.host[k][:8], d[k]), k
 
     small = make_decode_plan([3, 20], [[40], [41, 42]], bs, seed=2)
     inputs.fill(small, rows=4, null_slot=null_slot)
-    d = {k: v[:4] for k, v in inputs.device.items()}
-    assert torch.equal(d["block_tables"][:2, :2], torch.from_numpy(small.block_tables))
-    assert (d["block_tables"][:2, 2:] == -1).all(), "columns of the earlier, wider plan must not survive"
-    assert (d["block_tables"][2:] == -1).all(), "rows of the earlier, larger plan must not survive"
+    d = {k: v[:4] for k, v in inputs.device.items() if k != "block_tables"}
+    table = inputs.block_tables[:4]
+    assert torch.equal(table[:2, :2], torch.from_numpy(small.block_tables))
+    assert (table[2:, :2] == -1).all(), "rows of the earlier, larger plan must not survive in the used width"
+    # only the 2 used columns were copied: the wider plan's columns are still there (and never read, since
+    # every row's context ends inside its first 2 blocks)
+    assert table[0, 2:7].tolist() == [-1] * 5 and table[1, 2:7].tolist() == [-1] * 5
+    assert table[2, 2:3].tolist() == [6] and table[3, 2:4].tolist() == [9, 10]
     assert d["context_lens"].tolist() == [3, 20, 0, 0]
     assert d["slot_mapping"].tolist() == small.slot_mapping.tolist() + [null_slot, null_slot]
     assert d["input_ids"][2:].tolist() == [0, 0] and d["positions"].tolist() == [2, 19, 0, 0]
@@ -130,7 +135,9 @@ def test_decode_inputs_fill_pads_and_leaves_no_stale_rows():
     assert ctx.slot_mapping.dtype == torch.int64 and ctx.context_lens.dtype == torch.int32
     assert ctx.block_tables.dtype == torch.int32
     # the context views alias the persistent buffers (what a captured graph reads)
-    assert ctx.block_tables.data_ptr() == inputs.device["block_tables"].data_ptr()
+    assert ctx.block_tables.data_ptr() == inputs.block_tables.data_ptr()
+    with pytest.raises(ValueError, match="9 block-table columns"):
+        inputs.fill(make_decode_plan([140], [list(range(9))], bs), rows=1, null_slot=null_slot)
 
 
 # ---------------------------------------------------------------- KV sizing arithmetic
@@ -293,28 +300,45 @@ def test_cpu_engine_never_builds_graphs(tiny_model_dir, monkeypatch):
 
 # ---------------------------------------------------------------- Triton decode kernel via the interpreter
 
+DECODE_CONFIGS = [(g, bs, 32, 1) for g in (1, 2, 4) for bs in (8, 16, 32)] + [(2, 16, 128, 1), (3, 8, 32, 1)] + [
+    (2, 16, 32, 3), (4, 8, 32, 8), (1, 256, 64, 2), (3, 16, 80, 3), (2, 128, 32, 16)]     # split-K (flash-decoding)
+
+
 def _interpreter_child() -> None:
     """Runs in a fresh interpreter after tests.triton_interpret: the kernel vs TorchBackend's decode."""
     from nanovllm_tp.layers import triton_decode
     assert type(triton_decode._paged_decode_kernel).__name__ == "InterpretedFunction"
     reference, report = TorchBackend(), []
-    configs = [(g, bs, 32) for g in (1, 2, 4) for bs in (8, 16, 32)] + [(2, 16, 128), (3, 8, 32)]
-    for group, block_size, head_dim in configs:
+    for group, block_size, head_dim, splits in DECODE_CONFIGS:
         # 1 token, exact block multiples, ragged, one short of a block, and a zero-length padding row
         lens = [1, block_size, 2 * block_size, 3 * block_size + 5, block_size - 1, 0]
         q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, block_size, 2, group, head_dim,
                                                                        seed=len(report))
         scale = head_dim ** -0.5
-        out = triton_decode.paged_decode_attention(q, k_cache, v_cache, table, context_lens, scale)
+        out = triton_decode.paged_decode_attention(q, k_cache, v_cache, table, context_lens, scale, splits)
         live = [i for i, n in enumerate(lens) if n]
         ctx = Context(is_prefill=False, context_lens=context_lens[live], block_tables=table[live],
                       context_lens_cpu=[lens[i] for i in live])
         want = reference.forward(q[live], None, None, k_cache, v_cache, ctx, scale)
-        report.append({"group": group, "block_size": block_size, "head_dim": head_dim,
+        report.append({"group": group, "block_size": block_size, "head_dim": head_dim, "splits": splits,
                        "max_err": (out[live] - want).abs().max().item(),
                        "padding_row_max": out[lens.index(0)].abs().max().item(),
                        "finite": bool(torch.isfinite(out).all())})
     print("RESULT " + json.dumps(report))
+
+
+def test_decode_split_and_tile_choice():
+    from nanovllm_tp.layers.triton_decode import MAX_SPLITS, decode_splits, decode_tile
+    # the fp32 [group, tile, head_dim] product stays at 8K elements: no spills at any page size
+    assert [decode_tile(g, 128) for g in (1, 2, 4, 8, 16)] == [64, 32, 16, 8, 8]
+    assert decode_tile(1, 64) == 64 and decode_tile(2, 256) == 16
+    # H200: 132 SMs. A full batch already fills the GPU: no split
+    assert decode_splits(256, 8, 1280, 132) == 1
+    # one long row (40,960 tokens, tile 32): as many splits as allowed
+    assert decode_splits(1, 8, 1280, 132) == MAX_SPLITS
+    assert decode_splits(4, 8, 1280, 132) == 9         # 4 * 8 * 9 = 288 programs >= 2 * 132
+    # short block tables: every split keeps at least 4 tiles
+    assert decode_splits(1, 8, 12, 132) == 3 and decode_splits(1, 8, 3, 132) == 1
 
 
 def test_triton_decode_kernel_matches_torch_backend_in_interpreter():
@@ -325,7 +349,7 @@ def test_triton_decode_kernel_matches_torch_backend_in_interpreter():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     report = json.loads(line[len("RESULT "):])
-    assert len(report) == 11
+    assert len(report) == len(DECODE_CONFIGS)
     for r in report:
         assert r["finite"], r
         assert r["max_err"] < 1e-4, r          # fp32 on both sides: only summation order differs

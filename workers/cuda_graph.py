@@ -33,39 +33,49 @@ def block_table_width(max_model_len: int, block_size: int) -> int:
 
 
 class DecodeInputs:
-    """Host (pinned) and device copies of one decode step's inputs, sized for the largest graph."""
+    """Host (pinned) and device copies of one decode step's inputs, sized for the largest graph.
+
+    The block table the graphs read is `block_tables` [max_rows, width]; a step copies only the columns its
+    plan uses (`rows * plan width` entries through a flat staging buffer, then one device-side copy), not the
+    whole max_model_len width. Columns past a row's context are never read (attention stops at its length),
+    so what earlier, wider steps left there does no harm."""
 
     def __init__(self, max_rows: int, width: int, device: torch.device):
         pin = device.type == "cuda"
         shapes = {"input_ids": ((max_rows,), torch.int64), "positions": ((max_rows,), torch.int64),
                   "slot_mapping": ((max_rows,), torch.int64), "context_lens": ((max_rows,), torch.int32),
-                  "block_tables": ((max_rows, width), torch.int32)}
+                  "block_tables": ((max_rows * width,), torch.int32)}
         self.host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.device = {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
+        self.block_tables = torch.full((max_rows, width), -1, dtype=torch.int32, device=device)
         self.width = width
 
     def fill(self, plan, rows: int, null_slot: int) -> None:
         """Write plan into the first `rows` host rows, padding the rest; then copy them to the device."""
-        n = plan.num_rows
+        n, used = plan.num_rows, plan.block_tables.shape[1]
+        if used > self.width:
+            raise ValueError(f"a decode plan with {used} block-table columns; the graphs hold {self.width}")
         h = {k: v.numpy() for k, v in self.host.items()}
         h["input_ids"][:n] = plan.input_ids
         h["positions"][:n] = plan.positions
         h["slot_mapping"][:n] = plan.slot_mapping
         h["context_lens"][:n] = plan.context_lens
-        table = h["block_tables"]
-        table[:rows] = -1
-        table[:n, :plan.block_tables.shape[1]] = plan.block_tables
+        table = h["block_tables"][:rows * used].reshape(rows, used)
+        table[:n] = plan.block_tables
+        table[n:] = -1
         h["input_ids"][n:rows] = 0
         h["positions"][n:rows] = 0
         h["slot_mapping"][n:rows] = null_slot
         h["context_lens"][n:rows] = 0
         for k in self.host:
-            self.device[k][:rows].copy_(self.host[k][:rows], non_blocking=True)
+            count = rows * used if k == "block_tables" else rows
+            self.device[k][:count].copy_(self.host[k][:count], non_blocking=True)
+        self.block_tables[:rows, :used].copy_(self.device["block_tables"][:rows * used].view(rows, used))
 
     def context(self, rows: int) -> Context:
         d = self.device
         return Context(is_prefill=False, slot_mapping=d["slot_mapping"][:rows], context_lens=d["context_lens"][:rows],
-                       block_tables=d["block_tables"][:rows])
+                       block_tables=self.block_tables[:rows])
 
 
 class CUDAGraphRunner:

@@ -1,8 +1,9 @@
 """CUDA attention backends. Imported only on CUDA.
 
 `flash`: flash-attn's varlen kernel for prefill (with block_table when part of the KV is cached) and
-flash_attn_with_kvcache for decode. `torch-cuda`, when flash-attn is not installed: torch's varlen
-attention for prefill where this torch has it (else per-row SDPA), and a Triton paged kernel for decode.
+flash_attn_with_kvcache for decode. `torch-cuda`, when flash-attn is not in use: torch's varlen attention
+for bf16/fp16 prefill without a cached prefix where this torch has it, a Triton paged kernel for every other
+prefill (cached prefixes, fp32), and a Triton paged split-K kernel for decode.
 """
 import importlib.util
 import inspect
@@ -108,7 +109,8 @@ class CudaTorchBackend(TorchBackend):
 
     def __init__(self):
         from nanovllm_tp.layers.triton_decode import paged_decode_attention
-        self.decode_kernel = paged_decode_attention
+        from nanovllm_tp.layers.triton_prefill import paged_prefill_attention
+        self.decode_kernel, self.prefill_kernel = paged_decode_attention, paged_prefill_attention
         self.varlen, self.varlen_params = _torch_varlen()
 
     def check_block_size(self, block_size: int) -> None:
@@ -118,8 +120,11 @@ class CudaTorchBackend(TorchBackend):
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
         if not ctx.is_prefill:
             return self._decode(q, k_cache, v_cache, ctx, scale)
-        if self.varlen is not None and not ctx.has_cached_prefix and q.dtype in (torch.float16, torch.bfloat16):
+        if self.varlen is not None and not ctx.has_cached_prefix and q.dtype in HALF:
             return self._varlen_prefill(q, k, v, ctx, scale)
+        if k_cache.numel():      # a cached prefix, fp32, or no varlen: the paged kernel, no score matrix
+            return self.prefill_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens,
+                                       ctx.max_seqlen_q, scale)
         return self._prefill(q, k, v, k_cache, v_cache, ctx, scale)
 
     def _decode(self, q, k_cache, v_cache, ctx, scale):

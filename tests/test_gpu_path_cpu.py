@@ -544,3 +544,64 @@ def test_triton_prefill_kernel_matches_torch_backend_in_interpreter():
     stale = report[-1]
     assert stale["stale_columns"] > 0, "the check needs columns left over from the wider plan"
     assert stale["finite"] and stale["max_err"] < 1e-4 and stale["padding_row_max"] == 0.0, stale
+
+
+# ---------------------------------------------------------------- KV profiling runs the worst steps
+
+@pytest.mark.parametrize("tokens,max_len,max_rows", [(300, 256, 4), (8192, 40960, 256), (8192, 512, 8),
+                                                     (100, 2, 256), (16, 4096, 1), (5, 64, 16)])
+def test_profile_plans_cover_the_worst_steps(tokens, max_len, max_rows):
+    from types import SimpleNamespace
+
+    from nanovllm_tp.workers.cuda_graph import profile_plans
+    config = SimpleNamespace(max_num_batched_tokens=tokens, max_model_len=max_len, max_num_seqs=max_rows)
+    plain, prefixed = profile_plans(config, block_size=16)
+    for plan in (plain, prefixed):
+        q = np.diff(plan.cu_seqlens_q)
+        assert plan.is_prefill and 1 <= plan.num_rows <= max_rows and (q >= 1).all()
+        assert (plan.context_lens <= max_len).all() and (q <= plan.context_lens).all()
+        assert plan.num_tokens == q.sum() <= tokens
+        # positions end at each row's context length; slots follow the (identity) block table
+        ends = plan.positions[plan.cu_seqlens_q[1:] - 1]
+        assert (ends == plan.context_lens - 1).all()
+        rows_of = np.repeat(np.arange(plan.num_rows), q)
+        table = plan.block_tables[rows_of, plan.positions // 16]
+        assert (table >= 0).all() and (table.astype(np.int64) * 16 + plan.positions % 16 == plan.slot_mapping).all()
+    # nothing cached, the longest prompts first
+    assert (plain.context_lens == np.diff(plain.cu_seqlens_q)).all()
+    assert plain.num_tokens == min(tokens, max_rows * max_len) and plain.context_lens[0] == min(tokens, max_len)
+    # every row over a full max_model_len context with a cached prefix; as many rows and tokens as allowed;
+    # the first row is the longest chunk a prompt can have over a prefix
+    q = np.diff(prefixed.cu_seqlens_q)
+    assert (prefixed.context_lens == max_len).all() and (q < max_len).all()
+    assert prefixed.num_rows == min(max_rows, tokens)
+    assert prefixed.num_tokens == min(tokens, prefixed.num_rows * (max_len - 1))
+    assert q[0] == min(tokens - prefixed.num_rows + 1, max_len - 1)
+
+
+def test_profile_steps_run_through_the_model_over_a_temporary_cache(tiny_model_dir):
+    """The profile's steps run for real (here on CPU, the CUDA path measures memory around the same call):
+    both plans execute, the cached-prefix one reads the temporary cache, and the cache is dropped after."""
+    from nanovllm_tp.workers.cuda_graph import run_profile_steps
+    runner = _cpu_runner(tiny_model_dir)
+    config = runner.config
+    config.max_num_batched_tokens = 300
+    executed, real_execute = [], runner.execute
+
+    def execute(plan):
+        logits = real_execute(plan)
+        executed.append((plan, logits))
+        return logits
+
+    runner.execute = execute
+    try:
+        during = run_profile_steps(runner, config, measure=lambda: (runner.num_kv_blocks, runner.k_cache.shape))
+        assert during[0] == 256 // 16 and during[1][1] == 256 // 16 + 1       # one max_model_len sequence + null
+        assert [p.num_tokens for p, _ in executed] == [300, 300]
+        assert bool((executed[1][0].context_lens > np.diff(executed[1][0].cu_seqlens_q)).all())
+        for plan, logits in executed:
+            assert logits.shape[0] == plan.num_rows and torch.isfinite(logits).all()
+        assert runner.k_cache is None and runner.num_kv_blocks == 0
+        assert all(a.k_cache.numel() == 0 for a in runner.attention_layers)
+    finally:
+        runner.release()

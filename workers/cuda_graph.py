@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nanovllm_tp.context import Context, reset_context, set_context
+from nanovllm_tp.scheduler.plan import PREFILL, StepPlan
 from nanovllm_tp.workers.kv_cache import gpu_kv_budget
 
 log = logging.getLogger("nanovllm_tp")
@@ -155,31 +156,65 @@ def capture_decode_graphs(runner, max_num_seqs: int, max_model_len: int) -> CUDA
     return graphs
 
 
+def profile_plans(config, block_size: int) -> list[StepPlan]:
+    """The two steps that bound a step's activation memory, as the scheduler could send them: the longest
+    prompts with nothing cached, and max_num_batched_tokens new tokens over max_model_len contexts (the last
+    chunk of the longest prompt, with as many rows as allowed: prefix hits, mixed decode rows). Every row
+    reads the same blocks 0.. of a cache that holds one max_model_len sequence."""
+    tokens, max_len, max_rows = config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs
+    plain = ([max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else []))[:max_rows]
+    rows = min(max_rows, tokens)
+    q_lens, extra = [1] * rows, tokens - rows
+    for row in range(rows):      # at most max_len - 1 new tokens, so each row has a cached prefix
+        add = min(extra, max_len - 2)
+        q_lens[row] += add
+        extra -= add
+    return [_profile_plan(plain, plain, block_size), _profile_plan(q_lens, [max_len] * rows, block_size)]
+
+
+def _profile_plan(q_lens: list[int], context_lens: list[int], block_size: int) -> StepPlan:
+    positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, context_lens)]).astype(np.int64)
+    rows, width = len(q_lens), -(-max(context_lens) // block_size)
+    return StepPlan(step_id=0, kind=PREFILL, input_ids=np.zeros(len(positions), np.int64), positions=positions,
+                    slot_mapping=positions.copy(),      # block b of the table is block b of the cache
+                    cu_seqlens_q=np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32),
+                    context_lens=np.asarray(context_lens, np.int32),
+                    block_tables=np.tile(np.arange(width, dtype=np.int32), (rows, 1)),
+                    temperatures=np.zeros(rows, np.float32), seeds=np.zeros(rows, np.int64),
+                    sample_index=np.zeros(rows, np.int64))
+
+
 @torch.inference_mode()
+def run_profile_steps(runner, config, measure=None):
+    """Run profile_plans over a temporary KV cache for one max_model_len sequence, then the sampler over a
+    full decode batch; `measure()` is called (and returned) while that cache is still allocated."""
+    runner.allocate_kv_cache(-(-config.max_model_len // runner.block_size))
+    try:
+        for plan in profile_plans(config, runner.block_size):
+            runner.execute(plan)
+        # The sampler's [rows, vocab] temporaries for a full decode batch count towards the peak too.
+        rows, vocab, device = config.max_num_seqs, config.model_config.vocab_size, runner.device
+        runner.sampler(torch.zeros(rows, vocab, device=device), torch.ones(rows, device=device),
+                       torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+        return measure() if measure is not None else None
+    finally:
+        runner.drop_kv_cache()
+
+
 def profile_kv_budget(runner, config) -> int:
-    """Bytes left for KV after a forward of max_num_batched_tokens tokens, under gpu_memory_utilization."""
+    """Bytes left for KV under gpu_memory_utilization, after the weights and the activation peak of the
+    worst steps (run_profile_steps)."""
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    tokens, max_len = config.max_num_batched_tokens, config.max_model_len
-    q_lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-    cu = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-    cu_t = torch.from_numpy(cu).to(device)
-    set_context(Context(is_prefill=True, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=max(q_lens),
-                        max_seqlen_k=max(q_lens), context_lens=torch.tensor(q_lens, dtype=torch.int32, device=device),
-                        has_cached_prefix=False, context_lens_cpu=q_lens, q_lens_cpu=q_lens))
-    positions = torch.cat([torch.arange(n, device=device) for n in q_lens])
-    try:
-        runner.model.compute_logits(runner.model(torch.zeros(tokens, dtype=torch.long, device=device), positions))
-    finally:
-        reset_context()
-    # The sampler's [rows, vocab] temporaries for a full decode batch count towards the peak too.
-    rows, vocab = config.max_num_seqs, config.model_config.vocab_size
-    runner.sampler(torch.zeros(rows, vocab, device=device), torch.ones(rows, device=device),
-                   torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device))
+
+    def measure():
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+    current, peak = run_profile_steps(runner, config, measure)     # current: weights + the temporary cache
     torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()     # cached activation blocks are free for KV; the peak below accounts for them
+    torch.cuda.empty_cache()     # cached activation blocks are free for KV; the peak above accounts for them
     free, total = torch.cuda.mem_get_info(device)
-    current, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
     return gpu_kv_budget(total, config.gpu_memory_utilization, total - free, peak - current)

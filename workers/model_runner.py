@@ -51,6 +51,12 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
 
+    def drop_kv_cache(self) -> None:
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.k_cache = self.v_cache = None
+        self.num_kv_blocks = 0
+
     @property
     def null_slot(self) -> int:
         return self.num_kv_blocks * self.block_size
@@ -101,9 +107,8 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None
-        for attn in self.attention_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        self.k_cache = self.v_cache = self.model = None
+        self.drop_kv_cache()
+        self.model = None
         self.attention_layers = []
         if hand_back and self.device.type == "cuda":     # now, not when the allocator likes
             gc.collect()

@@ -165,10 +165,12 @@ class LLMEngine:
                 self.writer.shutdown("rank 0 closed the engine")
             except Exception:
                 pass
-        runner = getattr(self, "runner", None)
+        runner, self.runner = getattr(self, "runner", None), None
         if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
-            runner.release(hand_back=not failed)
-            self.runner = None
+            try:
+                runner.release(hand_back=not failed)
+            except Exception:       # a broken device must not keep the other ranks running
+                log.exception("releasing this rank's model and KV cache failed")
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

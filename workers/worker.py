@@ -121,7 +121,10 @@ def run_worker(config: EngineConfig) -> int:
         return 1
     finally:
         if runner is not None:      # graphs and KV cache go before the process group (see ModelRunner.release)
-            runner.release(hand_back=False)
+            try:
+                runner.release(hand_back=False)
+            except Exception:
+                pass
         if reader is not None:
             reader.close()
         shm_allreduce.teardown()        # unlinks the segment too if rank 0 is dead

@@ -392,6 +392,34 @@ def test_too_small_kv_cache_memory_is_a_clear_error(tiny_model_dir):
         LLM(tiny_model_dir, dtype="bfloat16", kvcache_block_size=16, kv_cache_memory=1 << 16)
 
 
+def test_backend_follows_the_block_size_with_and_without_flash_attn(tiny_model_dir, release, monkeypatch, caplog):
+    """bf16: the default block size takes flash-attn when it imports (block 256), torch-cuda otherwise (16); an
+    explicit block 16 always runs torch-cuda, and says why when flash-attn is there."""
+    from nanovllm_tp import LLM
+    from nanovllm_tp.layers.flash_backend import flash_available
+    monkeypatch.delenv("NANOVLLM_TP_ATTENTION", raising=False)
+    small = dict(dtype="bfloat16", kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=4, enforce_eager=True)
+    llm = LLM(tiny_model_dir, **small)
+    try:
+        runner = llm.engine.runner
+        assert (runner.block_size, get_backend_name(runner)) == ((256, "flash") if flash_available() else
+                                                                 (16, "torch-cuda"))
+    finally:
+        release(llm)
+    with caplog.at_level("WARNING", logger="nanovllm_tp"):
+        llm = LLM(tiny_model_dir, kvcache_block_size=16, **small)
+    try:
+        assert get_backend_name(llm.engine.runner) == "torch-cuda"
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "torch-cuda" in said and (("multiple of 256" in said) == flash_available())
+    finally:
+        release(llm)
+
+
+def get_backend_name(runner) -> str:
+    return runner.describe().split("attention ")[1].split(",")[0]
+
+
 # ------------------------------------------------------------------------ (e) replays allocate nothing
 
 def test_graph_replay_allocates_nothing(tiny_model_dir, release):

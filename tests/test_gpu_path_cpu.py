@@ -605,3 +605,56 @@ def test_profile_steps_run_through_the_model_over_a_temporary_cache(tiny_model_d
         assert all(a.k_cache.numel() == 0 for a in runner.attention_layers)
     finally:
         runner.release()
+
+
+# ---------------------------------------------------------------- the Triton kernels compile for an H200 (sm_90a)
+
+def _ptxas_report(fn, dtype: str, constexprs: dict, num_warps: int) -> tuple[int, int]:
+    """Compile a kernel for sm_90a without a GPU (Triton's bundled ptxas): (registers, spill store bytes)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    pointers = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "out_ptr": dtype, "part_ptr": "fp32",
+                "stats_ptr": "fp32", "block_tables_ptr": "i32", "context_lens_ptr": "i32", "cu_seqlens_q_ptr": "i32"}
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in constexprs else "*" + pointers[n] if n in pointers else
+                 "fp32" if n == "scale" else "i32" for n in names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature,
+                                      constexprs={(names.index(k),): v for k, v in constexprs.items()}),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    import tempfile
+    ptx = pathlib.Path(tempfile.gettempdir()) / f"nvtp_{os.getpid()}_{fn.__name__}.ptx"
+    ptx.write_text(kernel.asm["ptx"])
+    try:
+        ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        text = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+                              capture_output=True, text=True, timeout=120).stderr
+    finally:
+        ptx.unlink()
+    return int(re.search(r"Used (\d+) registers", text).group(1)), \
+        int(re.search(r"(\d+) bytes spill stores", text).group(1))
+
+
+def test_triton_kernels_compile_for_sm90_without_register_spills():
+    """The tile no longer grows with the page size: block 16, 128 and 256 compile to the same kernel shape
+    with no spills (the old [group, block, head_dim] tile spilled ~18 KB per thread at block 128)."""
+    import triton
+    from nanovllm_tp.layers import triton_decode as td
+    from nanovllm_tp.layers import triton_prefill as tp
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton build has no bundled ptxas")
+    for block_size in (16, 128, 256):
+        regs, spill = _ptxas_report(td._paged_decode_kernel, "bf16", dict(
+            GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=block_size, TILE=td.decode_tile(2, 128),
+            SPLITS=4), 4)
+        assert spill == 0 and regs <= 255, (block_size, regs, spill)
+    assert _ptxas_report(td._merge_splits_kernel, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS=16,
+                                                                 SPLITS_PAD=16), 4)[1] == 0
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        regs, spill = _ptxas_report(tp._paged_prefill_kernel, dtype, dict(
+            GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=tp.prefill_block_m(2),
+            BLOCK_N=tp.BLOCK_N, PRECISION=precision), tp.NUM_WARPS)
+        assert spill == 0, (dtype, regs, spill)

@@ -649,10 +649,10 @@ def test_triton_kernels_compile_for_sm90_without_register_spills():
     for block_size in (16, 128, 256):
         regs, spill = _ptxas_report(td._paged_decode_kernel, "bf16", dict(
             GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=block_size, TILE=td.decode_tile(2, 128),
-            SPLITS=4), 4)
+            SPLIT=True), 4)
         assert spill == 0 and regs <= 255, (block_size, regs, spill)
-    assert _ptxas_report(td._merge_splits_kernel, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS=16,
-                                                                 SPLITS_PAD=16), 4)[1] == 0
+    assert _ptxas_report(td._merge_splits_kernel, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128,
+                                                                 SPLITS_PAD=td.MAX_SPLITS), 4)[1] == 0
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         regs, spill = _ptxas_report(tp._paged_prefill_kernel, dtype, dict(
             GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=tp.prefill_block_m(2),

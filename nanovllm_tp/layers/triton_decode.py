@@ -4,7 +4,8 @@ One program per (row, kv head, split) walks its share of the row's context in ti
 online softmax; each token's block comes from the block table, so the tile does not depend on the page size
 (block 128 or 256 costs no more registers than block 16). With more than one split (flash-decoding), each
 split leaves an unnormalised partial result and its softmax statistics, and a second kernel merges them.
-Grid and split count depend only on tensor shapes, never on the lengths, so the call is CUDA-graph safe.
+Grid and split count depend only on tensor shapes, never on the lengths, so the call is CUDA-graph safe; the
+split count is a runtime argument, so eager steps of varying shapes share two compiled variants.
 """
 import functools
 
@@ -18,11 +19,11 @@ MIN_TILES_PER_SPLIT = 4      # a split shorter than this costs more to merge tha
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                         part_ptr, stats_ptr, scale,
+                         part_ptr, stats_ptr, scale, num_splits,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                         SPLITS: tl.constexpr):
+                         SPLIT: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -36,7 +37,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
                 other=0.0).to(tl.float32) * scale
     tiles = tl.cdiv(context_len, TILE)
-    per_split = tl.cdiv(tiles, SPLITS)
+    per_split = tl.cdiv(tiles, num_splits)
     first = split * per_split
     last = tl.minimum(first + per_split, tiles)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -59,26 +60,26 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]     # rows with no context (graph padding) give zeros
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    else:   # partial [rows, heads, SPLITS, HEAD_DIM_PAD] and (max, sum) [rows, heads, SPLITS, 2], fp32
-        slot = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+    else:   # partial [rows, heads, splits, HEAD_DIM_PAD] and (max, sum) [rows, heads, splits, 2], fp32
+        slot = (row * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(part_ptr + slot[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=q_mask)
         tl.store(stats_ptr + slot * 2, m, mask=g < GROUP)
         tl.store(stats_ptr + slot * 2 + 1, l, mask=g < GROUP)
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                         HEAD_DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    slot = (row * tl.num_programs(1) + head) * SPLITS + sp
-    live = sp < SPLITS
+    slot = (row * tl.num_programs(1) + head) * num_splits + sp
+    live = sp < num_splits
     m = tl.load(stats_ptr + slot * 2, mask=live, other=float("-inf"))
     l = tl.load(stats_ptr + slot * 2 + 1, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -111,7 +112,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None) -> torch.Tensor:
     """q [rows, heads, dim]; caches [blocks, block_size, kv_heads, dim]; returns [rows, heads, dim].
-    num_splits: None picks from the shapes and the GPU's SM count."""
+    num_splits: None picks from the shapes and the GPU's SM count; at most MAX_SPLITS."""
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -121,19 +122,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_tiles = -(-block_tables.shape[1] * block_size // tile)
         sm_count = _sm_count(q.device.index or 0) if q.device.type == "cuda" else 1     # 1: the CPU interpreter
         num_splits = decode_splits(rows, kv_heads, max_tiles, sm_count)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     out = torch.empty_like(q)
     part = stats = out      # unused with one split
     if num_splits > 1:
         part = torch.empty(rows, heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows, heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(rows, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, stats, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, part, stats, scale, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile,
-        SPLITS=num_splits)
+        SPLIT=num_splits > 1)
     if num_splits > 1:
-        _merge_splits_kernel[(rows, heads)](part, stats, out, out.stride(0), out.stride(1), HEAD_DIM=dim,
-                                            HEAD_DIM_PAD=dim_pad, SPLITS=num_splits,
-                                            SPLITS_PAD=triton.next_power_of_2(num_splits))
+        _merge_splits_kernel[(rows, heads)](part, stats, out, num_splits, out.stride(0), out.stride(1),
+                                            HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, SPLITS_PAD=MAX_SPLITS)
     return out

@@ -37,19 +37,16 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     return device, dtype
 
 
-def choose_attention_backend(device: torch.device, dtype: torch.dtype):
-    """flash-attn on CUDA when it imports and supports the dtype, else torch-cuda; on CPU the C decode kernel."""
+def choose_attention_backend(device: torch.device, dtype: torch.dtype, block_size: int | None = None):
+    """On CUDA flash-attn when it imports and takes the dtype and block size (an explicit kvcache_block_size it
+    cannot use picks torch-cuda), else torch-cuda; on CPU the C decode kernel."""
     from nanovllm_tp.layers.attention import TorchBackend
     forced = os.environ.get("NANOVLLM_TP_ATTENTION")    # torch | cpu | torch-cuda | flash, for comparisons
     if device.type == "cuda" and forced != "torch":
-        from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend, flash_available
-        if forced != "torch-cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
-            return FlashBackend()
-        if forced == "flash":
-            raise ValueError("NANOVLLM_TP_ATTENTION=flash, but flash-attn is not installed or the dtype is fp32")
-        log.warning("flash-attn is not installed (or dtype is %s): attention uses torch varlen/SDPA for "
-                    "prefill and a Triton kernel for decode", dtype)
-        return CudaTorchBackend()
+        from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend, flash_available, \
+            pick_cuda_backend
+        name = pick_cuda_backend(dtype, block_size, flash_available(), forced)
+        return FlashBackend() if name == "flash" else CudaTorchBackend()
     if forced == "torch":
         return TorchBackend()
     from nanovllm_tp.layers.cpu_kernels import CpuBackend
@@ -70,7 +67,7 @@ class LLMEngine:
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
-        backend = choose_attention_backend(self.device, self.dtype)
+        backend = choose_attention_backend(self.device, self.dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)
         try:
             store = None
@@ -163,11 +160,13 @@ class LLMEngine:
             raise peer from exc
 
     def close(self) -> None:
-        """Stop every rank: shutdown message first (idle workers leave at once), then the process group
-        (a worker stuck in a collective with us errors out), then wait for spawned workers."""
+        """Stop every rank: shutdown message first (idle workers leave at once), then this rank's graphs and
+        KV cache (NCCL cannot destroy a communicator that live graphs captured), then the process group (a
+        worker stuck in a collective with us errors out), then wait for spawned workers."""
         if self._closed:
             return
         self._closed = True
+        failed = self.dead is not None
         self.dead = self.dead or "the engine was closed"
         atexit.unregister(self.close)
         import torch.distributed as dist
@@ -179,6 +178,12 @@ class LLMEngine:
                 self.writer.shutdown("rank 0 closed the engine")
             except Exception:
                 pass
+        runner, self.runner = getattr(self, "runner", None), None
+        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
+            try:
+                runner.release(hand_back=not failed)
+            except Exception:       # a broken device must not keep the other ranks running
+                log.exception("releasing this rank's model and KV cache failed")
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -189,10 +194,6 @@ class LLMEngine:
         stop_children(self.children)
         if self.writer is not None:
             self.writer.close()
-        runner = getattr(self, "runner", None)
-        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
-            runner.release()
-            self.runner = None
 
 
 def _record_logprobs(batch, lp) -> None:

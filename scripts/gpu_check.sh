@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One command for the CUDA checks and throughput figures: python -m nanovllm_tp.launch.gpu_check "$@".
+# One command for the CUDA checks and throughput figures: python -m nanovllm_tp.launch.gpu_check "$@"
+# ($PYTHON if set, else python, else python3).
 # Works from a bare checkout too (no pip install): nanovllm_tp.launch/.workers/.scheduler live in top-level
 # folders that setup.cfg maps into the package, so without an install the module is started through a
 # small bootstrap that adds the repository root to the package path.
@@ -7,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NVTP_REPO="$PWD"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then       # fresh images often have python3 only
+    if command -v python >/dev/null 2>&1; then PY=python; else PY=python3; fi
+fi
 if "$PY" -c "import nanovllm_tp.launch.gpu_check" 2>/dev/null; then
     exec "$PY" -m nanovllm_tp.launch.gpu_check "$@"
 fi

@@ -51,6 +51,12 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
 
+    def drop_kv_cache(self) -> None:
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.k_cache = self.v_cache = None
+        self.num_kv_blocks = 0
+
     @property
     def null_slot(self) -> int:
         return self.num_kv_blocks * self.block_size
@@ -106,13 +112,17 @@ class ModelRunner:
         finally:
             reset_context()
 
-    def release(self) -> None:
+    def release(self, hand_back: bool = True) -> None:
+        """Drop graphs, KV cache and weights; called before the process group is destroyed, which NCCL cannot
+        do while graphs that captured its kernels are alive. hand_back: return the memory to the GPU now
+        (skipped on failure paths, where a kernel stuck on a dead peer would block the synchronize)."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
-        for attn in self.attention_layers:
-            attn.k_cache = attn.v_cache = torch.tensor([])
-        self.k_cache = self.v_cache = self.model = None
+        self.drop_kv_cache()
+        self.model = None
         self.attention_layers = []
-        if self.device.type == "cuda":     # hand the memory back to the GPU now, not when the allocator likes
+        if hand_back and self.device.type == "cuda":     # now, not when the allocator likes
             gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

@@ -78,8 +78,8 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
             "(or gpu_memory_utilization) or lower max_model_len")
     runner.allocate_kv_cache(num_blocks)
     if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
-        from nanovllm_tp.workers.cuda_graph import CUDAGraphRunner
-        runner.graphs = CUDAGraphRunner(runner, config.max_num_seqs, config.max_model_len)
+        from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
+        runner.graphs = capture_decode_graphs(runner, config.max_num_seqs, config.max_model_len)
     return runner
 
 
@@ -100,16 +100,17 @@ def run_worker(config: EngineConfig) -> int:
     from nanovllm_tp.engine import (_exit_on_sigterm, choose_attention_backend, resolve_block_size,
                                     resolve_device_and_dtype)
     _exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
-    reader = None
+    reader = runner = None
     try:
         device, dtype = resolve_device_and_dtype(config)
         info = join_group(config, device)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0])
         shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
-        backend = choose_attention_backend(device, dtype)
+        backend = choose_attention_backend(device, dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)
-        serve(build_runner(config, device, dtype, backend), reader)
+        runner = build_runner(config, device, dtype, backend)
+        serve(runner, reader)
         return 0
     except KeyboardInterrupt:
         return 130
@@ -120,6 +121,11 @@ def run_worker(config: EngineConfig) -> int:
         sys.stderr.write(f"[nanovllm_tp worker rank {os.environ.get('RANK')}] {text}")
         return 1
     finally:
+        if runner is not None:      # graphs and KV cache go before the process group (see ModelRunner.release)
+            try:
+                runner.release(hand_back=False)
+            except Exception:
+                pass
         if reader is not None:
             reader.close()
         shm_allreduce.teardown()        # unlinks the segment too if rank 0 is dead

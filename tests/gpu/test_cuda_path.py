@@ -351,6 +351,42 @@ def test_prefill_with_cached_prefix_falls_back_and_matches():
         assert not calls, f"{backend.name}: varlen has no block table here, a cached prefix must fall back"
 
 
+def test_cached_prefix_prefill_memory_is_bounded():
+    """torch-cuda over a long cached prefix: the paged Triton kernel allocates the output only (the per-row
+    SDPA it replaces built a [heads, new, prefix] score matrix: 16 x 2048 x 32768 bf16 = 2 GiB here)."""
+    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    torch.manual_seed(5)
+    heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 16
+    cached, new = [32768, 100], [2048, 7]
+    q, k, v, k_cache, v_cache, ctx, want = cached_prefix_batch(cached, new, block_size, heads, kv_heads, dim, scale,
+                                                               seed=6)
+    backend = CudaTorchBackend()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = backend.forward(q, k, v, k_cache, v_cache, ctx, scale)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= 2 * got.numel() * got.element_size() + (8 << 20), f"{extra / 2**20:.0f} MiB for the step"
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_split_k_decode_long_contexts_matches_dense_reference():
+    from nanovllm_tp.layers.triton_decode import paged_decode_attention
+    torch.manual_seed(6)
+    heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 16
+    lens = [1, 700, 5000, 20000]
+    k_cache, v_cache, table = random_paged_cache(lens, block_size, kv_heads, dim, torch.bfloat16, DEVICE)
+    q = torch.randn(len(lens), heads, dim, device=DEVICE, dtype=torch.bfloat16)
+    want = torch.stack([dense_reference(q[i:i + 1], gather(k_cache, table[i], n, block_size),
+                                        gather(v_cache, table[i], n, block_size), scale, n - 1)[0]
+                        for i, n in enumerate(lens)])
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for splits in (None, 1, 7, 16):      # None: chosen from the shapes and the SM count (more than 1 here)
+        got = paged_decode_attention(q, k_cache, v_cache, table, context_lens, scale, splits).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{splits} splits: {m}")
+
+
 # ------------------------------------------------------------------------ (d) KV sizing
 
 def test_kv_cache_grows_with_gpu_memory_utilization(tiny_model_dir, release):
@@ -379,6 +415,34 @@ def test_too_small_kv_cache_memory_is_a_clear_error(tiny_model_dir):
     from nanovllm_tp import LLM
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(tiny_model_dir, dtype="bfloat16", kvcache_block_size=16, kv_cache_memory=1 << 16)
+
+
+def test_backend_follows_the_block_size_with_and_without_flash_attn(tiny_model_dir, release, monkeypatch, caplog):
+    """bf16: the default block size takes flash-attn when it imports (block 256), torch-cuda otherwise (16); an
+    explicit block 16 always runs torch-cuda, and says why when flash-attn is there."""
+    from nanovllm_tp import LLM
+    from nanovllm_tp.layers.flash_backend import flash_available
+    monkeypatch.delenv("NANOVLLM_TP_ATTENTION", raising=False)
+    small = dict(dtype="bfloat16", kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=4, enforce_eager=True)
+    llm = LLM(tiny_model_dir, **small)
+    try:
+        runner = llm.engine.runner
+        assert (runner.block_size, get_backend_name(runner)) == ((256, "flash") if flash_available() else
+                                                                 (16, "torch-cuda"))
+    finally:
+        release(llm)
+    with caplog.at_level("WARNING", logger="nanovllm_tp"):
+        llm = LLM(tiny_model_dir, kvcache_block_size=16, **small)
+    try:
+        assert get_backend_name(llm.engine.runner) == "torch-cuda"
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "torch-cuda" in said and (("multiple of 256" in said) == flash_available())
+    finally:
+        release(llm)
+
+
+def get_backend_name(runner) -> str:
+    return runner.describe().split("attention ")[1].split(",")[0]
 
 
 # ------------------------------------------------------------------------ (e) replays allocate nothing

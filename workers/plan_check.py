@@ -67,8 +67,11 @@ def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
     # Context lengths: within max_model_len and within what the block-table row can address.
     ctx_limit = min(lim.max_model_len, tables.shape[1] * lim.block_size)
     if ctx.view(np.uint32).max() > ctx_limit or (ctx - q_lens).min() < 0:
-        _bad(plan, "context_lens", f"each row needs new tokens <= context length <= {ctx_limit} "
-                                   f"(max_model_len {lim.max_model_len}, {tables.shape[1]} block-table columns)")
+        if 0 < ctx.min() and ctx.max() <= lim.max_model_len and (ctx - q_lens).min() >= 0:
+            _bad(plan, "block_tables", f"{tables.shape[1]} columns of {lim.block_size} tokens cannot hold a "
+                                       f"context of {ctx.max()}")
+        _bad(plan, "context_lens", f"each row needs new tokens <= context length <= max_model_len "
+                                   f"{lim.max_model_len}")
     # Block tables: where a row's context reaches (what the attention kernels read) a block of the pool,
     # elsewhere a block or -1 (padding). One reduction: padding columns are shifted up by one, so both
     # become "0 <= value <= num_blocks" (num_blocks itself is the runner's null block: harmless).

@@ -77,7 +77,8 @@ def join_spawned(info: DistInfo) -> None:
 
 def multi_node() -> bool:
     """torchrun with ranks on more than one node (known from the environment, before joining anything)."""
-    return int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def torchrun_secret(info: DistInfo) -> None:

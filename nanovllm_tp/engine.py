@@ -66,7 +66,7 @@ def resolve_block_size(config: EngineConfig, backend) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from nanovllm_tp.workers.worker import build_runner, join_group
-        _claim_process(self, config)
+        _check_one_multi_rank_engine(config)
         self.config = config
         self.children, self.writer, self.dead, self._rendezvous = [], None, None, None
         self.local_ranks, self.remote_ranks = [], []
@@ -96,6 +96,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=config.model_config.eos_token_ids))
         atexit.register(self.close)
+        _live_engines.add(self)
         _exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
 
@@ -194,18 +195,17 @@ class LLMEngine:
 _live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 
 
-def _claim_process(engine: "LLMEngine", config: EngineConfig) -> None:
+def _check_one_multi_rank_engine(config: EngineConfig) -> None:
     """A multi-rank engine owns this process's process group: a second one is refused before anything is
     touched, so the engine already running keeps serving. TP = 1 engines share nothing process-wide (each
     step runs in its own engine's TP scope), so any number of them live beside it."""
     for other in list(_live_engines):
         multi = other.config.tensor_parallel_size
-        if not getattr(other, "_closed", True) and multi > 1 and config.tensor_parallel_size > 1:
+        if not other._closed and multi > 1 and config.tensor_parallel_size > 1:
             raise ValueError(
                 f"this process already runs an engine with tensor_parallel_size={multi}, and a process holds "
                 "one multi-rank engine at a time (TP = 1 engines can live beside it): close the first "
                 "(llm.close()) or start the second in another process")
-    _live_engines.add(engine)
 
 
 def _under_torchrun() -> bool:

@@ -75,7 +75,7 @@ def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
     # Block tables: where a row's context reaches (what the attention kernels read) a block of the pool,
     # elsewhere a block or -1 (padding). One reduction: padding columns are shifted up by one, so both
     # become "0 <= value <= num_blocks" (num_blocks itself is the runner's null block: harmless).
-    padding = np.arange(tables.shape[1]) >= ((ctx + (lim.block_size - 1)) // lim.block_size)[:, None]
+    padding = np.arange(tables.shape[1], dtype=np.int32) >= ((ctx + (lim.block_size - 1)) // lim.block_size)[:, None]
     if (tables + padding).view(np.uint32).max() > lim.num_blocks:
         _bad(plan, "block_tables", f"a block id outside the KV pool's {lim.num_blocks} blocks, or padding (-1) "
                                    "where the row's context reaches")

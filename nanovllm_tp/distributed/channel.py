@@ -17,6 +17,10 @@ back-channel heartbeats; deaths and reported errors surface as ``PeerError`` fro
 ``check_readers`` and ``publish``.  Idle is not death: heartbeats flow without plans.  A
 reader that sees its writer's process gone unlinks the writer's segments (``nvtp_<pid>_<token>_*``);
 a writer that exits normally or via ``close`` unlinks them itself (atexit as well).
+
+Trust: every ZMQ socket runs CURVE with keys derived from the engine secret, and the writer's gatekeeper
+(``zmq_link.Gatekeeper``) admits only its readers' keys; the bootstrap record is signed with the same secret,
+and readers attach only to segments private to their user. ZMQ is imported only when a channel is opened.
 """
 from __future__ import annotations
 
@@ -218,6 +222,7 @@ class PlanWriter:
                 check_due = now + _CHECK_S
 
     def _log_drops(self, now: float) -> None:
+        self._gate.tick(now)
         total = sum(self._gate.counts.values())
         if total > self._dropped_logged and now >= self._drop_log_due:
             log.warning("plan channel: turned away unauthenticated or malformed traffic: %s", self._gate.counts)

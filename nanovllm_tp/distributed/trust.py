@@ -40,6 +40,9 @@ class ChannelKeys:
     def _pair(self, label: str) -> tuple[bytes, bytes]:
         import zmq
         from zmq.utils import z85
+        if not zmq.has("curve"):
+            raise RuntimeError("this pyzmq/libzmq build has no CURVE support, which the plan channel needs: "
+                               "install the pyzmq wheel (it bundles libsodium)")
         private = z85.encode(hmac.new(self.secret, f"nanovllm_tp curve {label}".encode(), hashlib.sha256).digest())
         return zmq.curve_public(private), private
 

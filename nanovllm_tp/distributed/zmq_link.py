@@ -13,7 +13,9 @@ misses plans and says so (``ChannelLagged``).
 """
 from __future__ import annotations
 
+import collections
 import threading
+import time
 
 import msgpack
 import zmq
@@ -29,6 +31,7 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _WATCHED = _HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_AUTH_GRACE_S = 2.0
 
 
 def _tcp_host(host: str) -> str:
@@ -64,7 +67,7 @@ class Gatekeeper:
     def __init__(self, ctx: zmq.Context, keys: ChannelKeys | None, ranks):
         self.counts = {"unauthenticated_connections": 0, "failed_handshakes": 0, "unknown_keys": 0,
                        "forged": 0, "malformed": 0}
-        self._accepted = self._authenticated = 0
+        self._pending: collections.deque[float] = collections.deque()   # accept times not yet authenticated
         self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []
         self._zap, self._allowed = None, {}
         if keys is not None:
@@ -85,13 +88,19 @@ class Gatekeeper:
             return
         event = recv_monitor_message(sock)["event"]
         if event == zmq.EVENT_ACCEPTED:
-            self._accepted += 1
+            self._pending.append(time.monotonic())
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._authenticated += 1
+            if self._pending:
+                self._pending.popleft()
         else:
             self.counts["failed_handshakes"] += 1
-        # connections accepted and not (yet) authenticated: refused ones, and any handshake in flight
-        self.counts["unauthenticated_connections"] = self._accepted - self._authenticated
+
+    def tick(self, now: float) -> None:
+        """Connections still unauthenticated ``_AUTH_GRACE_S`` after they were accepted count as refused
+        (a rank's handshake takes milliseconds; random bytes or a wrong key never complete one)."""
+        while self._pending and now - self._pending[0] > _AUTH_GRACE_S:
+            self._pending.popleft()
+            self.counts["unauthenticated_connections"] += 1
 
     def _answer_zap(self) -> None:
         # ZAP request (RFC 27): version, request id, domain, address, identity, mechanism, credentials...

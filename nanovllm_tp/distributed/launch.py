@@ -1,5 +1,6 @@
 """How this process joined the engine (alone, under torchrun, or spawned by rank 0), and the setup
 every rank shares: process group, TP state, and the key-value store the plan channel bootstraps from."""
+import atexit
 import contextlib
 import json
 import logging
@@ -71,8 +72,15 @@ def join_spawned(info: DistInfo) -> None:
     """A spawned worker takes its store and secret from its environment (and out of it, for its children)."""
     directory = os.environ.pop(SPAWN_STORE_ENV)
     info.store = file_store(directory, info.world_size)
+    atexit.register(_remove_if_orphaned, directory, os.getppid())
     secret = os.environ.pop(SPAWN_SECRET_ENV, None)
     info.secret = None if secret is None else secret.encode()
+
+
+def _remove_if_orphaned(directory: str, rank0_pid: int) -> None:
+    """A worker whose rank 0 died (it was re-parented) removes the store directory rank 0 cannot."""
+    if os.getppid() != rank0_pid:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def multi_node() -> bool:

@@ -5,11 +5,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
 
 from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("nanovllm_tp")
@@ -62,23 +64,25 @@ def resolve_block_size(config: EngineConfig, backend) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from nanovllm_tp.workers.worker import build_runner, join_group
+        _check_one_multi_rank_engine(config)
         self.config = config
-        self.children, self.writer, self.dead = [], None, None
+        self.children, self.writer, self.dead, self._rendezvous = [], None, None, None
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
         backend = choose_attention_backend(self.device, self.dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)
         try:
-            store = None
             if config.tensor_parallel_size > 1 and not _under_torchrun():
-                from nanovllm_tp.distributed.launch import free_store, spawn_workers
-                store = free_store()
-                self.children = spawn_workers(config, config.tensor_parallel_size, store)
-            self.info = join_group(config, self.device, store)
+                from nanovllm_tp.distributed.launch import SpawnRendezvous, spawn_workers
+                self._rendezvous = SpawnRendezvous.create(config.tensor_parallel_size)
+                self.children = spawn_workers(config, config.tensor_parallel_size, self._rendezvous)
+            self.info = join_group(config, self.device, self._rendezvous)
+            self._tp = current_tp() if self.info.world_size > 1 else TPState()
             if self.info.world_size > 1:
                 self._open_channel()
-            self.runner = build_runner(config, self.device, self.dtype, backend)
+            with tp_scope(self._tp):
+                self.runner = build_runner(config, self.device, self.dtype, backend)
         except BaseException as exc:
             if self.writer is not None and isinstance(exc, Exception):
                 self._fail(exc)
@@ -92,6 +96,7 @@ class LLMEngine:
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
+        _live_engines.add(self)
         _exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
 
@@ -102,7 +107,7 @@ class LLMEngine:
         nodes = node_ranks(self.info.world_size, self.info.node_rank)
         local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
         remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
-        self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host)
+        self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host, secret=self.info.secret)
         shm_allreduce.setup(self.info, not remote, self.device)    # shm all-reduce: only when every rank is local
         self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
 
@@ -126,12 +131,13 @@ class LLMEngine:
         if plan is None:
             return [], 0, False
         try:
-            if self.writer is not None:
-                self.writer.publish(plan.encode())
-            logits = self.runner.execute(plan)
+            with tp_scope(self._tp):
+                if self.writer is not None:
+                    self.writer.publish(plan.encode())
+                logits = self.runner.execute(plan)
             tokens, lp = self.sampler(logits, sched.sampling)
             if sched.prompt_chunks:
-                prompt_logprobs(logits, sched.prompt_chunks, lambda seq: seq.params.prompt_logprobs)
+                prompt_logprobs(logits, sched.prompt_chunks)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -184,16 +190,20 @@ class LLMEngine:
                 runner.release(hand_back=not failed)
             except Exception:       # a broken device must not keep the other ranks running
                 log.exception("releasing this rank's model and KV cache failed")
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-        shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
-        set_tp(0, 1, None)
+        if self.config.tensor_parallel_size > 1:    # the process group is this engine's (one per process)
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:
+                    pass
+            shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
+            set_tp(0, 1, None)
         stop_children(self.children)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         if self.writer is not None:
             self.writer.close()
+        _live_engines.discard(self)
 
 
 def _record_logprobs(batch, lp) -> None:
@@ -204,6 +214,22 @@ def _record_logprobs(batch, lp) -> None:
         n = int(batch.rows["logprobs"][e])
         seq.logprobs.append((float(lp.logprob[i]), int(lp.rank[i]), lp.top_ids[i, :n], lp.top_logprobs[i, :n]))
         seq.cumulative_logprob += float(lp.logprob[i])
+
+
+_live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+def _check_one_multi_rank_engine(config: EngineConfig) -> None:
+    """A multi-rank engine owns this process's process group: a second one is refused before anything is
+    touched, so the engine already running keeps serving. TP = 1 engines share nothing process-wide (each
+    step runs in its own engine's TP scope), so any number of them live beside it."""
+    for other in list(_live_engines):
+        multi = other.config.tensor_parallel_size
+        if not other._closed and multi > 1 and config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"this process already runs an engine with tensor_parallel_size={multi}, and a process holds "
+                "one multi-rank engine at a time (TP = 1 engines can live beside it): close the first "
+                "(llm.close()) or start the second in another process")
 
 
 def _under_torchrun() -> bool:

@@ -4,12 +4,25 @@ Flat numpy arrays and ints only; encoded with msgpack (each array as dtype, shap
 Rows are sequences, tokens are the flattened new tokens of all rows in row order. Sampling state never travels:
 it stays on rank 0 (scheduler/rows.py).
 """
+import math
 from dataclasses import dataclass, fields
 
 import msgpack
 import numpy as np
 
 PREFILL, DECODE, MIXED = 0, 1, 2
+# dtype and rank every decoded array must have; arrays of fields not listed here need only be numeric
+ARRAY_SPECS = {"input_ids": ("<i8", 1), "positions": ("<i8", 1), "slot_mapping": ("<i8", 1),
+               "cu_seqlens_q": ("<i4", 1), "context_lens": ("<i4", 1), "block_tables": ("<i4", 2),
+               "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2)}
+
+
+class PlanError(ValueError):
+    """A plan that a rank refuses to run: undecodable, or outside the rank's limits."""
+
+    def __init__(self, step, field: str, text: str):
+        super().__init__(f"plan for step {step}: {field}: {text}")
+        self.step, self.field = step, field
 
 
 @dataclass(slots=True)
@@ -52,12 +65,51 @@ class StepPlan:
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
-        raw = msgpack.unpackb(data, raw=False)
+        """Inverse of ``encode``; anything else raises PlanError (never another exception). Keys that are not
+        fields are ignored. The arrays are read-only views of ``data``."""
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+        except Exception as exc:
+            raise PlanError("?", "encoding", f"not a msgpack plan ({type(exc).__name__})") from None
+        if not isinstance(raw, dict):
+            raise PlanError("?", "encoding", f"a plan is a map, got {type(raw).__name__}")
+        step = raw.get("step_id")
+        step = step if type(step) is int else "?"
         kwargs = {}
         for f in fields(cls):
             value = raw.get(f.name)
-            if isinstance(value, list):
-                dtype, shape, buf = value
-                value = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+            if value is None and f.default is None:        # an optional field left out
+                kwargs[f.name] = None
+                continue
+            if f.name not in raw:
+                raise PlanError(step, f.name, "missing")
+            if f.name in ARRAY_SPECS or isinstance(value, list):
+                value = _array(step, f.name, value)
+            elif type(value) is not int:
+                raise PlanError(step, f.name, f"expected an int, got {type(value).__name__}")
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _array(step, name: str, value) -> np.ndarray:
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+            and isinstance(value[1], list) and isinstance(value[2], bytes)):
+        raise PlanError(step, name, "expected [dtype, shape, bytes]")
+    dtype_str, shape, buf = value
+    spec = ARRAY_SPECS.get(name)
+    if spec is not None:
+        if dtype_str != spec[0] or len(shape) != spec[1]:
+            raise PlanError(step, name, f"expected dtype {spec[0]} with {spec[1]} dims, got {dtype_str} {shape}")
+        dtype = np.dtype(dtype_str)
+    else:
+        try:
+            dtype = np.dtype(dtype_str)
+        except Exception:
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf":
+            raise PlanError(step, name, f"not a numeric dtype: {dtype_str[:40]!r}")
+    if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+        raise PlanError(step, name, f"bad shape {shape[:8]}")
+    if math.prod(shape) * dtype.itemsize != len(buf):
+        raise PlanError(step, name, f"{len(buf)} bytes do not make a {dtype_str} array of shape {shape}")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)

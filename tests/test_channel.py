@@ -1,6 +1,7 @@
 """Plan channel (shared-memory ring + ZMQ) tests with real processes and a real TCPStore."""
 from __future__ import annotations
 
+import json
 from multiprocessing import connection as mp_connection
 import os
 import signal
@@ -17,10 +18,12 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
-from nanovllm_tp.distributed.channel import (ChannelClosed, ChannelTimeout, PeerError, PlanReader,  # noqa: E402
-                                             PlanWriter)
+from nanovllm_tp.distributed.channel import (ChannelClosed, ChannelError, ChannelLagged,  # noqa: E402
+                                             ChannelTimeout, PeerError, PlanReader, PlanWriter)
+from nanovllm_tp.distributed.trust import ChannelKeys  # noqa: E402
 
 KEY = "test_plan"  # every test has its own store, so one key suffices
+SECRET = b"test-secret-" + b"0123456789abcdef" * 3  # the engine makes a fresh one; tests share this one
 _HEAD = struct.Struct("<QI")  # plan number, crc32 of the body
 
 
@@ -43,7 +46,7 @@ def _client(port: int):
 def reader_proc(q, port, key, rank, local, n, delay=0.0, report=None, then="close"):
     """Receive and verify n plans, report; then wait for shutdown ('close') or hang ('hang')."""
     try:
-        reader = PlanReader(_client(port), rank, local, key=key)
+        reader = PlanReader(_client(port), rank, local, key=key, secret=SECRET)
         sizes = []
         for i in range(1, n + 1):
             sizes.append(check_plan(reader.receive(timeout=30), i))
@@ -65,8 +68,27 @@ def reader_proc(q, port, key, rank, local, n, delay=0.0, report=None, then="clos
         q.put(("error", rank, repr(e)))
 
 
+def lagging_reader_proc(q, port, key, rank, pause):
+    """Take plan 1, stop reading for ``pause`` seconds, then read until the stream reports the gap."""
+    try:
+        reader = PlanReader(_client(port), rank, False, key=key, secret=SECRET)
+        check_plan(reader.receive(timeout=30), 1)
+        q.put(("first", rank))
+        time.sleep(pause)
+        got = 1
+        try:
+            while True:
+                check_plan(reader.receive(timeout=30), got + 1)
+                got += 1
+        except ChannelLagged as e:
+            q.put(("lagged", rank, str(e), got))
+        reader.close()
+    except BaseException as e:  # surfaced by the test through the queue
+        q.put(("error", rank, repr(e)))
+
+
 def writer_proc(q, port, key, n):
-    writer = PlanWriter(_client(port), [1], [2], key=key)
+    writer = PlanWriter(_client(port), [1], [2], key=key, secret=SECRET)
     for i in range(1, n + 1):
         writer.publish(make_plan(i, 100 * i))
     q.put(("published", 0))
@@ -74,7 +96,7 @@ def writer_proc(q, port, key, n):
 
 
 def writer_exit_proc(q, port, key):
-    writer = PlanWriter(_client(port), [1], [], key=key)  # never closed: atexit must clean up
+    writer = PlanWriter(_client(port), [1], [], key=key, secret=SECRET)  # never closed: atexit must clean up
     q.put(("created", 0, writer._ring.name))
 
 
@@ -292,7 +314,7 @@ def store():
 def test_order_1000_plans_two_local_readers(spawn, store):
     for rank in (1, 2):
         spawn(reader_proc, store.port, KEY, rank, True, 1000)
-    writer = PlanWriter(store, [1, 2], [], key=KEY)
+    writer = PlanWriter(store, [1, 2], [], key=KEY, secret=SECRET)
     try:
         for i in range(1, 1001):
             writer.publish(make_plan(i, 16 + i % 300))
@@ -311,7 +333,7 @@ def test_wraparound_overflow_and_mixed_sizes(spawn, store):
     plan_sizes = [sizes[i % len(sizes)] for i in range(60)]
     spawn(reader_proc, store.port, KEY, 1, True, len(plan_sizes))
     spawn(reader_proc, store.port, KEY, 2, True, len(plan_sizes), 0.003)  # slow: ring fills
-    writer = PlanWriter(store, [1, 2], [], num_slots=3, slot_bytes=4096, key=KEY)
+    writer = PlanWriter(store, [1, 2], [], num_slots=3, slot_bytes=4096, key=KEY, secret=SECRET)
     try:
         for i, size in enumerate(plan_sizes, 1):
             writer.publish(make_plan(i, size))
@@ -327,7 +349,7 @@ def test_wraparound_overflow_and_mixed_sizes(spawn, store):
 def test_local_and_remote_readers_then_shutdown_wakes_quickly(spawn, store):
     spawn(reader_proc, store.port, KEY, 1, True, 200)
     spawn(reader_proc, store.port, KEY, 2, False, 200)
-    writer = PlanWriter(store, [1], [2], num_slots=4, slot_bytes=64 << 10, key=KEY)
+    writer = PlanWriter(store, [1], [2], num_slots=4, slot_bytes=64 << 10, key=KEY, secret=SECRET)
     try:
         for i in range(1, 201):
             writer.publish(make_plan(i, 4 << 20 if i % 50 == 0 else 20_000 if i % 7 == 0 else 300))
@@ -345,10 +367,11 @@ def test_local_and_remote_readers_then_shutdown_wakes_quickly(spawn, store):
 
 
 def test_reader_timeout(store, spawn):
-    writer = PlanWriter(store, [1], [2], key=KEY)
+    writer = PlanWriter(store, [1], [2], key=KEY, secret=SECRET)
     readers = []
     try:
-        readers = [PlanReader(store, 1, True, key=KEY), PlanReader(store, 2, False, key=KEY)]
+        readers = [PlanReader(store, 1, True, key=KEY, secret=SECRET),
+                   PlanReader(store, 2, False, key=KEY, secret=SECRET)]
         writer.publish(make_plan(1, 10))
         for r in readers:
             check_plan(r.receive(timeout=5), 1)
@@ -376,7 +399,7 @@ def test_writer_killed_readers_get_closed(spawn, store):
 
     def run(rank, local):
         try:
-            readers[rank] = r = PlanReader(store, rank, local, key=KEY)
+            readers[rank] = r = PlanReader(store, rank, local, key=KEY, secret=SECRET)
             for i in range(1, 4):
                 check_plan(r.receive(timeout=30), i)
             ready[rank].set()
@@ -414,15 +437,16 @@ def _forget_tracked_segments(store):
     """The killed writer registered its ring with the resource tracker it shares with pytest
     (spawn children inherit it); the readers already unlinked the ring, so drop that stale
     registration or the tracker warns about a 'leak' when pytest exits."""
-    import msgpack
     from multiprocessing import resource_tracker
-    name = msgpack.unpackb(store.get(f"{KEY}/meta"))["shm"]
+
+    from nanovllm_tp.distributed.channel_common import open_meta
+    name = open_meta(store.get(f"{KEY}/meta"), SECRET)["shm"]
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
 def test_local_reader_killed_blocked_publish_raises(spawn, store):
     proc = spawn(reader_proc, store.port, KEY, 1, True, 1, 0.0, None, "hang")
-    writer = PlanWriter(store, [1], [], num_slots=2, slot_bytes=4096, key=KEY)
+    writer = PlanWriter(store, [1], [], num_slots=2, slot_bytes=4096, key=KEY, secret=SECRET)
     try:
         writer.publish(make_plan(1, 10))
         spawn.collect("done", 1)
@@ -440,7 +464,7 @@ def test_local_reader_killed_blocked_publish_raises(spawn, store):
 
 def test_remote_reader_killed_check_readers_raises(spawn, store):
     proc = spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, None, "hang")
-    writer = PlanWriter(store, [], [2], key=KEY, reader_timeout_s=4.0)
+    writer = PlanWriter(store, [], [2], key=KEY, secret=SECRET, reader_timeout_s=4.0)
     try:
         writer.publish(make_plan(1, 10))
         spawn.collect("done", 1)
@@ -462,10 +486,10 @@ def test_remote_reader_killed_check_readers_raises(spawn, store):
 
 def test_report_error_reaches_writer(spawn, store):
     spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, "CUDA OOM on rank 2 — ünïcode")
-    writer = PlanWriter(store, [1], [2], key=KEY)
+    writer = PlanWriter(store, [1], [2], key=KEY, secret=SECRET)
     local = None
     try:
-        local = PlanReader(store, 1, True, key=KEY)
+        local = PlanReader(store, 1, True, key=KEY, secret=SECRET)
         writer.publish(make_plan(1, 10))
         check_plan(local.receive(timeout=5), 1)
         spawn.collect("done", 1)
@@ -492,3 +516,69 @@ def test_writer_exit_without_close_unlinks(spawn, store):
     proc.join(30)
     assert proc.exitcode == 0
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+STRANGER = os.path.join(REPO, "tests", "tp_scripts", "stranger.py")
+
+
+def test_strangers_neither_steer_nor_read(spawn, store):
+    """A local process that is no rank sends random bytes and forged err/bye/hello/hb messages to the back
+    channel and subscribes to the plan stream without keys, with made-up keys and with the (leaked) server
+    key: the readers get every plan intact, nothing forged is acted on, the stranger reads nothing, and the
+    writer counts what it turned away."""
+    n = 300
+    spawn(reader_proc, store.port, KEY, 1, True, n, 0.01)
+    spawn(reader_proc, store.port, KEY, 2, False, n, 0.01)
+    writer = PlanWriter(store, [1], [2], key=KEY, secret=SECRET)
+    env = dict(os.environ, STRANGER_SERVER_KEY=ChannelKeys(SECRET).server()[0].decode())
+    strangers = []
+    try:
+        writer.publish(make_plan(1, 100))           # both readers have joined
+        for mode, endpoint in (("back", writer._back.endpoint), ("sub", writer._pub.endpoint)):
+            strangers.append(subprocess.Popen([sys.executable, STRANGER, mode, endpoint, "4"], env=env,
+                                              stdout=subprocess.PIPE, text=True))
+        for i in range(2, n + 1):
+            writer.publish(make_plan(i, 100 + i))
+            time.sleep(0.01)
+        results = [json.loads(p.communicate(timeout=60)[0]) for p in strangers]
+        done = spawn.collect("done", 2)
+        assert all(len(v[0]) == n for v in done.values())
+        writer.check_readers()                      # the forged "err" and "bye" were not acted on
+        assert results[1]["received"] == 0
+        dropped = writer.dropped
+        assert dropped["unauthenticated_connections"] >= 6, dropped     # 3 raw + plain + made-up keys, twice
+        assert dropped["unknown_keys"] >= 2, dropped                      # the leaked-server-key clients
+        assert dropped["forged"] == dropped["malformed"] == 0, dropped    # nothing unauthenticated got that far
+        writer.shutdown("done")
+        spawn.collect("closed", 2)
+    finally:
+        for p in strangers:
+            p.kill()
+            p.wait()
+        writer.close()
+
+
+def test_reader_with_another_secret_refuses_the_bootstrap_record(store):
+    writer = PlanWriter(store, [], [2], key=KEY, secret=SECRET, join_timeout_s=1.0)
+    try:
+        with pytest.raises(ChannelError, match="not signed with this engine's secret"):
+            PlanReader(store, 2, False, key=KEY, secret=b"another-secret-" * 4)
+    finally:
+        writer.close()
+
+
+def test_lagging_remote_reader_is_named_and_memory_stays_bounded(spawn, store):
+    """Send buffers hold at most ``hwm`` plans per remote reader: one that stops reading loses plans instead of
+    growing rank 0's memory, and its next receive says which rank fell behind."""
+    spawn(lagging_reader_proc, store.port, KEY, 2, 4.0)
+    writer = PlanWriter(store, [], [2], key=KEY, secret=SECRET, hwm=4)
+    try:
+        writer.publish(make_plan(1, 100))
+        spawn.collect("first", 1)
+        for i in range(2, 82):                      # 80 MiB: more than the socket buffers hold
+            writer.publish(make_plan(i, 1 << 20))
+        lagged = spawn.collect("lagged", 1)[2]
+        assert "rank 2 fell behind" in lagged[0] and "4 unread plans" in lagged[0], lagged
+        assert lagged[1] < 81
+    finally:
+        writer.close()

@@ -112,8 +112,10 @@ def test_two_node_torchrun_crosses_zmq(tiny_model_dir, tmp_path, tp1_tokens):
                          "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                          SCRIPT, tiny_model_dir, str(out), "2", "--engine-json", json.dumps(SMALL_KV))
         agents.append(cmd)
-    with started(agents[1], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as node1:
-        result = run_and_read(agents[0], out)
+    secret = {"NANOVLLM_TP_SECRET": "two-node-test-secret-0123456789abcdef"}   # multi-node needs one
+    with started(agents[1], env=secret, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 text=True) as node1:
+        result = run_and_read(agents[0], out, env=secret)
         log, _ = node1.communicate(timeout=60)
         assert node1.returncode == 0, log[-3000:]
     assert result["remote_ranks"] == [1] and result["local_ranks"] == []

@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed import shm_allreduce
-from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, launched_by_torchrun,
-                                            node_ranks, rank0_host, share_store)
-from nanovllm_tp.distributed.parallel_state import set_tp
+from nanovllm_tp.distributed import trust
+from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, join_spawned,
+                                            launched_by_torchrun, multi_node, node_ranks, rank0_host, share_store,
+                                            torchrun_secret)
+from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.layers.attention import set_attention_backend
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
@@ -27,27 +29,34 @@ log = logging.getLogger("nanovllm_tp")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def join_group(config: EngineConfig, device: torch.device, store=None) -> DistInfo:
-    """Process group + shared store for a TP > 1 engine; a no-op DistInfo for TP = 1."""
+def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistInfo:
+    """Process group + shared store (+ the plan channel's secret) for a TP > 1 engine; a no-op DistInfo for
+    TP = 1. ``spawn``: rank 0's SpawnRendezvous when it started the workers itself."""
     tp = config.tensor_parallel_size
-    if tp == 1:
-        set_tp(0, 1, None)
+    if tp == 1:     # touches no process-wide state: a multi-rank engine may live beside it
         return DistInfo(rank=0, world_size=1, mode="single")
     torchrun = launched_by_torchrun()
     rank = int(os.environ.get("RANK", 0)) if (torchrun or SPAWN_ENV in os.environ) else 0
     world = int(os.environ.get("WORLD_SIZE", tp)) if (torchrun or SPAWN_ENV in os.environ) else tp
     if world != tp:
         raise ValueError(f"tensor_parallel_size={tp} but WORLD_SIZE={world}: launch one process per TP rank")
+    if torchrun:
+        trust.require_secret_for(multi_node())      # refuse before joining anything
     info = DistInfo(rank=rank, world_size=world, mode="torchrun" if torchrun else "spawn",
-                    node_rank=int(os.environ.get("GROUP_RANK", 0)), host=rank0_host(), store=store)
-    if info.mode == "spawn" and rank != 0:
-        info.store = dist.TCPStore(info.host, int(os.environ["MASTER_PORT"]), is_master=False)
+                    node_rank=int(os.environ.get("GROUP_RANK", 0)), host=rank0_host())
+    if spawn is not None:
+        info.store, info.secret = spawn.store, spawn.secret
+    elif info.mode == "spawn":
+        join_spawned(info)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     init_process_group(rank, world, device, info.store if info.mode == "spawn" else None)
     if info.mode == "torchrun":
         share_store(info)
+        torchrun_secret(info)
+    if info.secret is None and info.rank == 0:
+        log.warning("%s=1: the plan channel is NOT authenticated or encrypted", trust.INSECURE_ENV)
     return info
 
 
@@ -65,7 +74,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         else:
             budget = DEFAULT_CPU_KV_BYTES
     num_blocks = blocks_for_budget(budget, block_bytes)
-    if dist.is_initialized():
+    if tp_size() > 1:
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed[0])
@@ -86,12 +95,16 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
 def serve(runner: ModelRunner, reader) -> None:
     """Run every plan rank 0 publishes until it shuts the channel down (or disappears)."""
     from nanovllm_tp.distributed.channel import ChannelClosed
+    from nanovllm_tp.workers.plan_check import PlanLimits, check_plan
+    limits = PlanLimits.of(runner)
     while True:
         try:
             payload = reader.receive()
         except ChannelClosed:
             return
-        runner.execute(StepPlan.decode(payload))
+        plan = StepPlan.decode(payload)
+        check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
+        runner.execute(plan)
 
 
 def run_worker(config: EngineConfig) -> int:
@@ -105,7 +118,7 @@ def run_worker(config: EngineConfig) -> int:
         device, dtype = resolve_device_and_dtype(config)
         info = join_group(config, device)
         nodes = node_ranks(info.world_size, info.node_rank)
-        reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0])
+        reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0], secret=info.secret)
         shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
         backend = choose_attention_backend(device, dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)

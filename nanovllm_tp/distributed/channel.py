@@ -15,40 +15,48 @@ in the ring header; ZMQ readers expect a heartbeat frame every second.  The writ
 thread watches local readers' pids (or heartbeats, same rule) and remote readers'
 back-channel heartbeats; deaths and reported errors surface as ``PeerError`` from
 ``check_readers`` and ``publish``.  Idle is not death: heartbeats flow without plans.  A
-reader that sees its writer's process gone (then, on close, or at exit) unlinks every segment named after the
-writer's pid (``nvtp_<pid>_*``: ring, overflow, shm all-reduce); a writer that exits normally or via ``close``
-unlinks them itself (atexit as well).
+reader that sees its writer's process gone unlinks the writer's segments (``nvtp_<pid>_<token>_*``);
+a writer that exits normally or via ``close`` unlinks them itself (atexit as well).
+
+Trust: every ZMQ socket runs CURVE with keys derived from the engine secret, and the writer's gatekeeper
+(``zmq_link.Gatekeeper``) admits only its readers' keys; the bootstrap record is signed with the same secret,
+and readers attach only to segments private to their user. ZMQ is imported only when a channel is opened.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
 
-import msgpack
-import zmq
-
-from .channel_common import (_CHECK_S, _MAX_NAP_S, ChannelClosed, ChannelError, ChannelTimeout, PeerError,
-                             proc_start_time)
+from .channel_common import (_CHECK_S, _MAX_NAP_S, KIND_DATA, KIND_HEARTBEAT, KIND_SHUTDOWN, ChannelClosed,
+                             ChannelError, ChannelLagged, ChannelTimeout, PeerError, proc_start_time, sign_meta)
 from .channel_reader import PlanReader
 from .shm_ring import ShmRingWriter
-from .zmq_link import KIND_DATA, KIND_HEARTBEAT, KIND_SHUTDOWN, BackServer, PubLink
+from .trust import ChannelKeys
 
+log = logging.getLogger("nanovllm_tp")
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
-__all__ = ["PlanWriter", "PlanReader", "ChannelError", "ChannelClosed", "ChannelTimeout", "PeerError"]
+__all__ = ["PlanWriter", "PlanReader", "ChannelError", "ChannelClosed", "ChannelTimeout", "ChannelLagged",
+           "PeerError"]
 
 
 class PlanWriter:
     """Rank 0's end of the plan channel. ``host`` must be an address of this node that the
     readers (remote ones included) can reach; ZMQ picks free ports on it. Not thread-safe:
-    one thread publishes."""
+    one thread publishes. ``secret`` (shared with every reader) keys CURVE on every socket and signs
+    the bootstrap record; None runs the channel unauthenticated (benchmarks only)."""
 
-    def __init__(self, store, local_ranks: list[int], remote_ranks: list[int], *, num_slots: int = 8,
-                 slot_bytes: int = 1 << 20, host: str = "127.0.0.1", key: str = "nvtp_plan",
-                 reader_timeout_s: float = 8.0, join_timeout_s: float = 120.0, heartbeat_s: float = 1.0):
+    def __init__(self, store, local_ranks: list[int], remote_ranks: list[int], *, secret: bytes | None,
+                 num_slots: int = 8, slot_bytes: int = 1 << 20, host: str = "127.0.0.1", key: str = "nvtp_plan",
+                 reader_timeout_s: float = 8.0, join_timeout_s: float = 120.0, heartbeat_s: float = 1.0,
+                 hwm: int | None = None):
+        import zmq
+
+        from .zmq_link import PLAN_HWM, BackServer, Gatekeeper, PubLink
         self._local, self._remote = [int(r) for r in local_ranks], [int(r) for r in remote_ranks]
         self._ranks = set(self._local) | set(self._remote)
         if len(self._ranks) != len(self._local) + len(self._remote):
@@ -59,20 +67,26 @@ class PlanWriter:
         self._peers: dict[int, dict] = {}
         self._failures: list[tuple[int, str, bool]] = []  # (rank, text, reported by the reader)
         self._joined, self._stop = threading.Event(), threading.Event()
-        self._ring = self._pub = self._back = None
+        self._ring = self._pub = self._back = self._gate = None
+        self._dropped_logged, self._drop_log_due = 0, 0.0
+        keys = ChannelKeys(secret) if secret is not None else None
         self._ctx = zmq.Context()
         try:
+            self._gate = Gatekeeper(self._ctx, keys, self._ranks)   # ZAP handler first: it vets every handshake
             prefix = f"nvtp_{self._pid}_{secrets.token_hex(4)}"
             if self._local:
                 self._ring = ShmRingWriter(prefix, num_slots, slot_bytes, len(self._local))
             if self._remote:
-                self._pub = PubLink(self._ctx, host)
-            self._back = BackServer(self._ctx, host)
-            meta = {"v": 1, "prefix": prefix, "shm": self._ring.name if self._ring else None,
+                self._pub = PubLink(self._ctx, host, keys, hwm or PLAN_HWM)
+                self._gate.watch(self._pub.socket)
+            self._back = BackServer(self._ctx, host, keys, self._gate.counts)
+            self._gate.watch(self._back.socket)
+            meta = {"v": 2, "prefix": prefix, "shm": self._ring.name if self._ring else None,
                     "local": self._local, "remote": self._remote, "pid": self._pid,
                     "start": proc_start_time(self._pid), "host": socket.gethostname(),
-                    "pub": self._pub.endpoint if self._pub else None, "back": self._back.endpoint}
-            store.set(f"{key}/meta", msgpack.packb(meta, use_bin_type=True))
+                    "pub": self._pub.endpoint if self._pub else None, "back": self._back.endpoint,
+                    "hwm": hwm or PLAN_HWM}
+            store.set(f"{key}/meta", sign_meta(meta, secret))
         except BaseException:
             self._release()
             raise
@@ -163,9 +177,17 @@ class PlanWriter:
         self._release()
         atexit.unregister(self.close)
 
+    @property
+    def dropped(self) -> dict:
+        """What the channel turned away: failed handshakes (no or wrong keys, random bytes), unknown client
+        keys, and back-channel messages that were malformed or spoke for another rank."""
+        return dict(self._gate.counts) if self._gate is not None else {}
+
     def _release(self) -> None:
         if self._ring is not None:
             self._ring.close()
+        if self._gate is not None:
+            self._gate.close()
         for link in (self._pub, self._back):
             if link is not None:
                 link.close()
@@ -173,12 +195,22 @@ class PlanWriter:
 
     # -- monitor thread -------------------------------------------------------------
     def _monitor(self) -> None:
+        import zmq
+        poller = zmq.Poller()
+        back = self._back.socket
+        for sock in [back] + self._gate.sockets():
+            poller.register(sock, zmq.POLLIN)
         hb_due = check_due = 0.0
         while not self._stop.is_set():
             wait = min(0.1, max(0.0, hb_due - time.monotonic()))
-            for msg in self._back.drain(wait):
-                self._on_message(msg)
+            for sock, _ in poller.poll(int(wait * 1000)):
+                if sock is back:
+                    for msg in self._back.drain():
+                        self._on_message(msg)
+                else:
+                    self._gate.handle(sock)
             now = time.monotonic()
+            self._log_drops(now)
             if now >= hb_due:
                 if self._ring is not None:
                     self._ring.beat()
@@ -189,9 +221,17 @@ class PlanWriter:
                 self._check_peers(now)
                 check_due = now + _CHECK_S
 
+    def _log_drops(self, now: float) -> None:
+        self._gate.tick(now)
+        total = sum(self._gate.counts.values())
+        if total > self._dropped_logged and now >= self._drop_log_due:
+            log.warning("plan channel: turned away unauthenticated or malformed traffic: %s", self._gate.counts)
+            self._dropped_logged, self._drop_log_due = total, now + 5.0
+
     def _on_message(self, msg: dict) -> None:
         rank, kind, now = msg.get("rank"), msg.get("t"), time.monotonic()
         if rank not in self._ranks:
+            self._gate.counts["forged"] += 1
             return
         if kind == "hello":
             pid, start = msg.get("pid"), msg.get("start")

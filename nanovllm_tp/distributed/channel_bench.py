@@ -33,7 +33,7 @@ _LINE = 64
 
 
 def _bench_reader(port: int, rank: int, ack_name: str, total: int, key: str, spin_s: float,
-                  cpus: list[int] | None) -> None:
+                  cpus: list[int] | None, local: bool = True) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     import torch.distributed as dist
@@ -44,7 +44,8 @@ def _bench_reader(port: int, rank: int, ack_name: str, total: int, key: str, spi
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     mm = attach(ack_name)
     buf, off = memoryview(mm), (rank - 1) * _LINE
-    reader = PlanReader(store, rank, True, key=key, spin_s=spin_s)
+    secret = os.environ.get("NVTP_BENCH_SECRET")
+    reader = PlanReader(store, rank, local, key=key, spin_s=spin_s, secret=secret.encode() if secret else None)
     try:
         for i in range(1, total + 1):
             reader.receive()
@@ -68,13 +69,16 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, iterations: int = 2000, *,
                               warmup: int = 200, gap_s: float = 0.0, spin_s: float = 0.05,
-                              slot_bytes: int = 1 << 20, pin: bool = False) -> dict:
-    """Publish ``iterations`` plans of ``payload_bytes`` to ``readers`` local reader processes and
+                              slot_bytes: int = 1 << 20, pin: bool = False, secure: bool = True,
+                              remote: bool = False) -> dict:
+    """Publish ``iterations`` plans of ``payload_bytes`` to ``readers`` reader processes (shared-memory
+    readers, or ZMQ ones on loopback with ``remote``; CURVE-authenticated unless ``secure`` is False) and
     return latency statistics in microseconds (see the module docstring for the method)."""
     import torch.distributed as dist
 
     from nanovllm_tp.distributed.channel import PlanWriter
     from nanovllm_tp.distributed.shm_ring import fence
+    from nanovllm_tp.distributed.trust import new_secret
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     key = f"bench_{secrets.token_hex(4)}"
@@ -85,16 +89,20 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
     reader_cpus = sorted(os.sched_getaffinity(0))[1:] if pin and ncpu > 1 else None
     # Readers are fresh interpreters whose arguments travel as JSON on the command line (nothing pickled).
     commands = [[sys.executable, "-m", "nanovllm_tp.distributed.channel_bench", "--reader",
-                 json.dumps([store.port, r, ack.name, total, key, spin_s, reader_cpus])]
+                 json.dumps([store.port, r, ack.name, total, key, spin_s, reader_cpus, not remote])]
                 for r in range(1, readers + 1)]
+    secret = new_secret() if secure else None
+    env = dict(os.environ, NVTP_BENCH_SECRET=secret.decode()) if secure else os.environ
     old_affinity = os.sched_getaffinity(0)
     writer, procs = None, []
     try:
         for cmd in commands:
-            procs.append(subprocess.Popen(cmd))
+            procs.append(subprocess.Popen(cmd, env=env))
         if reader_cpus:
             os.sched_setaffinity(0, sorted(old_affinity)[:1])
-        writer = PlanWriter(store, list(range(1, readers + 1)), [], slot_bytes=slot_bytes, key=key)
+        ranks = list(range(1, readers + 1))
+        writer = PlanWriter(store, [] if remote else ranks, ranks if remote else [], slot_bytes=slot_bytes,
+                            key=key, secret=secret)
         payload = os.urandom(payload_bytes)
         buf = ack.buf
         lat, pub = [], []
@@ -126,6 +134,7 @@ def measure_broadcast_latency(payload_bytes: int = 20_000, readers: int = 2, ite
                 "median_us": statistics.median(lat), "p90_us": _pct(lat, 0.9), "p99_us": _pct(lat, 0.99),
                 "mean_us": statistics.fmean(lat), "publish_median_us": statistics.median(pub),
                 "cpus": ncpu, "pinned": bool(reader_cpus), "loadavg_1m": os.getloadavg()[0],
+                "transport": "zmq" if remote else "shm", "authenticated": secure,
                 "method": "one-way: writer stamp before publish -> last reader's stamp after receive"}
     finally:
         os.sched_setaffinity(0, old_affinity)

@@ -1,7 +1,17 @@
-"""Shared pieces of the plan channel: exceptions, process liveness, wait timings."""
+"""Shared pieces of the plan channel: exceptions, frame kinds, signed bootstrap record, process liveness,
+wait timings. Imports no ZMQ: a same-node engine loads ZMQ only when it opens its back channel."""
 from __future__ import annotations
 
-__all__ = ["ChannelError", "ChannelClosed", "ChannelTimeout", "PeerError", "proc_start_time"]
+import hashlib
+import hmac
+import struct
+
+import msgpack
+
+__all__ = ["ChannelError", "ChannelClosed", "ChannelTimeout", "ChannelLagged", "PeerError", "proc_start_time"]
+
+KIND_DATA, KIND_HEARTBEAT, KIND_SHUTDOWN = 1, 2, 3
+_HDR = struct.Struct("<BQ")  # ZMQ data frame header: kind, plan number
 
 
 class ChannelError(RuntimeError):
@@ -14,6 +24,10 @@ class ChannelClosed(ChannelError):
 
 class ChannelTimeout(ChannelError, TimeoutError):
     """A bounded wait expired."""
+
+
+class ChannelLagged(ChannelError):
+    """A remote reader fell so far behind that the writer's bounded send buffer dropped plans."""
 
 
 class PeerError(ChannelError):
@@ -37,3 +51,24 @@ def proc_start_time(pid: int | None) -> int | None:
 
 _CHECK_S = 0.2  # how often liveness is checked while waiting
 _MAX_NAP_S = 0.001  # longest sleep of an idle waiter (bounds wake-up latency)
+
+
+def sign_meta(meta: dict, secret: bytes | None) -> bytes:
+    """The bootstrap record as stored: msgpack ``[meta bytes, HMAC-SHA256 under the engine secret]``, so a
+    reader acts only on endpoints and ring names its own writer published (the store itself is not trusted)."""
+    body = msgpack.packb(meta, use_bin_type=True)
+    mac = hmac.new(secret, body, hashlib.sha256).digest() if secret is not None else b""
+    return msgpack.packb([body, mac], use_bin_type=True)
+
+
+def open_meta(raw: bytes, secret: bytes | None) -> dict:
+    try:
+        body, mac = msgpack.unpackb(raw, raw=False)
+        ok = secret is None or hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).digest())
+        meta = msgpack.unpackb(body, raw=False) if ok else None
+    except Exception:
+        ok, meta = False, None
+    if not ok or not isinstance(meta, dict):
+        raise ChannelError("the plan channel's bootstrap record is not signed with this engine's secret "
+                           "(another engine's, or forged)")
+    return meta

@@ -7,23 +7,26 @@ import socket
 import threading
 import time
 
-import msgpack
-import zmq
-
-from .channel_common import _CHECK_S, _MAX_NAP_S, ChannelClosed, ChannelTimeout, proc_start_time
+from .channel_common import (_CHECK_S, _MAX_NAP_S, KIND_DATA, KIND_SHUTDOWN, ChannelClosed, ChannelLagged,
+                             ChannelTimeout, open_meta, proc_start_time)
 from .shm_ring import ShmRingReader, unlink_by_prefix
-from .zmq_link import KIND_DATA, KIND_SHUTDOWN, BackClient, SubLink
+from .trust import ChannelKeys
 
 yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
 class PlanReader:
     """One worker rank's end of the plan channel. ``local`` must match how the writer listed
-    this rank. Not thread-safe: one thread calls ``receive``."""
+    this rank and ``secret`` the writer's. Not thread-safe: one thread calls ``receive``."""
 
-    def __init__(self, store, rank: int, local: bool, *, writer_timeout_s: float = 8.0,
+    def __init__(self, store, rank: int, local: bool, *, secret: bytes | None, writer_timeout_s: float = 8.0,
                  key: str = "nvtp_plan", spin_s: float = 0.05, heartbeat_s: float = 1.0):
-        meta = msgpack.unpackb(store.get(f"{key}/meta"), raw=False)
+        import zmq
+
+        from .zmq_link import PLAN_HWM, BackClient, SubLink
+        meta = open_meta(store.get(f"{key}/meta"), secret)
+        keys = ChannelKeys(secret) if secret is not None else None
+        self._hwm = meta.get("hwm")
         ranks = meta["local"] if local else meta["remote"]
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not a {'local' if local else 'remote'} reader of this channel")
@@ -34,7 +37,7 @@ class PlanReader:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         try:
-            self._back = BackClient(self._ctx, meta["back"])
+            self._back = BackClient(self._ctx, meta["back"], keys, rank)
             if local:
                 try:
                     self._ring = ShmRingReader(meta["shm"], ranks.index(rank))
@@ -45,7 +48,7 @@ class PlanReader:
                     atexit.register(self._clean_up_after_dead_writer)
                 self._last_hb = self._ring.heartbeat()
             else:
-                self._sub, self._expect = SubLink(self._ctx, meta["pub"]), 1
+                self._sub, self._expect = SubLink(self._ctx, meta["pub"], keys, rank, self._hwm or PLAN_HWM), 1
                 frame = self._sub.recv(writer_timeout_s)  # proves our subscription is live
                 if frame is None:
                     raise ChannelClosed(f"writer at {meta['pub']} unreachable")
@@ -156,7 +159,10 @@ class PlanReader:
         if kind != KIND_DATA:
             return None
         if seq != self._expect:
-            self._fail(f"plan stream broken: expected plan {self._expect}, got {seq}")
+            text = (f"rank {self.rank} fell behind: plans {self._expect}..{seq - 1} were dropped by the writer "
+                    f"after {self._hwm} unread plans queued for it")
+            self._closed_reason = text
+            raise ChannelLagged(text)
         self._expect = seq + 1
         return payload
 

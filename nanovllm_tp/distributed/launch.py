@@ -1,19 +1,28 @@
 """How this process joined the engine (alone, under torchrun, or spawned by rank 0), and the setup
 every rank shares: process group, TP state, and the key-value store the plan channel bootstraps from."""
+import atexit
+import contextlib
 import json
+import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp.distributed import trust
 from nanovllm_tp.distributed.parallel_state import set_tp
 
+log = logging.getLogger("nanovllm_tp")
 SPAWN_ENV = "NANOVLLM_TP_SPAWNED"          # set in the environment of workers that rank 0 started
+SPAWN_STORE_ENV = "NANOVLLM_TP_STORE_DIR"  # spawned workers: the private directory holding the FileStore
+SPAWN_SECRET_ENV = "NANOVLLM_TP_SPAWN_SECRET"  # spawned workers: this engine's fresh secret
 STORE_TIMEOUT = timedelta(seconds=120)
 _cpu_group = None
 
@@ -24,8 +33,82 @@ class DistInfo:
     world_size: int
     mode: str                 # "single" | "torchrun" | "spawn"
     node_rank: int = 0
-    store: object = None      # torch TCPStore shared by all ranks (plan channel bootstrap)
+    store: object = None      # torch store shared by all ranks (plan channel bootstrap)
     host: str = "127.0.0.1"   # address rank 0's services bind to / are reached at
+    secret: bytes | None = None   # the plan channel's key material (None: unauthenticated, benchmarks only)
+
+
+@dataclass(slots=True)
+class SpawnRendezvous:
+    """Spawn mode: a FileStore in a fresh 0700 directory (nothing listens on the network) and a fresh secret,
+    both handed to the workers through their environment only."""
+    directory: str
+    store: object
+    secret: bytes | None
+
+    @classmethod
+    def create(cls, world_size: int) -> "SpawnRendezvous":
+        directory = tempfile.mkdtemp(prefix="nvtp_store_")      # mode 0700
+        return cls(directory, file_store(directory, world_size),
+                   None if trust.insecure() else trust.new_secret())
+
+    def env(self) -> dict:
+        out = {SPAWN_STORE_ENV: self.directory}
+        if self.secret is not None:
+            out[SPAWN_SECRET_ENV] = self.secret.decode()
+        return out
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def file_store(directory: str, world_size: int) -> "dist.FileStore":
+    store = dist.FileStore(os.path.join(directory, "store"), world_size)
+    store.set_timeout(STORE_TIMEOUT)
+    return store
+
+
+def join_spawned(info: DistInfo) -> None:
+    """A spawned worker takes its store and secret from its environment (and out of it, for its children)."""
+    directory = os.environ.pop(SPAWN_STORE_ENV)
+    info.store = file_store(directory, info.world_size)
+    atexit.register(_remove_if_orphaned, directory, os.getppid())
+    secret = os.environ.pop(SPAWN_SECRET_ENV, None)
+    info.secret = None if secret is None else secret.encode()
+
+
+def _remove_if_orphaned(directory: str, rank0_pid: int) -> None:
+    """A worker whose rank 0 died (it was re-parented) removes the store directory rank 0 cannot."""
+    if os.getppid() != rank0_pid:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def multi_node() -> bool:
+    """torchrun with ranks on more than one node (known from the environment, before joining anything)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def torchrun_secret(info: DistInfo) -> None:
+    """Under torchrun: the operator's secret; on one node without one, rank 0 makes a fresh one and hands it
+    to the other ranks through a 0600 file in a private directory (only its path goes through the store)."""
+    info.secret = trust.secret_from_env()
+    if info.secret is not None or trust.insecure():
+        return
+    if multi_node():
+        trust.require_secret_for(True)
+    directory = None
+    if info.rank == 0:
+        info.secret = trust.new_secret()
+        directory = tempfile.mkdtemp(prefix="nvtp_secret_")
+        info.store.set("nvtp_secret_path", trust.write_private_file(directory, "secret", info.secret))
+    try:
+        if info.rank != 0:
+            info.secret = trust.read_secret_file(info.store.get("nvtp_secret_path").decode())
+        dist.barrier(group=_cpu_group)          # everyone has read it: the file can go
+    finally:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def launched_by_torchrun() -> bool:
@@ -43,18 +126,32 @@ def free_store() -> "dist.TCPStore":
     return dist.TCPStore(rank0_host(), 0, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
 
 
+@contextlib.contextmanager
+def _gloo_on_loopback(enabled: bool):
+    """Spawned engines keep gloo's listening sockets on the loopback interface while the groups are made."""
+    if not enabled or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def init_process_group(rank: int, world_size: int, device: torch.device, store=None) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    if store is None:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, **kwargs)
-    else:
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
-                                timeout=STORE_TIMEOUT, **kwargs)
-    set_tp(rank, world_size, dist.group.WORLD)
-    global _cpu_group
-    # Host-side bootstrap messages (ports, node ids) go over gloo even when the model uses NCCL.
-    _cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    with _gloo_on_loopback(store is not None and rank0_host().startswith("127.")):
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, **kwargs)
+        else:
+            dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                                    world_size=world_size, timeout=STORE_TIMEOUT, **kwargs)
+        set_tp(rank, world_size, dist.group.WORLD)
+        global _cpu_group
+        # Host-side bootstrap messages (ports, node ids) go over gloo even when the model uses NCCL.
+        _cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
 
 
 def share_store(info: DistInfo) -> None:
@@ -80,13 +177,15 @@ def config_to_json(config) -> str:
     return json.dumps({f.name: getattr(config, f.name) for f in fields(config) if f.name != "model_config"})
 
 
-def spawn_workers(config, world_size: int, store) -> list[subprocess.Popen]:
-    """Start ranks 1..N-1 as fresh interpreters; the config travels as JSON, never pickled."""
+def spawn_workers(config, world_size: int, rendezvous: SpawnRendezvous) -> list[subprocess.Popen]:
+    """Start ranks 1..N-1 as fresh interpreters; the config travels as JSON, never pickled, and the store
+    directory and secret in their environment (readable by this user only)."""
     children = []
     for rank in range(1, world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=rank0_host(), MASTER_PORT=str(store.port),
-                   GROUP_RANK="0")
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=rank0_host(), GROUP_RANK="0",
+                   **rendezvous.env())
+        env.pop("MASTER_PORT", None)
         env[SPAWN_ENV] = "1"
         children.append(subprocess.Popen(
             [sys.executable, "-m", "nanovllm_tp.workers.worker", "--config", config_to_json(config)], env=env))

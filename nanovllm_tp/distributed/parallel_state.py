@@ -1,4 +1,5 @@
 """This rank's place in the tensor-parallel group, and the two collectives the layers need."""
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,22 @@ _tp = TPState()
 
 def set_tp(rank: int, size: int, group=None) -> None:
     _tp.rank, _tp.size, _tp.group = rank, size, group
+
+
+def current_tp() -> TPState:
+    return TPState(_tp.rank, _tp.size, _tp.group)
+
+
+@contextlib.contextmanager
+def tp_scope(state: TPState):
+    """Run with ``state`` as this process's TP state, then restore the previous one: lets a TP = 1 engine
+    live beside the (one) multi-rank engine of the process without either seeing the other's group."""
+    saved = current_tp()
+    set_tp(state.rank, state.size, state.group)
+    try:
+        yield
+    finally:
+        set_tp(saved.rank, saved.size, saved.group)
 
 
 def tp_rank() -> int:

@@ -63,9 +63,12 @@ def fence() -> None:
 def attach(name: str) -> mmap.mmap:
     """Map an existing segment read-write without Python's resource_tracker (which would otherwise unlink
     or warn about a segment this process did not create)."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"shared-memory segment {name!r} is not private to this user")
+        return mmap.mmap(fd, st.st_size)
     finally:
         os.close(fd)
 

@@ -165,7 +165,7 @@ class Sampler:
         return argmax_rows(logp - torch.log(-torch.log(noise)))
 
 
-def prompt_logprobs(logits: torch.Tensor, chunks, top_n_of) -> None:
+def prompt_logprobs(logits: torch.Tensor, chunks) -> None:
     """Append the logprobs of each chunk's prompt tokens to its sequence: logits row j of a chunk starting at
     position p predicts the prompt token at p + j + 1. Positions already recorded (a recomputed chunk after
     preemption) are skipped."""
@@ -176,7 +176,7 @@ def prompt_logprobs(logits: torch.Tensor, chunks, top_n_of) -> None:
             continue
         idx = torch.tensor([first_row + t - 1 - first_pos for t in targets], device=logits.device)
         chosen = torch.tensor([seq.token_ids[t] for t in targets], device=logits.device)
-        lp = token_logprobs(torch.log_softmax(logits[idx].float(), dim=-1), chosen, top_n_of(seq))
+        lp = token_logprobs(torch.log_softmax(logits[idx].float(), dim=-1), chosen, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids, lp.top_logprobs))
 
 

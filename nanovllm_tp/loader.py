@@ -1,4 +1,5 @@
-"""safetensors -> parameters. Every rank opens the files lazily and reads only the slices it keeps."""
+"""Checkpoint -> parameters and tokenizer. Safetensors files are opened lazily and every rank reads only the
+slices it keeps; a .gguf file (gguf_checkpoint) is read the same way, dequantized."""
 import glob
 import os
 
@@ -8,32 +9,50 @@ from torch import nn
 from nanovllm_tp.layers.linear import default_weight_loader
 
 
-def load_model(model: nn.Module, model_dir: str) -> None:
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+    from nanovllm_tp.gguf_checkpoint import find_gguf, load_tokenizer as gguf_tokenizer
+    gguf = find_gguf(model)
+    return gguf_tokenizer(gguf) if gguf else AutoTokenizer.from_pretrained(model)
+
+
+def checkpoint_tensors(model_dir: str):
+    """(name, lazy tensor, file name) for every tensor of a HF directory's safetensors or of a .gguf file."""
+    from nanovllm_tp.gguf_checkpoint import find_gguf, iter_weights
+    gguf = find_gguf(model_dir)
+    if gguf:
+        for name, weight in iter_weights(gguf):
+            yield name, weight, os.path.basename(gguf)
+        return
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir!r}")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name), os.path.basename(path)
+
+
+def load_model(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded_names = set()
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():
-                if "rotary_emb.inv_freq" in ckpt_name:
-                    continue
-                target, shard = ckpt_name, ()
-                for piece, (ours, shard_id) in packed.items():
-                    if f".{piece}." in ckpt_name:
-                        target, shard = ckpt_name.replace(f".{piece}.", f".{ours}."), (shard_id,)
-                        break
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {ckpt_name!r} in {os.path.basename(path)} has no "
-                                     "matching parameter in the model")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_slice(ckpt_name), *shard)
-                loaded_names.add(target)
+    for ckpt_name, tensor, source in checkpoint_tensors(model_dir):
+        if "rotary_emb.inv_freq" in ckpt_name:
+            continue
+        target, shard = ckpt_name, ()
+        for piece, (ours, shard_id) in packed.items():
+            if f".{piece}." in ckpt_name:
+                target, shard = ckpt_name.replace(f".{piece}.", f".{ours}."), (shard_id,)
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} in {source} has no matching parameter in the model")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, *shard)
+        loaded_names.add(target)
     missing = {name for name in params if name not in loaded_names}
-    if "lm_head.weight" in missing and model.lm_head.weight is model.model.embed_tokens.weight:
+    if model.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks weights for: {sorted(missing)[:8]}")

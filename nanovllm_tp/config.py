@@ -225,6 +225,8 @@ class EngineConfig:
                              f"the whole sequence, so the result is exact), not {self.max_model_len}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated token)")
+        if mc.num_experts:
+            self.enforce_eager = True    # the MoE block reads its per-expert token counts on the host
         tp = self.tensor_parallel_size
         if mc.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={mc.num_attention_heads}")

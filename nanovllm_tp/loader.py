@@ -35,16 +35,11 @@ def checkpoint_tensors(model_dir: str):
 
 def load_model(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
     loaded_names = set()
     for ckpt_name, tensor, source in checkpoint_tensors(model_dir):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
-        target, shard = ckpt_name, ()
-        for piece, (ours, shard_id) in packed.items():
-            if f".{piece}." in ckpt_name:
-                target, shard = ckpt_name.replace(f".{piece}.", f".{ours}."), (shard_id,)
-                break
+        target, shard = model.checkpoint_target(ckpt_name)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} in {source} has no matching parameter in the model")

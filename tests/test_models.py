@@ -176,3 +176,72 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     greedy = tiny_llm.generate(prompts[1:2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0].token_ids
     assert greedy != alone      # temperature 0.8 on these margins departs from greedy somewhere
+
+
+# ---------------------------------------------------------------- Qwen3-MoE
+
+MOE = dict(SMALL, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+           mlp_only_layers=[1], norm_topk_prob=True)
+
+
+def save_random_moe(out_dir, tokenizer_dir, vocab_size: int, **overrides):
+    """A random Qwen3-MoE whose router favours experts 0 and 1 and neglects 6 and 7: uneven expert loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=0,
+                                  bos_token_id=0, **dict(MOE, **overrides))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            fan_in = p.shape[-1]
+            p.normal_(0, 0.7 if "embed" in name or "lm_head" in name else 1.5 / fan_in ** 0.5)
+            if name.endswith("mlp.gate.weight"):     # wide logits win top-k often, near-zero ones rarely
+                p[:2] *= 4.0
+                p[6:] *= 0.05
+    model.save_pretrained(out_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{f}", out_dir / f)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, tiny_model_dir, vocab):
+    out = tmp_path_factory.mktemp("moe") / "qwen3-moe"
+    return out, save_random_moe(out, tiny_model_dir, vocab)
+
+
+def test_moe_config_and_routing(moe, vocab):
+    path, hf = moe
+    cfg = ModelConfig.from_pretrained(str(path))
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm and cfg.norm_topk_prob
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_layers) == (8, 2, (0, 2))
+    # the router's loads are uneven (and a decode step of at most 3 rows leaves at least 2 of 8 experts idle)
+    ids = torch.tensor([mixed_prompts(vocab, lengths=(130,), seed=5)[0]])
+    hidden = hf.model.embed_tokens(ids)[0]
+    loads = torch.bincount(hf.model.layers[0].mlp.gate(hidden)[2].flatten(), minlength=8)
+    assert loads.max() >= 3 * loads.min(), loads
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_greedy_matches_transformers(tp, moe, vocab):
+    path, hf = moe
+    llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=48, **KV)    # 130 tokens: 3 chunks
+    try:
+        assert llm.config.enforce_eager
+        prompts = mixed_prompts(vocab, lengths=(1, 9, 130), seed=5)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        again = llm.generate(prompts[2:], GREEDY, use_tqdm=False)     # prefix hits on the long prompt
+        assert llm.engine.scheduler.block_manager.num_prefix_hit_tokens > 0
+    finally:
+        llm.close()
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert again[0].outputs[0].token_ids == expected[2]
+
+
+def test_moe_intermediate_size_must_divide_by_tp(tmp_path, tiny_model_dir, vocab):
+    save_random_moe(tmp_path / "m", tiny_model_dir, vocab, moe_intermediate_size=63)
+    with pytest.raises(ValueError, match="moe_intermediate_size=63"):
+        LLM(str(tmp_path / "m"), tensor_parallel_size=2, **KV)

@@ -7,6 +7,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 

@@ -90,7 +90,8 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """The model interface the runner, loader and CUDA-graph runner use: forward(input_ids, positions) ->
-    hidden states, compute_logits(hidden), hidden_size, tie_word_embeddings and the packed-weight mapping."""
+    hidden states, compute_logits(hidden), hidden_size, tie_word_embeddings and checkpoint_target (checkpoint
+    tensor name -> parameter name and weight_loader shard arguments)."""
 
     # checkpoint name piece -> (our parameter name piece, shard id)
     packed_modules = {
@@ -106,6 +107,13 @@ class CausalLM(nn.Module):
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+        """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader."""
+        for piece, (ours, shard_id) in self.packed_modules.items():
+            if f".{piece}." in name:
+                return name.replace(f".{piece}.", f".{ours}."), (shard_id,)
+        return name, ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -1,5 +1,6 @@
 """Checkpoint -> parameters and tokenizer. Safetensors files are opened lazily and every rank reads only the
-slices it keeps; a .gguf file (gguf_checkpoint) is read the same way, dequantized."""
+slices it keeps; a .gguf file (gguf_checkpoint) is read the same way, dequantized; PyTorch .bin files are
+memory-mapped with torch.load(weights_only=True)."""
 import glob
 import os
 
@@ -26,11 +27,27 @@ def checkpoint_tensors(model_dir: str):
         return
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir!r}")
+        yield from _torch_bin_tensors(model_dir)
+        return
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_slice(name), os.path.basename(path)
+
+
+def _torch_bin_tensors(model_dir: str):
+    """PyTorch .bin checkpoints, read with weights_only=True (tensors only, no code from the file) and mmap."""
+    import torch
+    files = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    if not files:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir!r}")
+    for path in files:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ValueError(f"cannot read {path} as a weights-only PyTorch checkpoint: {exc}") from None
+        for name, tensor in state.items():
+            yield name, tensor, os.path.basename(path)
 
 
 def load_model(model: nn.Module, model_dir: str) -> None:

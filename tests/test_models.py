@@ -164,6 +164,25 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_llm):
         [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
 
 
+class NotATensor:      # a pickled object of this class must not be loaded (weights_only)
+    pass
+
+
+def test_pytorch_bin_checkpoint_loads_the_same_and_refuses_objects(tmp_path, tiny_model_dir, tiny_llm):
+    from safetensors.torch import load_file
+    shutil.copytree(tiny_model_dir, tmp_path / "bin")
+    weights = tmp_path / "bin" / "model.safetensors"
+    torch.save(load_file(weights), tmp_path / "bin" / "pytorch_model.bin")
+    weights.unlink()
+    prompts = mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(5, 50), seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in LLM(str(tmp_path / "bin"), **KV).generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    torch.save({"model.norm.weight": NotATensor()}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="weights-only"):
+        LLM(str(tmp_path / "bin"), **KV)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     prompts = mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(3, 30, 60), seed=6)
     params = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=42)

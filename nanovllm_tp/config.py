@@ -1,4 +1,5 @@
-"""Engine knobs (validated before anything starts) and the model facts read from a HF config.json."""
+"""Engine knobs (validated before anything starts) and the model facts read through transformers' AutoConfig
+from a HF directory or a .gguf file."""
 import json
 import os
 from dataclasses import dataclass, field
@@ -32,7 +33,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: dict | None = None        # rope parameters other than plain RoPE (rope_type and its keys)
     sliding_window: int | None = None       # an active window: EngineConfig keeps max_model_len within it
-    gguf_file: str | None = None            # the .gguf the weights and tokenizer come from, if any
     # mixture of experts (architecture files that have one set these through config_options)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -72,7 +72,7 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""), eos_token_ids=_eos_ids(model, gguf, hf),
-            sliding_window=_active_window(hf), gguf_file=gguf, **options)
+            sliding_window=_active_window(hf), **options)
 
 
 def _auto_config(model: str, gguf: str | None):

@@ -19,9 +19,10 @@ from nanovllm_tp.gguf_checkpoint import find_gguf, hf_config, iter_weights, load
 from nanovllm_tp.launch.make_tiny import write_json
 
 DTYPES = ("float32", "bfloat16", "float16")
+SHARD_BYTES = 4 << 30
 
 
-def convert(model: str, out_dir, dtype: str = "bfloat16") -> pathlib.Path:
+def convert(model: str, out_dir, dtype: str = "bfloat16", shard_bytes: int = SHARD_BYTES) -> pathlib.Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = find_gguf(model)
@@ -47,9 +48,40 @@ def convert(model: str, out_dir, dtype: str = "bfloat16") -> pathlib.Path:
         tok_config.pop(key, None)
     tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template)
     write_json(out_dir / "tokenizer_config.json", tok_config)
-    weights = {name: w[:].to(getattr(torch, dtype)).contiguous() for name, w in iter_weights(path)}
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    write_weights(((name, w[:].to(getattr(torch, dtype)).contiguous()) for name, w in iter_weights(path)), out_dir,
+                  shard_bytes)
     return out_dir
+
+
+def write_weights(tensors, out_dir: pathlib.Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """model.safetensors, or shards of at most shard_bytes plus the index HF loaders read; one shard is held in
+    memory at a time."""
+    for stale in out_dir.glob("model*.safetensors*"):
+        stale.unlink()
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(_save_shard(current, out_dir, len(shards)))
+            current, size = {}, 0
+        current[name], size = tensor, size + nbytes
+    if not shards:
+        save_file(current, out_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    shards.append(_save_shard(current, out_dir, len(shards)))
+    weight_map, total = {}, 0
+    for index, (tmp_name, names, nbytes) in enumerate(shards, start=1):
+        final = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / tmp_name).rename(out_dir / final)
+        weight_map.update(dict.fromkeys(names, final))
+        total += nbytes
+    write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _save_shard(tensors: dict, out_dir: pathlib.Path, index: int) -> tuple[str, list[str], int]:
+    name = f"model-part{index:05d}.safetensors"     # renamed once the shard count is known
+    save_file(tensors, out_dir / name, metadata={"format": "pt"})
+    return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def main(argv=None) -> None:

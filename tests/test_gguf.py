@@ -142,3 +142,20 @@ def test_convert_writes_a_plain_hf_directory(tmp_path, chats, reference):
     assert "<|im_start|>" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
     outs = generate(str(tmp_path / "hf"), chats[0][:1])
     assert outs[0].outputs[0].token_ids == reference[0]
+
+
+def test_convert_shards_large_checkpoints(tiny_gguf, tmp_path):
+    # shards of at most 1 MB: the index maps every tensor, and the engine reads the directory like the .gguf
+    from nanovllm_tp.launch.convert import convert
+    path, hf = tiny_gguf
+    out = convert(str(path), tmp_path / "sharded", "float32", shard_bytes=1 << 20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[-1].endswith(f"of-{len(files):05d}.safetensors")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    prompt = mixed_prompts(2003, lengths=(20,), seed=9)[0]
+    llm = LLM(str(out), kvcache_block_size=16, kv_cache_memory=32 << 20)
+    try:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, TOKENS)
+    finally:
+        llm.close()

@@ -178,7 +178,7 @@ class GGUFWeight:
         return weights if weights.flags.writeable else weights.copy()     # unquantized data is the read-only map
 
     def __getitem__(self, key) -> torch.Tensor:
-        if isinstance(key, slice) and not self.permuted:     # rows only: dequantize just those
+        if isinstance(key, slice) and not self.permuted and len(self.entry.shape) > 1:    # rows: just those
             return torch.from_numpy(self._dequantize(self.data[key]))
         weights = self._dequantize(self.data)
         if self.permuted:

@@ -1,5 +1,5 @@
-"""Write small GGUF files for the tests, the way llama.cpp's converter lays them out: Llama's q/k rows permuted
-(pairs of rotary halves interleaved per head), 2-D weights quantized to Q8_0, norms in F32, the tiny BPE
+"""Write small GGUF files for the tests (llama, qwen2, qwen3), the way llama.cpp's converter lays them out:
+Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized to Q8_0, norms in F32, the tiny BPE
 tokenizer as a gpt2-style vocabulary with merges."""
 import json
 
@@ -10,7 +10,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None):
+def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None):
     import gguf
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -22,6 +22,8 @@ def write_llama_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_m
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -39,13 +41,14 @@ def write_llama_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_m
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_add_bos_token(False)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     for hf_name, tensor in hf_model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
         w = tensor.float().numpy()
-        if base.endswith("q_proj"):
+        if arch == "llama" and base.endswith("q_proj"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif base.endswith("k_proj"):
+        elif arch == "llama" and base.endswith("k_proj"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         name = f"{names.get_name(base)}.{suffix}"
         if w.ndim == 2:

@@ -27,27 +27,40 @@ KNOBS = dict(dtype="float32", device="cpu", max_model_len=256, kvcache_block_siz
 # ---------------------------------------------------------------- a tiny Llama GGUF
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, tiny_model_dir):
+def tiny_ggufs(tmp_path_factory, tiny_model_dir):
+    """arch -> (a tiny GGUF of it, transformers loading that file); written on first use."""
     import pathlib
     import torch
     from transformers import AutoModelForCausalLM
-    from tests.gguf_tiny import write_llama_gguf
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
-    out = tmp_path_factory.mktemp("gguf")
-    original = make_tiny_arch(out / "hf", "llama")
-    path = write_llama_gguf(original, pathlib.Path(tiny_model_dir), out / "tiny.gguf")
-    hf = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32)
-    return path, hf.eval()
+    from tests.gguf_tiny import write_gguf
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            out = tmp_path_factory.mktemp(f"gguf-{arch}")
+            path = write_gguf(make_tiny_arch(out / "hf", arch), pathlib.Path(tiny_model_dir), out / "tiny.gguf",
+                              arch=arch)
+            hf = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32)
+            made[arch] = path, hf.eval()
+        return made[arch]
+    return get
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_tiny_gguf_matches_transformers(tp, tiny_gguf):
-    path, hf = tiny_gguf
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_ggufs):
+    return tiny_ggufs("llama")
+
+
+# llama: q/k rows permuted by llama.cpp; qwen2: q/k/v biases, 1-D tensors sliced across ranks
+@pytest.mark.parametrize("arch, tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
+    path, hf = tiny_ggufs(arch)
     prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
     llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=32, kvcache_block_size=16,
               kv_cache_memory=32 << 20)
     try:
-        assert llm.config.model_config.architecture == "LlamaForCausalLM"
+        assert llm.config.model_config.architecture == type(hf).__name__
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         llm.close()
@@ -159,3 +172,15 @@ def test_convert_shards_large_checkpoints(tiny_gguf, tmp_path):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, TOKENS)
     finally:
         llm.close()
+
+
+def test_qwen3_gguf_head_dim_comes_from_key_length(tmp_path):
+    # transformers' GGUF table leaves Qwen3's head_dim at its default (128); the file says 32
+    u32 = gguf.GGUFValueType.UINT32
+    fields = dict(block_count=2, context_length=512, embedding_length=128, feed_forward_length=256,
+                  attention__head_count=2, attention__head_count_kv=1, attention__key_length=32, vocab_size=2003)
+    path = header_only(tmp_path / "qwen3.gguf", "qwen3", **{f"qwen3__{k}": (v, u32) for k, v in fields.items()})
+    from nanovllm_tp.config import ModelConfig
+    cfg = ModelConfig.from_pretrained(path)
+    assert (cfg.architecture, cfg.head_dim, cfg.num_key_value_heads, cfg.qk_norm) == ("Qwen3ForCausalLM", 32, 1, True)
+    assert cfg.tie_word_embeddings     # no output.weight in the file

@@ -10,11 +10,36 @@ from torch import nn
 from nanovllm_tp.layers.linear import default_weight_loader
 
 
+# what a HF directory needs for transformers to build its tokenizer (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+class NoTokenizer:
+    """Stands in for the tokenizer of a checkpoint that ships none: token-id prompts still run (their
+    completions have token ids and no text); a text prompt or a chat template is refused with a clear error."""
+
+    def __init__(self, model: str):
+        self.message = (f"{model!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): pass prompts as "
+                        "token-id lists, or add the tokenizer files to the directory")
+
+    def encode(self, *args, **kwargs):
+        raise ValueError(self.message)
+
+    __call__ = apply_chat_template = encode
+
+    def decode(self, token_ids, **kwargs) -> str:
+        return ""
+
+
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
     from nanovllm_tp.gguf_checkpoint import find_gguf, load_tokenizer as gguf_tokenizer
     gguf = find_gguf(model)
-    return gguf_tokenizer(gguf) if gguf else AutoTokenizer.from_pretrained(model)
+    if gguf:
+        return gguf_tokenizer(gguf)
+    if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+        return NoTokenizer(model)     # transformers would build a one-token vocabulary and decode to ""
+    return AutoTokenizer.from_pretrained(model)
 
 
 def checkpoint_tensors(model_dir: str):

@@ -223,3 +223,16 @@ def test_moe_intermediate_size_must_divide_by_tp(tmp_path):
     make_tiny_arch(tmp_path / "m", "qwen3_moe", moe_intermediate_size=63)
     with pytest.raises(ValueError, match="moe_intermediate_size=63"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2, **KV)
+
+
+def test_checkpoint_without_tokenizer_files_refuses_text_prompts(tmp_path, tiny_model_dir, tiny_llm):
+    import os
+    os.makedirs(tmp_path / "bare")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(f"{tiny_model_dir}/{name}", tmp_path / "bare" / name)
+    llm = LLM(str(tmp_path / "bare"), **KV)
+    with pytest.raises(ValueError, match="no tokenizer files.*token-id lists"):
+        llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+    prompt = mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(12,), seed=2)[0]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]     # the engine still serves token ids
+    assert out.token_ids == tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -130,9 +130,8 @@ def hf_config(path: str):
     arch, meta = header.arch, header.metadata
     if arch not in SUPPORTED:
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
-    for key in meta:
-        if key.startswith((f"{arch}.rope.scaling.", f"{arch}.attention.sliding_window")) and \
-                meta[key] not in ("none", 0, 1.0):
+    for key, inactive in ((f"{arch}.rope.scaling.type", "none"), (f"{arch}.attention.sliding_window", 0)):
+        if meta.get(key, inactive) != inactive:
             raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
         raise ValueError(f"{path} stores rope scaling as a rope_freqs tensor, which is not implemented")

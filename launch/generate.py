@@ -12,7 +12,8 @@ from nanovllm_tp import LLM, SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny checkpoint)")
+    parser.add_argument("--model", help="Hugging Face model directory, .gguf file or directory holding one "
+                        "(default: the embedded tiny checkpoint)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")

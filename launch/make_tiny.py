@@ -155,23 +155,68 @@ def make_tiny(out_dir, *, preset: str = "tiny", seed: int = 0, num_shards: int =
     """Write a random-weight Qwen3 checkpoint to `out_dir`; same arguments give the same bytes."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = trained_tokenizer_json()
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    eos = SPECIAL_TOKENS[0]
+    tokenizer = Tokenizer.from_str(trained_tokenizer_json())
     config = build_config(preset, tokenizer.get_vocab_size(with_added_tokens=True),
-                          tokenizer.token_to_id(eos), config_overrides)
+                          tokenizer.token_to_id(SPECIAL_TOKENS[0]), config_overrides)
     write_json(out_dir / "config.json", config)
-    write_json(out_dir / "generation_config.json", {"bos_token_id": config["bos_token_id"],
-                                                      "eos_token_id": config["eos_token_id"], "do_sample": False})
+    write_tokenizer_files(out_dir, config["max_position_embeddings"])
+    save_weights(random_weights(config, seed), out_dir, num_shards)
+    return out_dir
+
+
+def write_tokenizer_files(out_dir: pathlib.Path, model_max_length: int) -> int:
+    """The trained BPE, its special tokens, chat template and generation config; returns the EOS id."""
+    tokenizer_json = trained_tokenizer_json()
+    eos = SPECIAL_TOKENS[0]
+    eos_id = Tokenizer.from_str(tokenizer_json).token_to_id(eos)
+    write_json(out_dir / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": eos_id,
+                                                      "do_sample": False})
     (out_dir / "tokenizer.json").write_text(tokenizer_json)
     special_tokens = {"eos_token": eos, "pad_token": eos, "additional_special_tokens": SPECIAL_TOKENS[1:]}
     write_json(out_dir / "special_tokens_map.json", special_tokens)
     write_json(out_dir / "tokenizer_config.json", {
         **special_tokens, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
         "add_bos_token": False, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE,
-        "model_max_length": config["max_position_embeddings"]})
-    save_weights(random_weights(config, seed), out_dir, num_shards)
-    return out_dir
+        "model_max_length": model_max_length})
+    return eos_id
+
+
+# Other architectures: small random checkpoints initialised through transformers (model_type -> config beyond
+# ARCH_SHAPE). Projections get std 1.5 / sqrt(fan_in) and embeddings 0.7, so greedy steps are decided by clear
+# margins; the MoE router favours experts 0-1 and neglects 6-7, so expert loads are uneven.
+ARCH_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+ARCHS = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": None},
+         "qwen3_moe": dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                           mlp_only_layers=[1], norm_topk_prob=True)}
+
+
+def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_overrides):
+    """Write a random checkpoint of `model_type` (a key of ARCHS) with the tiny tokenizer; returns the
+    transformers model (fp32), the reference for tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos_id = write_tokenizer_files(out_dir, ARCH_SHAPE["max_position_embeddings"])
+    vocab = Tokenizer.from_str(trained_tokenizer_json()).get_vocab_size(with_added_tokens=True)
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, eos_token_id=eos_id, bos_token_id=eos_id,
+                                  **{**ARCH_SHAPE, **ARCHS[model_type], **config_overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            if "embed" in name or "lm_head" in name:
+                p.normal_(0, EMBED_STD)
+            else:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.1)
+            if name.endswith("mlp.gate.weight"):     # wide router rows win top-k often, near-zero ones rarely
+                p[:2] *= 4.0
+                p[6:] *= 0.05
+    model.save_pretrained(out_dir)
+    return model
 
 
 def ensure_tiny(preset: str = "tiny") -> pathlib.Path:
@@ -232,11 +277,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--arch", choices=sorted(ARCHS), help="another architecture (small random checkpoint "
+                        "initialised through transformers) instead of the Qwen3 preset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--report-margin", action="store_true", help="measure greedy top-1/top-2 logit margins")
     args = parser.parse_args(argv)
-    out_dir = make_tiny(args.out_dir, preset=args.preset, seed=args.seed, num_shards=args.shards)
+    if args.arch:
+        make_tiny_arch(args.out_dir, args.arch, seed=args.seed)
+        out_dir = pathlib.Path(args.out_dir)
+    else:
+        out_dir = make_tiny(args.out_dir, preset=args.preset, seed=args.seed, num_shards=args.shards)
     for path in sorted(out_dir.iterdir()):
         print(f"{path}  {path.stat().st_size} bytes")
     if args.report_margin:

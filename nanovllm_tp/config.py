@@ -1,7 +1,16 @@
-"""Engine knobs (validated before anything starts) and the model facts read from a HF config.json."""
+"""Engine knobs (validated before anything starts) and the model facts read through transformers' AutoConfig
+from a HF directory or a .gguf file."""
 import json
 import os
 from dataclasses import dataclass, field
+
+
+# rope_type -> the keys it needs beyond rope_theta (layers/norm_rope_act.rope_inv_freq implements each)
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_INT_FIELDS = _REQUIRED + ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
 
 
 @dataclass(slots=True)
@@ -22,64 +31,145 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
-    o_proj_bias: bool = False    # Llama and Qwen3 bias o_proj when attention_bias is set; Qwen2 never does
-    mlp_bias: bool = False       # Llama's mlp_bias: gate, up and down projections
+    rope_scaling: dict | None = None        # rope parameters other than plain RoPE (rope_type and its keys)
+    sliding_window: int | None = None       # an active window: EngineConfig keeps max_model_len within it
+    # mixture of experts (architecture files that have one set these through config_options)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    o_proj_bias: bool = False               # a bias on o_proj (Llama and Qwen3 with attention_bias; never Qwen2)
+    mlp_bias: bool = False                  # biases on gate, up and down (Llama's mlp_bias)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"{model_dir!r} is not a model directory: no config.json in it")
-        with open(path) as f:
-            raw = json.load(f)
-        from nanovllm_tp.models import ARCHITECTURES
-        archs = raw.get("architectures") or []
+    def from_pretrained(cls, model: str) -> "ModelConfig":
+        """Read a HF model directory or a .gguf file through transformers' AutoConfig; refuse by name what the
+        engine does not implement."""
+        from nanovllm_tp.gguf_checkpoint import find_gguf
+        from nanovllm_tp.models import ARCHITECTURES, model_class
+        gguf = find_gguf(model)
+        hf = _auto_config(model, gguf)
+        archs = list(getattr(hf, "architectures", None) or [])
+        if gguf and not archs:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.model_type, hf.model_type)]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
+            raise ValueError(f"unsupported architecture {archs or hf.model_type!r} in {model}; "
                              f"supported: {sorted(ARCHITECTURES)}")
-        # transformers 5.x nests rope settings under rope_parameters; 4.x keeps rope_theta / rope_scaling flat.
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} in {path} is not supported yet (only plain RoPE)")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        heads = raw["num_attention_heads"]
-        is_qwen3 = arch == "Qwen3ForCausalLM"
+        _check_int_fields({name: getattr(hf, name, None) for name in _INT_FIELDS}, model)
+        _refuse_unimplemented(hf, model)
+        theta, scaling = _rope(hf, model)
+        heads = hf.num_attention_heads
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or ("bfloat16" if gguf else "float32")
+        options = model_class(arch).config_options(hf)
         return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Qwen3 and Llama only when attention_bias says so.
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=is_qwen3,
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            eos_token_ids=_eos_ids(model_dir, raw),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-        )
+            architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=getattr(hf, "intermediate_size", None) or 0,
+            num_hidden_layers=hf.num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            torch_dtype=str(dtype).replace("torch.", ""), eos_token_ids=_eos_ids(model, gguf, hf),
+            sliding_window=_active_window(hf), **options)
 
 
-def _eos_ids(model_dir: str, raw: dict) -> tuple[int, ...]:
+def _auto_config(model: str, gguf: str | None):
+    from transformers import AutoConfig
+    if gguf is None:
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{model!r} is not a model directory: no config.json (or .gguf file) in it")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+        missing = [k for k in _REQUIRED if k not in raw]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}")
+        _check_int_fields(raw, path)
+        if raw.get("quantization_config"):
+            raise ValueError(f"quantization_config in {path}: quantized checkpoints are not implemented "
+                             "(GGUF files are read and dequantized)")
+    try:
+        if gguf is None:
+            return AutoConfig.from_pretrained(model)
+        from nanovllm_tp.gguf_checkpoint import hf_config
+        return hf_config(gguf)
+    except Exception as exc:    # transformers' own validation errors are not all ValueErrors
+        raise ValueError(f"cannot read the model config of {model!r}: {exc}") from None
+
+
+def _check_int_fields(values: dict, where: str) -> None:
+    for name in _INT_FIELDS:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config field {name} must be a positive int, got {value!r} ({where})")
+
+
+def _refuse_unimplemented(hf, model: str) -> None:
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only silu)")
+    if getattr(hf, "partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        raise ValueError(f"partial_rotary_factor={hf.partial_rotary_factor} in {model} is not implemented")
+
+
+def _rope(hf, model: str) -> tuple[float, dict | None]:
+    """rope_theta and the scaling parameters (None for plain RoPE); transformers 5.x nests them under
+    rope_parameters, 4.x keeps rope_theta flat beside rope_scaling."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    params.pop("type", None)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type {kind!r} in {model} is not implemented "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope_scaling partial_rotary_factor={params['partial_rotary_factor']} in {model} "
+                         "is not implemented")
+    if kind == "default":
+        return theta, None
+    params["rope_type"] = kind
+    if kind == "yarn":
+        params.setdefault("original_max_position_embeddings", getattr(hf, "max_position_embeddings", None))
+        if params.get("factor") is None and params["original_max_position_embeddings"]:
+            params["factor"] = hf.max_position_embeddings / params["original_max_position_embeddings"]
+    missing = [k for k in ROPE_TYPES[kind] if params.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} in {model} lacks {', '.join(missing)}")
+    return theta, params
+
+
+def _active_window(hf) -> int | None:
+    """The sliding window when some layer uses it (transformers 5.x lists layer_types; 4.x Qwen configs gate
+    the window with use_sliding_window; Mistral's window is on whenever it is set)."""
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:
+        active = "sliding_attention" in layer_types
+    else:
+        active = getattr(hf, "use_sliding_window", True)
+    return int(window) if window and active else None
+
+
+def _eos_ids(model: str, gguf: str | None, hf) -> tuple[int, ...]:
     eos = None
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
+    gen_path = os.path.join(model, "generation_config.json")
+    if gguf is None and os.path.isfile(gen_path):
         with open(gen_path) as f:
             eos = json.load(f).get("eos_token_id")
     if eos is None:
-        eos = raw.get("eos_token_id")
+        eos = getattr(hf, "eos_token_id", None)
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 _INT_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens")
@@ -106,9 +196,10 @@ class EngineConfig:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a model directory, got {type(self.model).__name__}")
         self.model = os.fspath(self.model)
-        if not os.path.isdir(self.model):
+        if not (os.path.isdir(self.model) or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
             raise ValueError(f"model directory {self.model!r} does not exist (no downloads here: give a local "
-                             "Hugging Face directory, or make one with python -m nanovllm_tp.launch.make_tiny DIR)")
+                             "Hugging Face directory or .gguf file, or make one with python -m "
+                             "nanovllm_tp.launch.make_tiny DIR)")
         for name in _INT_KNOBS + ("seed",):
             _check_int(name, getattr(self, name), minimum=0 if name == "seed" else 1)
         for name in ("max_model_len", "kvcache_block_size", "kv_cache_memory"):
@@ -130,13 +221,20 @@ class EngineConfig:
         elif self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
+        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
+            raise ValueError(f"sliding_window={mc.sliding_window}: sliding-window attention is not implemented; "
+                             f"set max_model_len <= {mc.sliding_window} (within the window every layer attends to "
+                             f"the whole sequence, so the result is exact), not {self.max_model_len}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated token)")
+        if mc.num_experts:
+            self.enforce_eager = True    # the MoE block reads its per-expert token counts on the host
         tp = self.tensor_parallel_size
         if mc.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={mc.num_attention_heads}")
-        if mc.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={mc.intermediate_size}")
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            if getattr(mc, name) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide {name}={getattr(mc, name)}")
         if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={mc.num_key_value_heads} must "
                              "divide one another (kv heads are replicated when tp exceeds them)")

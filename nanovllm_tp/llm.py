@@ -33,10 +33,10 @@ class LLM:
             # leave when it shuts down, so the rest of the script only ever runs on rank 0.
             from nanovllm_tp.workers.worker import run_worker
             sys.exit(run_worker(config))
-        from transformers import AutoTokenizer
         from nanovllm_tp.engine import LLMEngine
+        from nanovllm_tp.loader import load_tokenizer
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.engine = LLMEngine(config)
         self._request_numbers = itertools.count()
         self._seq_ids = itertools.count()

@@ -123,3 +123,12 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     mt.main([str(tmp_path), "--shards", "2", "--seed", "3"])
     printed = capsys.readouterr().out
     assert "model.safetensors.index.json" in printed and "model-00002-of-00002.safetensors" in printed
+
+
+@pytest.mark.parametrize("arch", sorted(mt.ARCHS))
+def test_other_architectures_from_the_cli(arch, tmp_path, capsys):
+    mt.main([str(tmp_path / arch), "--arch", arch, "--seed", "3"])
+    assert "model.safetensors" in capsys.readouterr().out
+    config = AutoConfig.from_pretrained(tmp_path / arch)
+    assert config.model_type == arch and config.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path / arch))
+    load_with_info(tmp_path / arch)

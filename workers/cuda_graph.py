@@ -88,7 +88,7 @@ class CUDAGraphRunner:
         self.sizes = graph_batch_sizes(max_num_seqs)
         width = block_table_width(max_model_len, runner.block_size)
         self.inputs = DecodeInputs(self.sizes[-1], width, runner.device)
-        hidden_size = runner.model.model.embed_tokens.weight.shape[1]
+        hidden_size = runner.model.hidden_size
         self.hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=runner.dtype, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 

@@ -2,6 +2,8 @@
 
 Each runs as one C kernel call for fp32 on CPU (layers/cpu_kernels.py) and as torch ops otherwise.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,14 +33,55 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves), as in Qwen and Llama; cos/sin precomputed for every position."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale (YaRN's attention factor; 1 otherwise) for one rope setting.
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    `scaling` is the config's rope parameters without rope_theta, as ModelConfig checked them (config.ROPE_TYPES);
+    None or rope_type "default" means plain RoPE.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are divided by factor, short ones kept, the band between blended by context ratio
+        smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    if kind == "yarn":
+        def correction_dim(rotations):    # the dimension whose wavelength fits `rotations` times in `original`
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        lo, hi = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - lo) / ((hi - lo) or 1e-3)).clamp(0, 1)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            def mscale(m):
+                return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale(1)
+        return inv_freq, float(attention_factor)
+    raise ValueError(f"rope_type {kind!r} is not implemented")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves), as in Qwen and Llama; cos/sin precomputed for every position, scaled
+    as the config's rope_scaling says (rope_inv_freq)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq, attention_factor = rope_inv_freq(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Rotated q and k ([tokens, heads, head_dim]); the C kernel rotates them in place."""

@@ -1,0 +1,209 @@
+"""GGUF checkpoints (llama.cpp's single-file format): find the file, read its header, build the HF config
+and tokenizer from it, and hand its tensors to the loader dequantized, under their HF names.
+
+The header is read here (string arrays such as the vocabulary are stepped over, not decoded), so a rank pays
+milliseconds for it; the `gguf` package dequantizes and maps GGUF tensor names to HF ones, transformers' GGUF
+tables map metadata keys to config fields and its tensor processors undo the row permutation llama.cpp applies
+to Llama's q/k projections. A quantized tensor is dequantized only for the rows a rank keeps, unless permuted.
+"""
+import functools
+import glob
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
+SUPPORTED = ("llama", "qwen2", "qwen3")
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def find_gguf(model: str) -> str | None:
+    """The .gguf file `model` names: the path itself, or the one .gguf in a directory without config.json."""
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return os.path.abspath(model)
+    if not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    found = sorted(glob.glob(os.path.join(model, "*.gguf")))
+    if len(found) > 1:
+        raise ValueError(f"{model!r} holds several .gguf files ({', '.join(map(os.path.basename, found))}); "
+                         "pass the one to load")
+    return os.path.abspath(found[0]) if found else None
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading a .gguf file needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]     # torch order (GGUF lists the innermost dimension first)
+    ggml_type: int
+    start: int                 # byte offset in the file
+
+
+@dataclass(slots=True)
+class GGUFHeader:
+    path: str
+    metadata: dict             # string arrays (vocabulary, merges) are kept as their length only
+    tensors: list[TensorEntry]
+
+    @property
+    def arch(self) -> str:
+        return self.metadata["general.architecture"]
+
+
+class _Cursor:
+    def __init__(self, blob):
+        self.blob, self.pos = blob, 0
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self.blob, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.pos += n
+        return bytes(self.blob[self.pos - n:self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF metadata value type {kind}")
+        item_kind, count = self.unpack("<I"), self.unpack("<Q")
+        if item_kind in _SCALARS:
+            fmt = _SCALARS[item_kind]
+            values = list(struct.unpack_from(f"<{count}{fmt[1]}", self.blob, self.pos))
+            self.pos += count * struct.calcsize(fmt)
+            return values
+        for _ in range(count):      # strings or nested arrays: step over them, keep the count
+            self.value(item_kind)
+        return count
+
+
+@functools.lru_cache(maxsize=4)
+def read_header(path: str) -> GGUFHeader:
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(blob)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    cur.pos = 4
+    version, n_tensors, n_kv = cur.unpack("<IQQ")
+    if version not in (2, 3):
+        raise ValueError(f"{path} is GGUF version {version}; versions 2 and 3 are read")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    entries = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = cur.unpack(f"<{cur.unpack('<I')}Q")
+        dims = (dims,) if isinstance(dims, int) else dims
+        ggml_type, offset = cur.unpack("<IQ")
+        entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+    align = metadata.get("general.alignment", 32)
+    data_start = -(-cur.pos // align) * align
+    tensors = [TensorEntry(n, s, t, data_start + o) for n, s, t, o in entries]
+    return GGUFHeader(path, metadata, tensors)
+
+
+@functools.lru_cache(maxsize=4)
+def hf_config(path: str):
+    """The transformers config the file describes (transformers' GGUF key -> config field tables)."""
+    from transformers import AutoConfig
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    header = read_header(path)
+    arch, meta = header.arch, header.metadata
+    if arch not in SUPPORTED:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
+    for key, inactive in ((f"{arch}.rope.scaling.type", "none"), (f"{arch}.attention.sliding_window", 0)):
+        if meta.get(key, inactive) != inactive:
+            raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
+    if any(t.name == "rope_freqs.weight" for t in header.tensors):
+        raise ValueError(f"{path} stores rope scaling as a rope_freqs tensor, which is not implemented")
+    fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    for key, value in meta.items():
+        prefix, _, rest = key.partition(".")
+        table = GGUF_CONFIG_MAPPING.get(arch if prefix == arch else prefix if prefix in ("general", "tokenizer")
+                                        else None, {})
+        if table.get(rest) not in (None, -1):
+            fields[table[rest]] = value
+    if f"{arch}.attention.key_length" in meta:
+        fields["head_dim"] = meta[f"{arch}.attention.key_length"]
+    fields.pop("_model_name_or_path", None)
+    fields.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))
+    fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def load_tokenizer(path: str):
+    """A fast tokenizer built by transformers from the file's vocabulary, merges, special tokens and chat
+    template."""
+    from transformers import PreTrainedTokenizerFast
+    _require_gguf()
+    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+class GGUFWeight:
+    """One tensor of the file, read lazily like a safetensors slice: get_shape() and [rows] / [:, cols]."""
+
+    def __init__(self, entry: TensorEntry, blob: np.ndarray, processor, permuted: bool):
+        block, block_bytes = _require_gguf().GGML_QUANT_SIZES[entry.ggml_type]
+        rows = math.prod(entry.shape[:-1])
+        row_bytes = entry.shape[-1] // block * block_bytes
+        self.data = blob[entry.start:entry.start + rows * row_bytes].reshape(rows, row_bytes)
+        self.entry, self.processor, self.permuted = entry, processor, permuted
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    def _dequantize(self, data) -> np.ndarray:
+        weights = _require_gguf().dequantize(data, self.entry.ggml_type).reshape(-1, *self.entry.shape[1:])
+        return weights if weights.flags.writeable else weights.copy()     # unquantized data is the read-only map
+
+    def __getitem__(self, key) -> torch.Tensor:
+        if isinstance(key, slice) and not self.permuted and len(self.entry.shape) > 1:    # rows: just those
+            return torch.from_numpy(self._dequantize(self.data[key]))
+        weights = self._dequantize(self.data)
+        if self.permuted:
+            weights = self.processor.process(weights=weights, name=self.entry.name).weights
+        return torch.from_numpy(np.ascontiguousarray(weights[key]))
+
+
+def iter_weights(path: str):
+    """(HF tensor name, GGUFWeight) for every tensor of the file."""
+    gguf = _require_gguf()
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    header, config = read_header(path), hf_config(path)
+    with torch.device("meta"):     # only the HF parameter names matter
+        hf_names = AutoModelForCausalLM.from_config(config).state_dict().keys()
+    gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == header.arch)
+    tensor_names = gguf.get_tensor_name_map(gguf_arch, config.num_hidden_layers)
+    to_hf = {}
+    for hf_name in hf_names:
+        base, _, suffix = hf_name.rpartition(".")
+        if (gguf_name := tensor_names.get_name(base)) is not None:
+            to_hf[f"{gguf_name}.{suffix}"] = hf_name
+    processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=config.to_dict())
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    for entry in header.tensors:
+        if entry.name not in to_hf:
+            raise ValueError(f"GGUF tensor {entry.name!r} in {path} has no counterpart in the HF model")
+        permuted = type(processor) is not TensorProcessor and (".attn_q." in entry.name or ".attn_k." in entry.name)
+        yield to_hf[entry.name], GGUFWeight(entry, blob, processor, permuted)

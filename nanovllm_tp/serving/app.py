@@ -1,0 +1,251 @@
+"""The HTTP layer: FastAPI routes of the OpenAI API over one EngineLoop. Handlers only validate, submit and
+await their requests' outputs; a client that goes away has its requests aborted."""
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm_tp.serving.engine_loop import EngineDead, EngineLoop, Overloaded
+from nanovllm_tp.serving.metrics import ServingMetrics
+from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
+from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
+
+log = logging.getLogger("nanovllm_tp")
+VERSION = "0.1.0"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status, param), status_code=status)
+
+
+def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024) -> FastAPI:
+    metrics = ServingMetrics(llm.engine.scheduler, model_name)
+    engine = EngineLoop(llm, max_waiting_requests, on_finished=metrics.on_finished)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan)
+    app.state.engine, app.state.llm = engine, llm
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return _error(exc.status, exc.message, exc.kind, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else
+                      first.get("msg", "invalid request"), "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model")
+
+    async def submit_all(request_id: str, prompts: list, params) -> list[asyncio.Queue]:
+        queues, ids = [], []
+        try:
+            for i, prompt in enumerate(prompts):
+                ids.append(f"{request_id}-{i}")
+                queues.append(await engine.submit(ids[-1], prompt, params))
+        except (ValueError, TypeError) as exc:
+            _abort(ids[:len(queues)])
+            raise ApiError(400, str(exc)) from None
+        except Overloaded as exc:
+            _abort(ids[:len(queues)])
+            raise ApiError(429, str(exc), "rate_limit_error") from None
+        except EngineDead as exc:
+            raise ApiError(503, str(exc), "service_unavailable") from None
+        return queues
+
+    def _abort(ids) -> None:
+        for rid in ids:
+            engine.abort(rid)
+
+    @app.get("/health")
+    async def health():
+        if engine.dead:
+            return _error(503, engine.dead, "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "nanovllm_tp", "root": llm.config.model,
+                                            "max_model_len": llm.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        try:
+            params, prompts = body.sampling_params(), body.prompts()
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        rid = engine.new_request_id("cmpl")
+        queues = await submit_all(rid, prompts, params)
+        builder = ResponseBuilder("completion", rid, model_name, params.n)
+        top_n = body.logprobs or 0
+
+        def choice(i, out, c, sent):
+            prefix = (out.prompt or llm.get_tokenizer().decode(out.prompt_token_ids)) \
+                if body.echo and not sent else ""
+            lp = None
+            if body.logprobs is not None:
+                ids, positions = c.token_ids, c.logprobs or []
+                if body.echo and not sent and out.prompt_logprobs is not None:
+                    ids, positions = out.prompt_token_ids + ids, out.prompt_logprobs + positions
+                lp = completion_logprobs(ids, positions, 0, top_n)
+            return builder.choice(i, c, prefix, lp, delta=body.stream)
+
+        if body.stream:
+            return _stream(request, queues, builder, body.include_usage, choice, lambda ids: _abort(ids), rid)
+        outputs = await _finals(request, queues, lambda: _abort(f"{rid}-{i}" for i in range(len(queues))))
+        return builder.response([choice(i, o, c, False) for i, o in enumerate(outputs) for c in o.outputs], outputs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        tokenizer = llm.get_tokenizer()
+        try:
+            params = body.sampling_params()
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError("this model's tokenizer has no chat template")
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
+                                                 add_generation_prompt=body.add_generation_prompt,
+                                                 **(body.chat_template_kwargs or {}))
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        except Exception as exc:          # the template's own errors (jinja raises its own types)
+            raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
+        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        rid = engine.new_request_id("chatcmpl")
+        queues = await submit_all(rid, [prompt], params)
+        builder = ResponseBuilder("chat", rid, model_name, params.n)
+        top_n = body.top_logprobs or 0
+
+        def choice(i, out, c, sent):
+            lp = chat_logprobs(c.token_ids, c.logprobs or [], top_n) if body.logprobs else None
+            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
+
+        if body.stream:
+            return _stream(request, queues, builder, body.include_usage, choice, lambda ids: _abort(ids), rid)
+        outputs = await _finals(request, queues, lambda: _abort([f"{rid}-0"]))
+        return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
+
+    return app
+
+
+async def _next(queue: asyncio.Queue):
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+async def _finals(request: Request, queues: list[asyncio.Queue], abort) -> list:
+    """The final output of every queue; the requests are aborted if the client goes away meanwhile."""
+    async def final(q):
+        last = None
+        while (item := await _next(q)) is not None:
+            last = item
+        return last
+
+    task = asyncio.ensure_future(asyncio.gather(*(final(q) for q in queues)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                abort()
+                raise ApiError(499, "the client closed the connection")
+    except EngineDead as exc:
+        raise ApiError(503, str(exc), "service_unavailable") from None
+
+
+def _stream(request: Request, queues: list[asyncio.Queue], builder: ResponseBuilder, include_usage: bool,
+            choice, abort, rid: str) -> StreamingResponse:
+    """Server-sent events: one chunk per output of any of the queues, a usage chunk if asked, then [DONE]."""
+    async def events():
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, q):
+            while True:
+                try:
+                    item = await _next(q)
+                except EngineDead as exc:
+                    await merged.put((i, exc))
+                    return
+                await merged.put((i, item))
+                if item is None:
+                    return
+
+        pumps = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(queues)]
+        open_ids, finals, started = set(range(len(queues))), {}, set()
+        try:
+            while open_ids:
+                i, item = await merged.get()
+                if item is None:
+                    open_ids.discard(i)
+                    continue
+                if isinstance(item, BaseException):
+                    yield _sse(error_body(str(item), "service_unavailable", 503))
+                    return
+                choices = []
+                for c in item.outputs:
+                    choices.append(choice(i, item, c, (i, c.index) in started))
+                    started.add((i, c.index))
+                if choices:
+                    yield _sse(builder.chunk(choices))
+                if item.finished:
+                    finals[i] = item
+            if include_usage:
+                yield _sse(builder.chunk([], builder.usage(list(finals.values()))))
+            yield "data: [DONE]\n\n"
+        finally:
+            for p in pumps:
+                p.cancel()
+            if open_ids:                     # the client went away (or the engine failed) mid-stream
+                abort([f"{rid}-{i}" for i in open_ids])
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

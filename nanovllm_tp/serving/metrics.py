@@ -1,0 +1,69 @@
+"""Prometheus metrics of a serving engine (`GET /metrics`), with vLLM's metric names under our prefix.
+
+Queue sizes, KV-cache usage and preemptions are read from the scheduler when scraped; token counters and
+latency histograms are fed by every finished request.
+"""
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "nanovllm_tp:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class _SchedulerCollector:
+    def __init__(self, scheduler, model_name: str):
+        self.scheduler, self.labels = scheduler, {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def collect(self):
+        s = self.scheduler
+        bm = s.block_manager
+        yield self._gauge("num_requests_running", "Sequences in the running queue.", len(s.running))
+        yield self._gauge("num_requests_waiting", "Sequences waiting (new or preempted).", len(s.waiting))
+        yield self._gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (1 = full).",
+                          (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+        c = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions by recompute.", labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), s.num_preemptions)
+        yield c
+
+
+class ServingMetrics:
+    def __init__(self, scheduler, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(scheduler, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=self.registry)
+        self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request.", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def on_finished(self, out) -> None:
+        """Count one finished request (called from the engine loop)."""
+        m = out.metrics
+        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(self.model_name).inc(m.num_generation_tokens)
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
+        self.requests.labels(self.model_name, reason).inc()
+        if m.ttft is not None:
+            self.ttft.labels(self.model_name).observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.labels(self.model_name).observe(m.tpot)
+        if m.finish_time is not None:
+            self.e2e.labels(self.model_name).observe(m.finish_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,115 @@
+"""OpenAI request bodies (pydantic) and their mapping onto SamplingParams, with vLLM's extra fields.
+
+Field types are checked here; ranges are the engine's own validation (SamplingParams), so the HTTP API refuses
+exactly what the Python API refuses, with the same message.
+"""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanovllm_tp.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        kw = dict(n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                  min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                  include_stop_str_in_output=self.include_stop_str_in_output,
+                  skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:       # None: the engine's (vLLM's) default
+                kw[name] = getattr(self, name)
+        return SamplingParams(**kw)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None          # top-N per token (OpenAI allows up to 5; the engine up to 20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        return self._params(self.max_tokens, self.logprobs,
+                            (self.logprobs or 0) if self.echo and self.logprobs is not None else None)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None)

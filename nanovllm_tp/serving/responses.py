@@ -1,0 +1,92 @@
+"""RequestOutputs → OpenAI response bodies and stream chunks (completions and chat completions)."""
+import time
+
+from nanovllm_tp.outputs import CompletionOutput, RequestOutput
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _ranked(position: dict, top_n: int) -> list:
+    """The position's top-N Logprobs, most likely first (the chosen token is there only if it ranks)."""
+    return sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n),
+                  key=lambda lp: lp.rank)
+
+
+def completion_logprobs(token_ids: list[int], positions: list, text_start: int, top_n: int) -> dict:
+    """The completions API's logprobs object for these positions (a None position: the first prompt token)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_start
+    for t, pos in zip(token_ids, positions):
+        if pos is None:
+            tokens.append(None), token_lps.append(None), tops.append(None), offsets.append(offset)
+            continue
+        lp = pos[t]
+        tokens.append(lp.decoded_token)
+        token_lps.append(lp.logprob)
+        tops.append({e.decoded_token: e.logprob for e in _ranked(pos, top_n)})
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], positions: list, top_n: int) -> dict:
+    def entry(lp):
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for t, pos in zip(token_ids, positions):
+        tops = [entry(lp) for lp in _ranked(pos, top_n)]
+        content.append({**entry(pos[t]), "top_logprobs": tops})
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """One API response: its id, creation time and model, and its choices' numbering (prompt i, completion j
+    -> choice i * n + j)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, n: int):
+        self.kind, self.id, self.model, self.n = kind, request_id, model, n
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def choice(self, prompt_index: int, c: CompletionOutput, prefix: str = "", logprobs: dict | None = None,
+               delta: bool = False, first: bool = False) -> dict:
+        index = prompt_index * self.n + c.index
+        if self.kind == "chat":
+            body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+            if delta:
+                body["delta"] = ({"role": "assistant", "content": c.text} if first else
+                                 ({"content": c.text} if c.text else {}))
+            else:
+                body["message"] = {"role": "assistant", "content": c.text}
+            return body
+        return {"index": index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def response(self, choices: list[dict], outputs: list[RequestOutput]) -> dict:
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        choices.sort(key=lambda ch: ch["index"])
+        return {**self._head(obj), "choices": choices, "usage": self.usage(outputs)}
+
+    def chunk(self, choices: list[dict], usage_body: dict | None = None) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = {**self._head(obj), "choices": choices}
+        if usage_body is not None:
+            body["usage"] = usage_body
+        return body
+
+    @staticmethod
+    def usage(outputs: list[RequestOutput]) -> dict:
+        return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                     sum(o.metrics.num_generation_tokens for o in outputs if o.metrics is not None))

@@ -1,0 +1,239 @@
+"""The OpenAI server as its users meet it: a real server process on a free port of 127.0.0.1, driven with the
+official `openai` client (and raw HTTP where the client hides what is checked)."""
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from nanovllm_tp import SamplingParams
+from tests.procs import free_port, our_shm_segments, python_cmd, started, wait_gone
+
+KEY = "test-key"
+PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning", "Once upon a time there"]
+ENGINE_ARGS = ["--block-size", "16", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
+
+
+def start_server(model_dir: str, *extra: str):
+    port = free_port()
+    cmd = python_cmd("-m", "nanovllm_tp.launch.serve", "--model", model_dir, "--port", str(port),
+                     "--served-model-name", "tiny", *ENGINE_ARGS, *extra)
+    return port, started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+
+
+def wait_ready(port: int, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the server did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir, "--api-key", KEY)
+    with ctx as proc:
+        wait_ready(port, proc)
+        yield port
+
+
+def client(port: int, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^nanovllm_tp:(\w+)(\{[^}]*\})? ([0-9.eE+-]+)$', line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def offline(tiny_llm, prompts, **kw):
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 16, **kw})
+    return tiny_llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_completions_equal_offline_generate_streamed_or_not(server, tiny_llm):
+    c = client(server)
+    want = offline(tiny_llm, PROMPTS)
+    got = c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0)
+    assert [ch.text for ch in got.choices] == [o.outputs[0].text for o in want]
+    assert [ch.finish_reason for ch in got.choices] == [o.outputs[0].finish_reason for o in want]
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+    assert got.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in want)
+    texts, usage = {}, None
+    for chunk in c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert [texts[i] for i in range(len(PROMPTS))] == [ch.text for ch in got.choices]
+    assert usage.total_tokens == got.usage.total_tokens
+
+
+def test_n_stop_logprobs_and_echo(server, tiny_llm):
+    c = client(server)
+    base = offline(tiny_llm, PROMPTS[:1], max_tokens=24)[0].outputs[0]
+    stop = base.text[5:8]
+    got = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    assert got.choices[0].text == base.text[:base.text.index(stop)] and got.choices[0].finish_reason == "stop"
+    hot = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=3)
+    want = tiny_llm.generate(PROMPTS[:1], SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=8),
+                             use_tqdm=False)[0]
+    assert [ch.index for ch in hot.choices] == [0, 1]
+    assert [ch.text for ch in hot.choices] == [o.text for o in want.outputs]
+    lp = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    ref = offline(tiny_llm, PROMPTS[:1], max_tokens=4, logprobs=2)[0].outputs[0]
+    got_lp = lp.choices[0].logprobs
+    assert got_lp.token_logprobs == pytest.approx([p[t].logprob for t, p in zip(ref.token_ids, ref.logprobs)])
+    assert all(len(top) == 2 for top in got_lp.top_logprobs)
+    echo = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPTS[0] + ref.text
+
+
+def test_chat_equals_offline_chat_streamed_or_not(server, tiny_llm):
+    c = client(server)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = tiny_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    got = c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    assert got.choices[0].message.content == want.outputs[0].text and got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert len(got.choices[0].logprobs.content) == got.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 for e in got.choices[0].logprobs.content)
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == want.outputs[0].finish_reason
+
+
+def test_64_concurrent_streams_all_finish_right(server, tiny_llm):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    want = [o.outputs[0].text for o in offline(tiny_llm, prompts, max_tokens=12)]
+
+    async def one(c, p):
+        text = ""
+        async for chunk in await c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                                      stream=True):
+            text += "".join(ch.text for ch in chunk.choices)
+        return text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(run()) == want
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(server):
+    before = metrics(server)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{server}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert metrics(server)["num_requests_running{model_name=\"tiny\"}"] == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m['num_requests_running{model_name="tiny"}'] == 0:
+            break
+        time.sleep(0.1)
+    aborted = 'request_success_total{finished_reason="abort",model_name="tiny"}'
+    assert m['num_requests_running{model_name="tiny"}'] == 0 and m['kv_cache_usage_perc{model_name="tiny"}'] == 0
+    assert m[aborted] == before.get(aborted, 0) + 1
+    assert m['generation_tokens_total{model_name="tiny"}'] - before.get('generation_tokens_total{model_name="tiny"}', 0) < 400
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature must be >= 0.0"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": 17}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p must be > 0"),
+    ({"model": "tiny", "prompt": "word " * 600}, 400, "max_model_len=512"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny", "prompt": "x", "stop": ""}, 400, "stop cannot contain an empty string"),
+])
+def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(server, body, status, message):
+    r = httpx.post(f"http://127.0.0.1:{server}/v1/completions", json=body, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status and message in r.json()["error"]["message"]
+    assert client(server).completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_api_key_is_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    assert httpx.get(f"http://127.0.0.1:{server}/v1/models", timeout=10).status_code == 401
+    assert [m.id for m in client(server).models.list()] == ["tiny"]
+    assert httpx.get(f"http://127.0.0.1:{server}/health", timeout=10).status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{server}/version", timeout=10).json()["version"]
+
+
+def test_tp2_server_same_outputs_then_a_dead_rank_gives_503_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
+    port, ctx = start_server(tiny_model_dir, "--tp", "2")
+    with ctx as proc:
+        wait_ready(port, proc)
+        c = client(port, key="unused")
+        got = c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0)
+        assert [ch.text for ch in got.choices] == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        worker = next(pid for pid in _children(proc.pid) if "nanovllm_tp.workers.worker" in _cmdline(pid))
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data:"))
+            assert "text" in next(lines)
+            os.kill(worker, signal.SIGKILL)      # an open stream ends with an error event
+            rest = list(lines)
+        assert rest and "error" in json.loads(rest[-1][5:]) and "[DONE]" not in rest[-1]
+        deadline = time.monotonic() + 20
+        status = None
+        while time.monotonic() < deadline:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "x", "max_tokens": 4})
+            status = r.status_code
+            if status == 503:
+                break
+            time.sleep(0.2)
+        assert status == 503 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+        os.kill(proc.pid, signal.SIGTERM)
+        assert wait_gone([proc.pid], 15) is not None
+    assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
+
+
+def test_sigterm_stops_a_tp2_server_and_its_worker(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir, "--tp", "2")
+    with ctx as proc:
+        wait_ready(port, proc)
+        pids = [proc.pid, *_children(proc.pid)]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert wait_gone(pids, 15) is not None
+    assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
+
+
+def _children(pid: int) -> list[int]:
+    from tests.procs import descendants
+    return descendants(pid)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

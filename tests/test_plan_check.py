@@ -76,7 +76,9 @@ BAD = [
     ("cu_seqlens_q", lambda p: _with(p, cu_seqlens_q=p.cu_seqlens_q[:-1].copy())),
     ("block_tables", lambda p: _with(p, block_tables=p.block_tables[:, :1].copy())),
     ("kind", lambda p: _with(p, kind=7)),
-    ("temperatures", lambda p: _with(p, temperatures=p.temperatures[:-1].copy())),
+    ("prompt_logits", lambda p: _with(p, prompt_logits=np.ones(p.num_rows + 1, np.bool_))),
+    ("block_copies", lambda p: _with(p, block_copies=np.array([[0, 10**6]], np.int32))),
+    ("block_copies", lambda p: _with(p, block_copies=np.array([[-1, 0]], np.int32))),
 ]
 
 

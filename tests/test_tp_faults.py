@@ -86,11 +86,11 @@ def start_rank0(model_dir, tmp_path, tp=2, launcher=()):
 
 
 @contextlib.contextmanager
-def logged(cmd, log_path):
+def logged(cmd, log_path, env=None):
     """started() with stdout and stderr in log_path. Once every process of the session is gone, the log must
     not hold Python's leaked-shared-memory warning: removing segments is the engine's job, not the tracker's.
     (A torchrun worker, and the tracker it starts, run in a session of their own: tests wait for those.)"""
-    with open(log_path, "w") as log, started(cmd, stdout=log, stderr=subprocess.STDOUT) as proc:
+    with open(log_path, "w") as log, started(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
         yield proc
         wait_gone(session_pids(proc.pid), 10)
     text = log_path.read_text()
@@ -156,7 +156,9 @@ def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
         torchrun = ("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
                     "1", "--master-addr", "127.0.0.1", "--master-port", str(port))
         agents.append(start_rank0(tiny_model_dir, tmp_path, launcher=torchrun))
-    with logged(agents[1][0], tmp_path / "node1.log") as node1, logged(agents[0][0], tmp_path / "node0.log") as node0:
+    secret = {"NANOVLLM_TP_SECRET": "remote-death-test-secret-0123456789abcdef"}   # multi-node needs one
+    with logged(agents[1][0], tmp_path / "node1.log", secret) as node1, \
+            logged(agents[0][0], tmp_path / "node0.log", secret) as node0:
         pids = wait_for_pids(agents[0][1], node0)
         remote = rank_pid(node1.pid, 1, SCRIPT)
         assert remote is not None

@@ -253,7 +253,7 @@ def test_prompt_at_the_length_limit(tiny_model_dir):
 def test_bad_add_request_mid_flight_leaves_the_others_unchanged(tiny_llm, baseline, prompt, params, exc, pattern):
     llm, sched = tiny_llm, tiny_llm.engine.scheduler
     ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
-    done = {o.request_id: o for _ in range(2) for o in llm.step()}     # prefill, then a decode step
+    done = {o.request_id: o for _ in range(2) for o in llm.step() if o.finished}     # prefill, then a decode step
     state = [(s.seq_id, list(s.token_ids), list(s.block_table)) for s in sched.running]
     assert len(state) == 2 and not sched.waiting and not done
     step_before, free_before = sched.step_id, sched.block_manager.num_free_blocks

@@ -46,19 +46,30 @@ def main(argv=None) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     parser.add_argument("--ignore-eos", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     llm = build_llm(args)
     prompts = args.prompt or ["The quick brown fox", "Return a list of"]
     if args.chat:
-        tok = llm.get_tokenizer()
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    for out in llm.generate(prompts, params):
-        completion = out.outputs[0]
-        print(f"\nPrompt: {out.prompt!r}\nCompletion ({len(completion.token_ids)} tokens, "
-              f"{completion.finish_reason}): {completion.text!r}")
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for out, prompt in zip(outputs, prompts):
+        for completion in out.outputs:
+            print(f"\nPrompt: {prompt!r}\nCompletion {completion.index} ({len(completion.token_ids)} tokens, "
+                  f"{completion.finish_reason}): {completion.text!r}")
     llm.close()
 
 

@@ -160,9 +160,12 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks():
 def test_noise_is_a_function_of_seed_and_index_only():
     seeds = torch.tensor([1, 2, 1], dtype=torch.int64)
     index = torch.tensor([0, 0, 1], dtype=torch.int64)
-    u = uniform_noise(seeds, index, 1000)
+    ids = torch.arange(1000)
+    u = uniform_noise(seeds, index, ids)
     assert ((u > 0) & (u < 1)).all()
-    assert torch.equal(u[0], uniform_noise(seeds[:1], index[:1], 1000)[0])
+    assert torch.equal(u[0], uniform_noise(seeds[:1], index[:1], ids)[0])
+    some = torch.tensor([[7, 3, 999], [5, 0, 1], [2, 2, 640]])      # per-row candidates: the same numbers
+    assert torch.equal(uniform_noise(seeds, index, some), u.gather(1, some))
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert abs(u.mean().item() - 0.5) < 0.02
 

@@ -39,11 +39,14 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] uniforms in (0, 1), a pure function of (seed, index, vocab id)."""
+def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for the vocab ids of each row (ids [vocab] shared, or [rows, k] per row), a pure
+    function of (seed, index, vocab id): drawing over a row's top-k candidates gives the same numbers as over
+    the whole vocabulary."""
     row_key = _splitmix64(_splitmix64(seeds) ^ index)
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _shr(_splitmix64(row_key[:, None] ^ _splitmix64(ids)[None, :]), 11)   # 53 random bits
+    mixed = _splitmix64(ids)
+    mixed = mixed[None, :] if mixed.dim() == 1 else mixed
+    bits = _shr(_splitmix64(row_key[:, None] ^ mixed), 11)   # 53 random bits
     return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
@@ -111,58 +114,69 @@ class Sampler:
         return logits
 
     def _penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition penalty on every token a row has seen, presence/frequency on its output tokens; computed
+        on the (row, token) pairs that occur, not on [rows, vocab]."""
         rows = batch.rows
         need = np.flatnonzero((rows["repetition_penalty"] != 1) | (rows["presence_penalty"] != 0)
                               | (rows["frequency_penalty"] != 0))
         if not len(need):
             return logits
-        dev, vocab = logits.device, logits.shape[1]
-        local = np.full(len(rows), -1, np.int64)
-        local[need] = np.arange(len(need))
+        vocab = logits.shape[1]
         entry, token, is_out = batch.penalty_tokens(need)
         keep = token < vocab
-        entry, token, is_out = _np(local[entry[keep]], dev), _np(token[keep], dev), _np(is_out[keep], dev)
-        seen = torch.zeros(len(need), vocab, dtype=torch.bool, device=dev)
-        seen[entry, token] = True
-        out_counts = torch.zeros(len(need), vocab, dtype=torch.float32, device=dev)
-        out_counts.index_put_((entry, token), is_out.float(), accumulate=True)
-        sub = logits[_np(need, dev)]
-        rep = _np(rows["repetition_penalty"][need], dev)[:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - _np(rows["frequency_penalty"][need], dev)[:, None] * out_counts
-        sub = sub - _np(rows["presence_penalty"][need], dev)[:, None] * (out_counts > 0).float()
+        pairs, inverse = np.unique(entry[keep] * vocab + token[keep], return_inverse=True)
+        out_counts = np.bincount(inverse, weights=is_out[keep], minlength=len(pairs)).astype(np.float32)
+        r, t = pairs // vocab, pairs % vocab
+        dev = logits.device
+        r_t, t_t = _np(r, dev), _np(t, dev)
+        x = logits[r_t, t_t].float()
+        rep = _np(rows["repetition_penalty"][r], dev)
+        x = torch.where(x > 0, x / rep, x * rep)
+        counts = _np(out_counts, dev)
+        x = x - _np(rows["frequency_penalty"][r], dev) * counts - _np(rows["presence_penalty"][r], dev) * (counts > 0)
         logits = logits.clone()
-        logits[_np(need, dev)] = sub
+        logits[r_t, t_t] = x.to(logits.dtype)
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature."""
-        rows, dev = batch.rows[hot], logits.device
+        """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature. Rows with a
+        top-k work on their k best candidates only (sorted); the others on the whole vocabulary."""
+        rows, dev, vocab = batch.rows[hot], logits.device, logits.shape[1]
         scaled = logits[_np(hot, dev)] / _np(rows["temperature"], dev)[:, None]
-        vocab = scaled.shape[1]
-        masked = torch.zeros_like(scaled, dtype=torch.bool)
-        sel = np.flatnonzero(rows["min_p"] > 0)
-        if len(sel):
-            probs = torch.softmax(scaled[_np(sel, dev)], dim=-1)
-            floor = _np(rows["min_p"][sel], dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-            masked[_np(sel, dev)] |= probs < floor
-        sel = np.flatnonzero((rows["top_k"] > 0) & (rows["top_k"] < vocab))
-        if len(sel):
-            k = _np(rows["top_k"][sel].astype(np.int64), dev)
-            sub = scaled[_np(sel, dev)].masked_fill(masked[_np(sel, dev)], float("-inf"))
-            kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
-            masked[_np(sel, dev)] |= sub < kth
-        sel = np.flatnonzero(rows["top_p"] < 1)
-        if len(sel):
-            sub = scaled[_np(sel, dev)].masked_fill(masked[_np(sel, dev)], float("-inf"))
-            probs, order = torch.softmax(sub, dim=-1).sort(dim=-1, descending=True)
-            before = probs.cumsum(dim=-1) - probs            # mass of the tokens ranked above each one
-            drop_sorted = before >= _np(rows["top_p"][sel], dev)[:, None]
-            drop_sorted[:, 0] = False
-            masked[_np(sel, dev)] |= torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logp = torch.log_softmax(scaled.masked_fill(masked, float("-inf")), dim=-1).double()
-        noise = uniform_noise(_np(rows["seed"], dev), _np(batch.sample_index[hot], dev), vocab)
-        return argmax_rows(logp - torch.log(-torch.log(noise)))
+        out = torch.empty(len(hot), dtype=torch.int64, device=dev)
+        limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
+        for group in (np.flatnonzero(limited), np.flatnonzero(~limited)):
+            if len(group):
+                out[_np(group, dev)] = self._draw_group(scaled[_np(group, dev)], rows[group],
+                                                        batch.sample_index[hot][group], bool(limited[group[0]]))
+        return out
+
+    @staticmethod
+    def _draw_group(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray, limited: bool) -> torch.Tensor:
+        dev, vocab = scaled.device, scaled.shape[1]
+        sort = limited or bool((rows["top_p"] < 1).any())
+        if limited:                          # candidates: the k best, best first
+            vals, ids = scaled.topk(int(rows["top_k"].max()), dim=-1)
+        elif sort:
+            vals, ids = scaled.sort(dim=-1, descending=True)
+        else:
+            vals, ids = scaled, torch.arange(vocab, device=dev)
+        masked = torch.zeros_like(vals, dtype=torch.bool)
+        if (rows["min_p"] > 0).any():        # p < min_p * p_max  <=>  scaled < max + log(min_p)
+            floor = vals.max(dim=-1, keepdim=True).values + torch.log(_np(rows["min_p"], dev))[:, None]
+            masked |= vals < floor
+        if limited:
+            masked |= torch.arange(vals.shape[1], device=dev)[None, :] >= _np(rows["top_k"], dev)[:, None]
+        if (rows["top_p"] < 1).any():        # sorted: drop what comes after the mass reached top_p
+            probs = torch.softmax(vals.masked_fill(masked, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            drop = before >= _np(rows["top_p"], dev)[:, None]
+            drop[:, 0] = False
+            masked |= drop
+        logp = torch.log_softmax(vals.masked_fill(masked, float("-inf")), dim=-1).double()
+        noise = uniform_noise(_np(rows["seed"], dev), _np(index, dev), ids)
+        pick = argmax_rows(logp - torch.log(-torch.log(noise))).to(dev)
+        return pick if ids.dim() == 1 else ids.gather(1, pick[:, None])[:, 0]
 
 
 def prompt_logprobs(logits: torch.Tensor, chunks) -> None:

@@ -7,7 +7,7 @@ a block or finish. The scheduler drops the batch whenever its running queue chan
 """
 import numpy as np
 
-from nanovllm_tp.scheduler.plan import DECODE, StepPlan
+from nanovllm_tp.scheduler.plan import DECODE, StepPlan, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence
 
@@ -44,7 +44,7 @@ class DecodeBatch:
 
     def plan(self, step_id: int) -> StepPlan:
         n, bs, pos = len(self), self.block_size, self.positions
-        slots = self.block_tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        slots = slot_mapping(self.block_tables, np.arange(n), pos, bs)
         return StepPlan(step_id=step_id, kind=DECODE, input_ids=self.last_tokens.copy(), positions=pos.copy(),
                         slot_mapping=slots, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
                         context_lens=(pos + 1).astype(np.int32),

@@ -17,6 +17,11 @@ ARRAY_SPECS = {"input_ids": ("<i8", 1), "positions": ("<i8", 1), "slot_mapping":
                "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2)}
 
 
+def slot_mapping(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The KV slot of each token: the block its row holds at that position, times block_size, plus the offset."""
+    return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
 class PlanError(ValueError):
     """A plan that a rank refuses to run: undecodable, or outside the rank's limits."""
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from nanovllm_tp.scheduler.block_manager import BlockManager
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
-from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan
+from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan, slot_mapping
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 
@@ -219,7 +219,7 @@ class Scheduler:
         row_of_token = np.repeat(np.arange(rows), q_lens)
         cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
         positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
-        slot_mapping = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = slot_mapping(block_tables, row_of_token, positions, bs)
         all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
         logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
         self.prompt_chunks = [(s, int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))
@@ -227,7 +227,7 @@ class Scheduler:
         self.sampling = self._prefill_sampling(seqs, logits_end - 1)
         return StepPlan(
             step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
-            slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q,
+            slot_mapping=slots, cu_seqlens_q=cu_seqlens_q,
             context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
             prompt_logits=all_logits if all_logits.any() else None, block_copies=self._take_copies(),
         )

@@ -237,3 +237,30 @@ def _cmdline(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    with ctx as proc:
+        wait_ready(port, proc)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        long = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", url, json={**long, "stream": True}) as running:
+                    lines = running.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data:"):
+                        pass                                   # the first request runs (max_num_seqs 1)
+                    waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2}))
+                    for _ in range(50):                        # the second one waits behind it
+                        if metrics(port)['num_requests_waiting{model_name="tiny"}'] == 1:
+                            break
+                        await asyncio.sleep(0.1)
+                    refused = await http.post(url, json={**long, "max_tokens": 2})
+                await asyncio.sleep(0)
+                return refused, await waiting
+
+        refused, waited = asyncio.run(run())
+        assert refused.status_code == 429 and "max-waiting-requests" in refused.json()["error"]["message"]
+        assert waited.status_code == 200 and waited.json()["usage"]["completion_tokens"] == 2

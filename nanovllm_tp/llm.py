@@ -9,7 +9,7 @@ from collections.abc import Sequence as SequenceABC
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
-from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -141,7 +141,7 @@ class LLM:
             raise ValueError(f"request_id must be a new string, got {request_id!r}")
         text, token_ids = self._normalize_prompt(0, prompt)
         sp, = self._normalize_params(sampling_params, 1)
-        return self._add(text, token_ids, sp, request_id)
+        return self._add(text, token_ids, sp, request_id, incremental=sp.output_kind != RequestOutputKind.FINAL_ONLY)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
@@ -222,7 +222,8 @@ class LLM:
             self._forget(state)
         return outputs
 
-    def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None) -> str:
+    def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
+             incremental: bool = False) -> str:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
@@ -230,7 +231,7 @@ class LLM:
                 for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])
-        state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_text_of)
+        state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_text_of, incremental)
         self._requests[request_id] = state
         for seq in seqs:
             self._by_seq[seq.seq_id] = state

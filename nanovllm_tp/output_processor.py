@@ -27,13 +27,15 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add(self, token_ids: list[int], final: bool = False) -> int:
-        """Append tokens; returns how many characters the text grew by. `final` flushes an incomplete tail."""
+        """Append tokens; returns how many characters the text grew by. `final` decodes them in one go and
+        flushes an incomplete tail."""
         before = len(self.text)
-        for t in token_ids:
+        if final:
+            self.ids.extend(token_ids)
+            self._advance(True)
+        for t in () if final else token_ids:
             self.ids.append(t)
             self._advance(False)
-        if final:
-            self._advance(True)
         return len(self.text) - before
 
     def _advance(self, final: bool) -> None:
@@ -59,8 +61,11 @@ class RequestState:
     """One request (its n completions) on rank 0, between the engine and the caller."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list, tokenizer, token_text):
+                 seqs: list, tokenizer, token_text, incremental: bool = True):
+        """incremental=False: nobody reads the text before the request ends (no stop strings, only its final
+        output is wanted), so it is decoded once at the end."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.incremental = incremental or bool(params.stop_strings)
         self.completions = [_Completion(s, Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
                             for s in seqs]
         self.token_text = token_text           # token id -> its text, for logprobs
@@ -75,6 +80,8 @@ class RequestState:
     def update(self, seq) -> str | None:
         """Detokenize what seq generated since the last call; a matched stop string is returned (the text is
         already cut) and the caller ends the sequence."""
+        if not (self.incremental or seq.is_finished):
+            return None
         c = next(c for c in self.completions if c.seq is seq)
         ids = seq.completion_token_ids
         new = ids[c.num_detok:]

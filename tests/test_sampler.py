@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.layers.sampler import Sampler, argmax_rows, uniform_noise
+from nanovllm_tp.layers.sampler import Sampler, argmax_rows, uniform_noise, uniform_noise_np
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence
@@ -166,6 +166,9 @@ def test_noise_is_a_function_of_seed_and_index_only():
     assert torch.equal(u[0], uniform_noise(seeds[:1], index[:1], ids)[0])
     some = torch.tensor([[7, 3, 999], [5, 0, 1], [2, 2, 640]])      # per-row candidates: the same numbers
     assert torch.equal(uniform_noise(seeds, index, some), u.gather(1, some))
+    big = torch.tensor([2**63 - 1, 0, 12345], dtype=torch.int64)                # the host copy: bit for bit
+    np.testing.assert_array_equal(uniform_noise_np(big.numpy(), index.numpy(), some.numpy()),
+                                  uniform_noise(big, index, some).numpy())
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert abs(u.mean().item() - 0.5) < 0.02
 

@@ -41,13 +41,31 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1) for the vocab ids of each row (ids [vocab] shared, or [rows, k] per row), a pure
-    function of (seed, index, vocab id): drawing over a row's top-k candidates gives the same numbers as over
-    the whole vocabulary."""
+    function of (seed, index, vocab id)."""
     row_key = _splitmix64(_splitmix64(seeds) ^ index)
     mixed = _splitmix64(ids)
     mixed = mixed[None, :] if mixed.dim() == 1 else mixed
     bits = _shr(_splitmix64(row_key[:, None] ^ mixed), 11)   # 53 random bits
     return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+_U64 = np.uint64
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    x = x + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def uniform_noise_np(seeds: np.ndarray, index: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """uniform_noise in numpy, bit for bit (uint64 arithmetic wraps like int64), for small candidate sets
+    where torch's per-op cost dominates."""
+    with np.errstate(over="ignore"):
+        row_key = _splitmix64_np(_splitmix64_np(seeds.astype(_U64)) ^ index.astype(_U64))
+        bits = _splitmix64_np(row_key[:, None] ^ _splitmix64_np(ids.astype(_U64))) >> _U64(11)
+    return (bits.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -121,62 +139,79 @@ class Sampler:
                               | (rows["frequency_penalty"] != 0))
         if not len(need):
             return logits
-        vocab = logits.shape[1]
+        vocab, dev = logits.shape[1], logits.device
         entry, token, is_out = batch.penalty_tokens(need)
         keep = token < vocab
         pairs, inverse = np.unique(entry[keep] * vocab + token[keep], return_inverse=True)
-        out_counts = np.bincount(inverse, weights=is_out[keep], minlength=len(pairs)).astype(np.float32)
+        counts = np.bincount(inverse, weights=is_out[keep], minlength=len(pairs)).astype(np.float32)
         r, t = pairs // vocab, pairs % vocab
-        dev = logits.device
-        r_t, t_t = _np(r, dev), _np(t, dev)
-        x = logits[r_t, t_t].float()
-        rep = _np(rows["repetition_penalty"][r], dev)
-        x = torch.where(x > 0, x / rep, x * rep)
-        counts = _np(out_counts, dev)
-        x = x - _np(rows["frequency_penalty"][r], dev) * counts - _np(rows["presence_penalty"][r], dev) * (counts > 0)
+        index = (_np(r, dev), _np(t, dev))
+        x = logits[index].float().cpu().numpy()
+        rep = rows["repetition_penalty"][r]
+        x = np.where(x > 0, x / rep, x * rep)
+        x -= rows["frequency_penalty"][r] * counts + rows["presence_penalty"][r] * (counts > 0)
         logits = logits.clone()
-        logits[r_t, t_t] = x.to(logits.dtype)
+        logits[index] = torch.from_numpy(x.astype(np.float32)).to(dev, logits.dtype)
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature. Rows with a
-        top-k work on their k best candidates only (sorted); the others on the whole vocabulary."""
+        top-k draw among their k best candidates (small: numpy on the host); the others over the whole
+        vocabulary (torch, on the logits' device)."""
         rows, dev, vocab = batch.rows[hot], logits.device, logits.shape[1]
         scaled = logits[_np(hot, dev)] / _np(rows["temperature"], dev)[:, None]
-        out = torch.empty(len(hot), dtype=torch.int64, device=dev)
+        index = batch.sample_index[hot]
+        out = torch.empty(len(hot), dtype=torch.int64)
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
-        for group in (np.flatnonzero(limited), np.flatnonzero(~limited)):
-            if len(group):
-                out[_np(group, dev)] = self._draw_group(scaled[_np(group, dev)], rows[group],
-                                                        batch.sample_index[hot][group], bool(limited[group[0]]))
+        group = np.flatnonzero(limited)
+        if len(group):
+            vals, ids = scaled[_np(group, dev)].topk(int(rows["top_k"][group].max()), dim=-1)
+            out[torch.from_numpy(group)] = torch.from_numpy(
+                _draw_candidates(vals.cpu().numpy(), ids.cpu().numpy(), rows[group], index[group]))
+        group = np.flatnonzero(~limited)
+        if len(group):
+            out[torch.from_numpy(group)] = _draw_vocab(scaled[_np(group, dev)], rows[group], index[group]).cpu()
         return out
 
-    @staticmethod
-    def _draw_group(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray, limited: bool) -> torch.Tensor:
-        dev, vocab = scaled.device, scaled.shape[1]
-        sort = limited or bool((rows["top_p"] < 1).any())
-        if limited:                          # candidates: the k best, best first
-            vals, ids = scaled.topk(int(rows["top_k"].max()), dim=-1)
-        elif sort:
-            vals, ids = scaled.sort(dim=-1, descending=True)
-        else:
-            vals, ids = scaled, torch.arange(vocab, device=dev)
-        masked = torch.zeros_like(vals, dtype=torch.bool)
-        if (rows["min_p"] > 0).any():        # p < min_p * p_max  <=>  scaled < max + log(min_p)
-            floor = vals.max(dim=-1, keepdim=True).values + torch.log(_np(rows["min_p"], dev))[:, None]
-            masked |= vals < floor
-        if limited:
-            masked |= torch.arange(vals.shape[1], device=dev)[None, :] >= _np(rows["top_k"], dev)[:, None]
-        if (rows["top_p"] < 1).any():        # sorted: drop what comes after the mass reached top_p
-            probs = torch.softmax(vals.masked_fill(masked, float("-inf")), dim=-1)
-            before = probs.cumsum(dim=-1) - probs
-            drop = before >= _np(rows["top_p"], dev)[:, None]
-            drop[:, 0] = False
-            masked |= drop
-        logp = torch.log_softmax(vals.masked_fill(masked, float("-inf")), dim=-1).double()
-        noise = uniform_noise(_np(rows["seed"], dev), _np(index, dev), ids)
-        pick = argmax_rows(logp - torch.log(-torch.log(noise))).to(dev)
-        return pick if ids.dim() == 1 else ids.gather(1, pick[:, None])[:, 0]
+
+def _top_p_mask(vals, masked, top_p, lib):
+    """Sorted candidates (best first): drop those after the kept mass has reached top_p (the first stays)."""
+    z = lib.where(masked, -lib.inf, vals)
+    probs = lib.exp(z - z[:, :1])
+    probs = probs / probs.sum(-1, keepdims=True) if lib is np else probs / probs.sum(-1, keepdim=True)
+    drop = (lib.cumsum(probs, -1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    return masked | drop
+
+
+def _draw_candidates(vals: np.ndarray, ids: np.ndarray, rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """One draw per row among its candidates (scaled logits sorted best first, and their vocab ids)."""
+    masked = np.arange(vals.shape[1])[None, :] >= rows["top_k"][:, None]
+    if (rows["min_p"] > 0).any():            # p < min_p * p_max  <=>  scaled < max + log(min_p)
+        with np.errstate(divide="ignore"):
+            masked |= vals < vals[:, :1] + np.log(rows["min_p"])[:, None]
+    if (rows["top_p"] < 1).any():
+        masked = _top_p_mask(vals, masked, rows["top_p"], np)
+    noise = uniform_noise_np(rows["seed"], index, ids)
+    scores = np.where(masked, -np.inf, vals.astype(np.float64)) - np.log(-np.log(noise))
+    return ids[np.arange(len(ids)), np.argmax(scores, axis=1)]
+
+
+def _draw_vocab(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> torch.Tensor:
+    """One draw per row over the whole vocabulary (sorted first when a row has a top-p)."""
+    dev = scaled.device
+    if (rows["top_p"] < 1).any():
+        vals, ids = scaled.sort(dim=-1, descending=True)
+    else:
+        vals, ids = scaled, torch.arange(scaled.shape[1], device=dev)
+    masked = torch.zeros_like(vals, dtype=torch.bool)
+    if (rows["min_p"] > 0).any():
+        masked |= vals < vals.max(dim=-1, keepdim=True).values + torch.log(_np(rows["min_p"], dev))[:, None]
+    if (rows["top_p"] < 1).any():
+        masked = _top_p_mask(vals, masked, _np(rows["top_p"], dev), torch)
+    noise = uniform_noise(_np(rows["seed"], dev), _np(index, dev), ids)
+    pick = argmax_rows(vals.double().masked_fill(masked, float("-inf")) - torch.log(-torch.log(noise))).to(dev)
+    return pick if ids.dim() == 1 else ids.gather(1, pick[:, None])[:, 0]
 
 
 def prompt_logprobs(logits: torch.Tensor, chunks) -> None:

@@ -32,6 +32,7 @@ import sys
 import time
 
 from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.launch import bench_latency
 from nanovllm_tp.launch.bench_latency import QUANTILES, arrival_offsets, label, load_points, run_point
 
 NAME = "bench_serve"
@@ -226,18 +227,9 @@ def table(result: dict) -> str:
 
 
 def draw(result: dict):
-    def _draw(plt):
-        pts = result["figures"]["points"]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-        for ax, key in zip(axes, ("ttft", "tpot", "itl")):
-            for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:"), ("mean", "x-")):
-                ax.plot(range(len(pts)), [(p["server"][key][q] or 0) * 1e3 for p in pts], style, label=q)
-            ax.set_xticks(range(len(pts)))
-            ax.set_xticklabels([p["label"] for p in pts], rotation=20, ha="right")
-            ax.set_title(f"{key.upper()} (ms)")
-            ax.legend()
-        return fig
-    return _draw
+    """bench_latency's TTFT / TPOT plot, over the server's median figures."""
+    runs = [{"label": p["label"], **p["server"]} for p in result["figures"]["points"]]
+    return bench_latency.draw({"figures": {"runs": runs}})
 
 
 # =============================================================================================== main

@@ -113,7 +113,7 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
 
         async def go(i):
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -124,10 +124,12 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
                 return await one_request(client, args, prompts[i], workload.output_lens[i], arrived, start)
 
         records = await asyncio.gather(*(go(i) for i in range(n)))
+        client_cpu = time.process_time() - cpu0
     duration = max(r["finish"] for r in records)
     out_tokens = sum(r["output_tokens"] or 0 for r in records)
     return {"label": label(point), **point, "duration_s": duration, "request_throughput": n / duration,
-            "output_tok_s": out_tokens / duration, "errors": sum(r["error"] is not None for r in records),
+            "output_tok_s": out_tokens / duration, "client_cpu_s": client_cpu,
+            "errors": sum(r["error"] is not None for r in records),
             "lengths_ok": [r["output_tokens"] for r in records] == workload.output_lens,
             "ttft": bc.summarize([r["ttft"] for r in records]), "tpot": bc.summarize([r["tpot"] for r in records]),
             "itl": bc.summarize([g for r in records for g in r["itl"]]),
@@ -272,7 +274,8 @@ def main(argv=None) -> dict:
                 run = asyncio.run(run_server_point(args, workload, prompts, point))
                 server_runs[k].append(run)
                 bc.log(args, f"[{r + 1}/{args.repeats}] server {run['label']}: {run['output_tok_s']:.1f} tok/s, "
-                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, errors {run['errors']}")
+                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, client CPU {run['client_cpu_s']:.1f} s, "
+                             f"errors {run['errors']}")
                 if llm is not None:
                     off = run_point(llm, workload, prompts, point, args.temperature, args.seed)
                     off.pop("requests")

@@ -274,7 +274,8 @@ def main(argv=None) -> dict:
                 run = asyncio.run(run_server_point(args, workload, prompts, point))
                 server_runs[k].append(run)
                 bc.log(args, f"[{r + 1}/{args.repeats}] server {run['label']}: {run['output_tok_s']:.1f} tok/s, "
-                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, client CPU {run['client_cpu_s']:.1f} s, "
+                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, "
+                             f"client CPU {run['client_cpu_s']:.1f} s, "
                              f"errors {run['errors']}")
                 if llm is not None:
                     off = run_point(llm, workload, prompts, point, args.temperature, args.seed)

@@ -34,9 +34,9 @@ import time
 from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch import bench_latency
 from nanovllm_tp.launch.bench_latency import QUANTILES, arrival_offsets, label, load_points, run_point
+from nanovllm_tp.launch.make_tiny import CORPUS
 
 NAME = "bench_serve"
-CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "corpus.txt")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def text_prompts(workload: bc.Workload, draw: int) -> list[str]:
     """Windows of the corpus, as many words as the prompt length (roughly as many tokens)."""
-    with open(CORPUS) as f:
-        words = f.read().split()
+    words = CORPUS.read_text().split()
     rng = random.Random(f"{workload.seed}/text/{draw}")
     out = []
     for n in workload.prompt_lens:

@@ -36,3 +36,18 @@ def test_bench_serve_needs_a_url_or_launch():
         bench_serve.main(["--concurrency", "1"])
     with pytest.raises(SystemExit):
         bench_serve.main(["--base-url", "http://127.0.0.1:1/v1", "--compare-offline"])
+
+
+def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, tmp_path, capsys):
+    args = bench_serve.build_parser().parse_args(["--model", tiny_model_dir, "--api-key", "k",
+                                                  "--kv-cache-memory", str(32 << 20)])
+    proc = bench_serve.launch_server(args)
+    try:
+        out = tmp_path / "ext.json"
+        bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--dataset", "text", *TINY[:8],
+                          "--request-rate", "50", "--out", str(out), "--quiet"])
+    finally:
+        bench_serve.stop_server(proc)
+    assert proc.returncode is not None
+    (point,) = json.loads(out.read_text())["figures"]["points"]
+    assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point

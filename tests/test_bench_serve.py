@@ -1,0 +1,53 @@
+"""bench_serve end to end: it launches our server, streams a tiny workload through it and through offline
+generation, and writes the JSON with the right lengths; the server process is gone afterwards."""
+import json
+
+from nanovllm_tp.launch import bench_serve
+
+TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "3", "6", "--kv-cache-memory", str(32 << 20)]
+
+
+def test_bench_serve_launch_with_offline_comparison(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    result = bench_serve.main(["--launch", "--compare-offline", "--model", tiny_model_dir, *TINY,
+                               "--concurrency", "4", "--request-rate", "inf", "--out", str(out), "--quiet"])
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("---")
+    data = json.loads(out.read_text())
+    assert data["workload"]["num_requests"] == 4 and "api_key" not in data["config"]
+    assert data["config"]["base_url"].startswith("http://127.0.0.1:")
+    (point,) = data["figures"]["points"]
+    server, offline = point["server"], point["offline"]
+    assert server["lengths_ok"] and offline["lengths_ok"]
+    run = point["server_runs"][0]
+    assert run["errors"] == 0
+    assert [r["output_tokens"] for r in run["requests"]] == bench_serve.bc.make_workload(
+        4, (4, 8), (3, 6), 0, 1).output_lens
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        assert set(bench_serve.QUANTILES) <= server[m].keys()
+    assert 0 < server["ttft"]["p50"] <= server["e2e"]["p50"]
+    assert server["output_tok_s"] > 0 and server["request_throughput"] > 0 and offline["output_tok_s"] > 0
+    assert point["server_over_offline_tok_s"] > 0
+    assert result["out"] == str(out)
+
+
+def test_bench_serve_needs_a_url_or_launch():
+    import pytest
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--concurrency", "1"])
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--base-url", "http://127.0.0.1:1/v1", "--compare-offline"])
+
+
+def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, tmp_path, capsys):
+    args = bench_serve.build_parser().parse_args(["--model", tiny_model_dir, "--api-key", "k",
+                                                  "--kv-cache-memory", str(32 << 20)])
+    proc = bench_serve.launch_server(args)
+    try:
+        out = tmp_path / "ext.json"
+        bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--dataset", "text", *TINY[:8],
+                          "--request-rate", "50", "--out", str(out), "--quiet"])
+    finally:
+        bench_serve.stop_server(proc)
+    assert proc.returncode is not None
+    (point,) = json.loads(out.read_text())["figures"]["points"]
+    assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point

@@ -1,5 +1,5 @@
-"""C kernels for fp32 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual add fused
-in, RoPE and SiLU-and-mul.
+"""C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
+add fused in, RoPE and SiLU-and-mul.
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
@@ -28,11 +28,12 @@ SOURCE = importlib.resources.files("nanovllm_tp.layers") / "csrc" / "cpu_kernels
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
-    "paged_decode_f32": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float]),
-    "rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float]),
-    "rope_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int]),
-    "silu_mul_f32": (None, [_ptr, _ptr, _i64, _i64]),
+    "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _int]),
+    "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
+    "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
+    "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
 }
+DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
 
 def cache_dir() -> pathlib.Path:
@@ -71,7 +72,8 @@ def build_library(compiler: str) -> pathlib.Path:
 
 
 class CpuKernels:
-    """Typed wrappers over the library. Inputs are fp32 CPU tensors; see each C function for layouts."""
+    """Typed wrappers over the library. Float inputs are CPU tensors of one dtype in DTYPES (other operands are
+    cast to the activations' dtype); see each C function for layouts."""
 
     def __init__(self, path: pathlib.Path):
         lib = ctypes.CDLL(str(path))
@@ -87,9 +89,11 @@ class CpuKernels:
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        if self._paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                  tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                                  block_size, scale):
+        if k_cache.dtype is not q.dtype or v_cache.dtype is not q.dtype:
+            raise TypeError(f"KV cache {k_cache.dtype}/{v_cache.dtype} does not match the query's {q.dtype}")
+        if self._paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                              tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
+                              block_size, scale, _bf16(q)):
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
 
@@ -102,9 +106,10 @@ class CpuKernels:
         if x.stride(-1) != 1 or x.dim() not in (2, 3) or (x.dim() == 3 and x.stride(1) != size):
             x = x.contiguous().view(-1, size)
         outer, inner = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                           out.data_ptr(), outer, inner, x.stride(0), inner * size, size, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        weight = weight.to(x.dtype).contiguous()
+        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                       out.data_ptr(), outer, inner, x.stride(0), inner * size, size, eps, _bf16(x))
         out = out.view(shape)
         return out if residual is None else (out, residual)
 
@@ -117,15 +122,17 @@ class CpuKernels:
         if positions.dtype is not torch.int64:
             positions = positions.to(torch.int64)
         tokens, q_heads, dim = q.shape
-        self._rope_f32(q.data_ptr(), k.data_ptr(), positions.contiguous().data_ptr(), cos_sin.data_ptr(), tokens,
-                       q_heads, k.shape[1], q.stride(0), k.stride(0), dim)
+        if cos_sin.dtype not in DTYPES:
+            cos_sin = cos_sin.float()
+        self._rope(q.data_ptr(), k.data_ptr(), positions.contiguous().data_ptr(), cos_sin.data_ptr(), tokens,
+                   q_heads, k.shape[1], q.stride(0), k.stride(0), dim, _bf16(q), _bf16(cos_sin))
         return q, k
 
     def silu_mul(self, x) -> torch.Tensor:
         x = x.contiguous()
         rows, width = x.numel() // x.shape[-1], x.shape[-1] // 2
-        out = torch.empty(x.shape[:-1] + (width,), dtype=torch.float32)
-        self._silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width)
+        out = torch.empty(x.shape[:-1] + (width,), dtype=x.dtype)
+        self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
 
 
@@ -145,9 +152,14 @@ def load() -> CpuKernels | None:
         return None
 
 
+def _bf16(x: torch.Tensor) -> int:
+    return int(x.dtype is torch.bfloat16)
+
+
 def for_tensor(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels when x is an fp32 CPU tensor and they are available; the layers' torch code runs otherwise."""
-    return load() if x.dtype is torch.float32 and x.is_cpu else None
+    """The kernels when x is an fp32 or bf16 CPU tensor and they are available; the layers' torch code runs
+    otherwise."""
+    return load() if x.dtype in DTYPES and x.is_cpu else None
 
 
 class CpuBackend(TorchBackend):

@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add fused in), rotary embedding and SiLU-and-mul.
 
-Each runs as one C kernel call for fp32 on CPU (layers/cpu_kernels.py) and as torch ops otherwise.
+Each runs as one C kernel call for fp32 or bf16 on CPU (layers/cpu_kernels.py) and as torch ops otherwise.
 """
 import math
 

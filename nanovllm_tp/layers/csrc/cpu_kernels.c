@@ -1,4 +1,4 @@
-/* fp32 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
+/* fp32 and bf16 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
  * and a few microseconds of dispatch): paged decode attention, RMSNorm (with the residual add fused in),
  * neox RoPE and SiLU-and-mul. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
  *
@@ -14,6 +14,35 @@
 
 #define PARALLEL_MIN_ELEMENTS 65536    /* below this an elementwise kernel runs on one thread */
 
+/* ---------------------------------------------------------------- dtypes
+ * Every kernel takes its float tensors as fp32 or, with bf16 != 0, as bf16 (the top half of an fp32), and
+ * computes in fp32. The generic bodies are always inlined with bf16 a constant, so each dtype gets its own
+ * vectorised loop; bf16 is widened by a shift and rounded to nearest even on the way back.
+ */
+#define ELEM_SIZE(bf16) ((bf16) ? 2 : 4)
+#define AT(p, i, bf16) ((char *)(p) + (int64_t)(i) * ELEM_SIZE(bf16))
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float load(const void *p, int64_t i, const int bf16)
+{
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE void store(void *p, int64_t i, float f, const int bf16)
+{
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    ((uint16_t *)p)[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* ---------------------------------------------------------------- paged decode attention
  * One query token per row attends to its K/V in place in the paged cache: nothing is gathered or padded.
  *   q, out   [rows, heads, dim]
@@ -24,11 +53,12 @@
  * sit at random places in a large pool, so memory latency, not arithmetic, is what costs.
  */
 static inline __attribute__((always_inline)) void
-decode_row(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int len, int heads,
-           int kv_heads, const int dim, int block_size, float scale, float *scratch, float *out)
+decode_row(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, int heads,
+           int kv_heads, const int dim, int block_size, float scale, float *scratch, float *out, const int bf16)
 {
     const int group = heads / kv_heads;
-    const int64_t token_stride = (int64_t)kv_heads * dim, block_floats = (int64_t)block_size * token_stride;
+    const int64_t token_stride = (int64_t)kv_heads * dim, block_elems = (int64_t)block_size * token_stride;
+    const int64_t block_bytes = block_elems * ELEM_SIZE(bf16);
     float *scores = scratch, *running_max = scratch + (int64_t)heads * block_size, *running_sum = running_max + heads;
     memset(out, 0, sizeof(float) * heads * dim);
     for (int h = 0; h < heads; h++) {
@@ -37,23 +67,24 @@ decode_row(const float *q, const float *k_cache, const float *v_cache, const int
     }
     const int blocks = (len + block_size - 1) / block_size;
     for (int b = 0; b < blocks; b++) {
-        const float *k_block = k_cache + table[b] * block_floats, *v_block = v_cache + table[b] * block_floats;
+        const void *k_block = AT(k_cache, table[b] * block_elems, bf16);
+        const void *v_block = AT(v_cache, table[b] * block_elems, bf16);
         const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
         if (b + 1 < blocks) {
-            const char *next_k = (const char *)(k_cache + table[b + 1] * block_floats);
-            const char *next_v = (const char *)(v_cache + table[b + 1] * block_floats);
-            for (int64_t byte = 0; byte < block_floats * (int64_t)sizeof(float); byte += 64) {
+            const char *next_k = AT(k_cache, table[b + 1] * block_elems, bf16);
+            const char *next_v = AT(v_cache, table[b + 1] * block_elems, bf16);
+            for (int64_t byte = 0; byte < block_bytes; byte += 64) {
                 __builtin_prefetch(next_k + byte);
                 __builtin_prefetch(next_v + byte);
             }
         }
         for (int i = 0; i < n; i++) {          /* scores[h][i] = scale * <q_h, k_i> */
             for (int kv = 0; kv < kv_heads; kv++) {
-                const float *k = k_block + i * token_stride + kv * dim;
+                const int64_t k = i * token_stride + kv * dim;
                 for (int h = kv * group; h < (kv + 1) * group; h++) {
                     const float *qh = q + (int64_t)h * dim;
                     float dot = 0.f;
-                    for (int d = 0; d < dim; d++) dot += qh[d] * k[d];
+                    for (int d = 0; d < dim; d++) dot += qh[d] * load(k_block, k + d, bf16);
                     scores[h * block_size + i] = dot * scale;
                 }
             }
@@ -73,11 +104,11 @@ decode_row(const float *q, const float *k_cache, const float *v_cache, const int
         }
         for (int i = 0; i < n; i++) {          /* out[h] += p[h][i] * v_i */
             for (int kv = 0; kv < kv_heads; kv++) {
-                const float *v = v_block + i * token_stride + kv * dim;
+                const int64_t v = i * token_stride + kv * dim;
                 for (int h = kv * group; h < (kv + 1) * group; h++) {
                     const float p = scores[h * block_size + i];
                     float *o = out + (int64_t)h * dim;
-                    for (int d = 0; d < dim; d++) o[d] += p * v[d];
+                    for (int d = 0; d < dim; d++) o[d] += p * load(v_block, v + d, bf16);
                 }
             }
         }
@@ -88,14 +119,17 @@ decode_row(const float *q, const float *k_cache, const float *v_cache, const int
     }
 }
 
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
-                     int64_t table_stride, const int32_t *lens, float *out, int rows, int heads, int kv_heads,
-                     int dim, int block_size, float scale)
+/* q, out and the caches in one dtype (fp32, or bf16 when bf16 != 0); tables and lens int32. */
+int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables,
+                 int64_t table_stride, const int32_t *lens, void *out, int rows, int heads, int kv_heads,
+                 int dim, int block_size, float scale, int bf16)
 {
     int failed = 0;
+    const int64_t row_elems = (int64_t)heads * dim;
     #pragma omp parallel if (rows > 1)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)heads * block_size + 2 * (size_t)heads));
+        /* scores, running max and sum, then the row's query and its output accumulator in fp32 */
+        float *scratch = malloc(sizeof(float) * ((size_t)heads * block_size + 2 * (size_t)heads + 2 * row_elems));
         /* every thread must reach the worksharing loop, so a thread without scratch only reports it */
         #pragma omp for schedule(dynamic, 1)
         for (int r = 0; r < rows; r++) {
@@ -104,12 +138,14 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 failed = 1;
                 continue;
             }
-            const float *qr = q + (int64_t)r * heads * dim;
+            float *qr = scratch + (int64_t)heads * block_size + 2 * heads, *acc = qr + row_elems;
+            for (int64_t e = 0; e < row_elems; e++) qr[e] = load(q, r * row_elems + e, bf16);
             const int32_t *table = tables + (int64_t)r * table_stride;
-            float *o = out + (int64_t)r * heads * dim;
-            /* head_dim as a compile-time constant in the common cases, so the inner loops unroll fully */
-#define DECODE_ROW(DIM) decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, scale, \
-                                   scratch, o)
+            /* head_dim and dtype as compile-time constants in the common cases, so the inner loops unroll */
+#define DECODE_ROW(DIM) (bf16 ? decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, \
+                                           scale, scratch, acc, 1)                                                 \
+                              : decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, \
+                                           scale, scratch, acc, 0))
             switch (dim) {
             case 64: DECODE_ROW(64); break;
             case 128: DECODE_ROW(128); break;
@@ -117,6 +153,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             default: DECODE_ROW(dim);
             }
 #undef DECODE_ROW
+            for (int64_t e = 0; e < row_elems; e++) store(out, r * row_elems + e, acc[e], bf16);
         }
         free(scratch);
     }
@@ -129,66 +166,90 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
  * three contiguous): residual += x, and the sum is what gets normalised. out may be x.
  * Same order of operations as the reference: weight * (x * rsqrt(mean(x^2) + eps)).
  */
-void rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t outer, int64_t inner,
-                  int64_t x_stride, int64_t out_stride, int size, float eps)
+INLINE void rms_norm_row(const void *src, void *sum, const void *weight, void *dst, int size, float eps,
+                         const int bf16)
+{
+    float squares = 0.f;
+    if (sum) {            /* the sum is stored in the tensor's dtype and the stored value is normalised */
+        for (int d = 0; d < size; d++) store(sum, d, load(sum, d, bf16) + load(src, d, bf16), bf16);
+        src = sum;
+    }
+    for (int d = 0; d < size; d++) squares += load(src, d, bf16) * load(src, d, bf16);
+    const float inv = 1.f / sqrtf(squares / size + eps);
+    for (int d = 0; d < size; d++) store(dst, d, load(weight, d, bf16) * (load(src, d, bf16) * inv), bf16);
+}
+
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t outer, int64_t inner,
+              int64_t x_stride, int64_t out_stride, int size, float eps, int bf16)
 {
     const int64_t rows = outer * inner;
     #pragma omp parallel for if (rows * size >= PARALLEL_MIN_ELEMENTS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = r / inner, i = r % inner;
-        const float *src = x + o * x_stride + i * size;
-        float *dst = out + o * out_stride + i * size;
-        float squares = 0.f;
-        if (residual) {
-            float *sum = residual + r * size;
-            for (int d = 0; d < size; d++) {
-                sum[d] += src[d];
-                squares += sum[d] * sum[d];
-            }
-            src = sum;
-        } else {
-            for (int d = 0; d < size; d++) squares += src[d] * src[d];
-        }
-        const float inv = 1.f / sqrtf(squares / size + eps);
-        for (int d = 0; d < size; d++) dst[d] = weight[d] * (src[d] * inv);
+        const void *src = AT(x, o * x_stride + i * size, bf16);
+        void *dst = AT(out, o * out_stride + i * size, bf16), *sum = residual ? AT(residual, r * size, bf16) : NULL;
+        if (bf16) rms_norm_row(src, sum, weight, dst, size, eps, 1);
+        else rms_norm_row(src, sum, weight, dst, size, eps, 0);
     }
 }
 
 /* ---------------------------------------------------------------- rotary embedding (neox: rotate halves)
  * q [tokens, q_heads, dim] and k [tokens, k_heads, dim], each with its own token stride, rotated in place.
- * cos_sin [max_position, dim]: the cosines of the dim/2 frequencies, then their sines.
+ * cos_sin [max_position, dim]: the cosines of the dim/2 frequencies, then their sines (bf16 when cos_bf16 != 0:
+ * the table keeps its own dtype, as the torch code multiplies by it).
  */
-static inline void rotate(float *x, const float *cos, const float *sin, int half)
+INLINE void rotate(void *x, const void *cos, const void *sin, int half, const int bf16, const int cos_bf16)
 {
-    float *x2 = x + half;
+    void *x2 = AT(x, half, bf16);
     for (int d = 0; d < half; d++) {
-        const float a = x[d], b = x2[d];
-        x[d] = a * cos[d] - b * sin[d];
-        x2[d] = b * cos[d] + a * sin[d];
+        const float a = load(x, d, bf16), b = load(x2, d, bf16);
+        const float c = load(cos, d, cos_bf16), s = load(sin, d, cos_bf16);
+        store(x, d, a * c - b * s, bf16);
+        store(x2, d, b * c + a * s, bf16);
     }
 }
 
-void rope_f32(float *q, float *k, const int64_t *positions, const float *cos_sin, int64_t tokens, int q_heads,
-              int k_heads, int64_t q_stride, int64_t k_stride, int dim)
+INLINE void rope_token(void *q, void *k, const void *cos, int q_heads, int k_heads, int dim, const int bf16,
+                       const int cos_bf16)
 {
     const int half = dim / 2;
+    const void *sin = AT(cos, half, cos_bf16);
+    for (int h = 0; h < q_heads; h++) rotate(AT(q, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
+    for (int h = 0; h < k_heads; h++) rotate(AT(k, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
+}
+
+void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
+          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int bf16, int cos_bf16)
+{
     #pragma omp parallel for if (tokens * (q_heads + k_heads) * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * dim, *sin = cos + half;
-        for (int h = 0; h < q_heads; h++) rotate(q + t * q_stride + (int64_t)h * dim, cos, sin, half);
-        for (int h = 0; h < k_heads; h++) rotate(k + t * k_stride + (int64_t)h * dim, cos, sin, half);
+        void *qt = AT(q, t * q_stride, bf16), *kt = AT(k, t * k_stride, bf16);
+        const void *cos = AT(cos_sin, positions[t] * dim, cos_bf16);
+        if (bf16 && cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 1);
+        else if (bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 0);
+        else if (cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 1);
+        else rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 0);
     }
 }
 
 /* ---------------------------------------------------------------- SiLU(gate) * up
  * x [tokens, 2 * width] (gate then up, as the merged gate_up projection writes them), out [tokens, width].
  */
-void silu_mul_f32(const float *x, float *out, int64_t tokens, int64_t width)
+INLINE void silu_mul_row(const void *gate, const void *up, void *out, int64_t width, const int bf16)
+{
+    for (int64_t d = 0; d < width; d++) {
+        const float g = load(gate, d, bf16);
+        store(out, d, g / (1.f + expf(-g)) * load(up, d, bf16), bf16);
+    }
+}
+
+void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16)
 {
     #pragma omp parallel for if (tokens * width >= PARALLEL_MIN_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *gate = x + t * 2 * width, *up = gate + width;
-        float *o = out + t * width;
-        for (int64_t d = 0; d < width; d++) o[d] = gate[d] / (1.f + expf(-gate[d])) * up[d];
+        const void *gate = AT(x, t * 2 * width, bf16), *up = AT(gate, width, bf16);
+        void *o = AT(out, t * width, bf16);
+        if (bf16) silu_mul_row(gate, up, o, width, 1);
+        else silu_mul_row(gate, up, o, width, 0);
     }
 }

@@ -97,8 +97,7 @@ class EngineLoop:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.llm.step():
-                    self._deliver(out)
+                self._deliver(self.llm.step())
         except BaseException as exc:        # a dead rank, a bug: every open request learns it
             self.dead = f"the engine stopped: {exc}"
             log.error("engine loop: %s", self.dead)
@@ -128,16 +127,22 @@ class EngineLoop:
             self._open[item.request_id] = item
             item.loop.call_soon_threadsafe(_settle, item.accepted, None)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        item = self._open.get(out.request_id)
-        if item is None:
-            return
-        item.loop.call_soon_threadsafe(item.outputs.put_nowait, out)
-        if out.finished:
-            del self._open[out.request_id]
-            item.loop.call_soon_threadsafe(item.outputs.put_nowait, None)
-            if self.on_finished is not None:
-                self.on_finished(out)
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their queues: one wake-up of each event loop per step, not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            item = self._open.get(out.request_id)
+            if item is None:
+                continue
+            batch = batches.setdefault(item.loop, [])
+            batch.append((item.outputs, out))
+            if out.finished:
+                del self._open[out.request_id]
+                batch.append((item.outputs, None))
+                if self.on_finished is not None:
+                    self.on_finished(out)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, exc: BaseException) -> None:
         for item in list(self._open.values()):
@@ -150,6 +155,11 @@ class EngineLoop:
                 return
             if not isinstance(item, tuple):
                 item.loop.call_soon_threadsafe(_settle, item.accepted, exc)
+
+
+def _put_all(batch: list) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

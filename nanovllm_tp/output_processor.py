@@ -33,9 +33,10 @@ class Detokenizer:
         if final:
             self.ids.extend(token_ids)
             self._advance(True)
-        for t in () if final else token_ids:
-            self.ids.append(t)
-            self._advance(False)
+        else:
+            for t in token_ids:
+                self.ids.append(t)
+                self._advance(False)
         return len(self.text) - before
 
     def _advance(self, final: bool) -> None:

@@ -193,13 +193,16 @@ class Scheduler:
         self.running.extendleft(reversed(seqs))
         return seqs
 
+    def _requeue_front(self, seq: Sequence) -> None:
+        """Back to the front of waiting, but behind a prompt that is part-way through its chunks (it holds
+        blocks, and only the head of waiting may)."""
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.decode_batch = None
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        # back to the front of waiting, but behind a prompt that is part-way through its chunks (it holds
-        # blocks, and only the head of waiting may)
-        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+        self._requeue_front(seq)
         self.num_preemptions += 1
 
     def _build_prefill_plan(self, seqs: list[Sequence], kind: int) -> StepPlan:
@@ -252,7 +255,8 @@ class Scheduler:
         if self.sampling is None:
             raise RuntimeError("postprocess() without a scheduled step")
         seqs, self.scheduled = self.scheduled, []
-        entries, self.sampling = self.sampling.seqs, None
+        batch, self.sampling = self.sampling, None
+        entries = batch.seqs
         if len(token_ids) != len(entries):
             raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(entries)} sampling rows")
         if self.scheduled_kind == DECODE:
@@ -275,7 +279,7 @@ class Scheduler:
         tokens = np.asarray(token_ids, np.int64)
         completion = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
         total = np.fromiter((s.num_tokens for s in entries), np.int64, len(entries))
-        codes = finish_codes(entries, rows_of(entries), tokens, completion, total, self._eos_array,
+        codes = finish_codes(entries, batch.rows, tokens, completion, total, self._eos_array,
                              self.config.max_model_len)
         for e in np.flatnonzero(codes != RUNNING).tolist():
             self._finish(entries[e], int(codes[e]), int(tokens[e]), now)
@@ -288,8 +292,7 @@ class Scheduler:
         full = parent.num_prompt_tokens // bs
         partial = parent.num_prompt_tokens % bs != 0
         if partial and bm.num_free_blocks == 0:
-            self.waiting.appendleft(child) if not (self.waiting and self.waiting[0].block_table) \
-                else self.waiting.insert(1, child)
+            self._requeue_front(child)
             return
         for block_id in parent.block_table[:full]:
             bm.share(block_id)

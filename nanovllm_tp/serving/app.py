@@ -133,7 +133,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             return builder.choice(i, c, prefix, lp, delta=body.stream)
 
         if body.stream:
-            return _stream(request, queues, builder, body.include_usage, choice, lambda ids: _abort(ids), rid)
+            return _stream(request, queues, builder, body.include_usage, choice, _abort, rid)
         outputs = await _finals(request, queues, lambda: _abort(f"{rid}-{i}" for i in range(len(queues))))
         return builder.response([choice(i, o, c, False) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 
@@ -163,7 +163,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
 
         if body.stream:
-            return _stream(request, queues, builder, body.include_usage, choice, lambda ids: _abort(ids), rid)
+            return _stream(request, queues, builder, body.include_usage, choice, _abort, rid)
         outputs = await _finals(request, queues, lambda: _abort([f"{rid}-0"]))
         return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 

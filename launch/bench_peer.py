@@ -1,0 +1,136 @@
+"""vLLM as a benchmark peer: run with vLLM's own interpreter, driven by JSON lines over stdin and stdout.
+
+    VENV/bin/python path/to/launch/bench_peer.py < commands.jsonl
+
+This file imports only the standard library at the top and vLLM inside main(), so it runs in a virtualenv that has
+vLLM and not this package (launch/bench_vllm.py starts it that way). Protocol, one JSON object per line:
+
+  in  1st line  {"op": "config", "model", "dtype", "max_model_len", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens", "seed", "cold_prompt": [ids]}
+  out           {"event": "ready", "import_s", "load_s" (LLM(...) until built), "first_token_s" (LLM(...) until
+                 the first token of cold_prompt), "vllm", "torch", "torch_threads", "pid"}
+  in  each      {"op": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "temperature": t}
+  out           {"event": "run", "seconds", "tok_s", "token_ids": [[ids], ...]}
+  in  last      {"op": "quit"}
+  out on error  {"event": "error", "message"} (then exit status 1)
+
+Every request runs with ignore_eos, so it yields exactly max_tokens; tok_s = sum(max_tokens) / seconds of one
+generate(). vLLM's own logs (and anything its processes print) go to stderr: stdout carries the protocol only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+CONFIG_FIELDS = {"model": str, "dtype": str, "max_model_len": int, "enforce_eager": bool, "max_num_seqs": int,
+                 "max_num_batched_tokens": int, "seed": int, "cold_prompt": list}
+
+
+def _ids(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
+        raise ValueError(f"{what} must be a non-empty list of token ids (ints >= 0)")
+    return value
+
+
+def encode(message: dict) -> str:
+    """One protocol line (no newline inside: json.dumps escapes them)."""
+    return json.dumps(message, separators=(",", ":"))
+
+
+def decode_config(line: str) -> dict:
+    msg = json.loads(line)
+    if not isinstance(msg, dict) or msg.get("op") != "config":
+        raise ValueError("the first line must be a config message ({'op': 'config', ...})")
+    for name, kind in CONFIG_FIELDS.items():
+        if type(msg.get(name)) is not kind:
+            raise TypeError(f"config field {name!r} must be {kind.__name__}, got {msg.get(name)!r:.60}")
+    _ids(msg["cold_prompt"], "cold_prompt")
+    return msg
+
+
+def run_message(prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0) -> dict:
+    return {"op": "run", "prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
+            "temperature": float(temperature)}
+
+
+def decode_command(line: str) -> dict:
+    """A run or quit message, checked: prompts are token-id lists, one max_tokens >= 1 per prompt."""
+    msg = json.loads(line)
+    if not isinstance(msg, dict) or msg.get("op") not in ("run", "quit"):
+        raise ValueError(f"expected a run or quit message, got {line[:80]!r}")
+    if msg["op"] == "quit":
+        return msg
+    prompts, max_tokens = msg.get("prompts"), msg.get("max_tokens")
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("run: prompts must be a non-empty list")
+    for i, p in enumerate(prompts):
+        _ids(p, f"run: prompts[{i}]")
+    if (not isinstance(max_tokens, list) or len(max_tokens) != len(prompts)
+            or not all(type(m) is int and m >= 1 for m in max_tokens)):
+        raise ValueError("run: max_tokens must hold one int >= 1 per prompt")
+    if type(msg.get("temperature")) not in (int, float) or msg["temperature"] < 0:
+        raise ValueError("run: temperature must be a number >= 0")
+    return msg
+
+
+# =============================================================================================== vLLM side
+
+def _generate(llm, msg: dict):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]]
+    params = [SamplingParams(temperature=msg["temperature"], max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate(msg["max_tokens"])]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def serve(inp, out) -> None:
+    def say(message: dict) -> None:
+        out.write(encode(message) + "\n")
+        out.flush()
+
+    config = decode_config(inp.readline())
+    t0 = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM
+    t1 = time.perf_counter()
+    llm = LLM(model=config["model"], dtype=config["dtype"], max_model_len=config["max_model_len"],
+              enforce_eager=config["enforce_eager"], max_num_seqs=config["max_num_seqs"],
+              max_num_batched_tokens=config["max_num_batched_tokens"], seed=config["seed"])
+    t2 = time.perf_counter()
+    _generate(llm, run_message([config["cold_prompt"]], [1]))
+    t3 = time.perf_counter()
+    say({"event": "ready", "import_s": t1 - t0, "load_s": t2 - t1, "first_token_s": t3 - t1,
+         "vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+         "pid": os.getpid()})
+    for line in inp:
+        if not line.strip():
+            continue
+        msg = decode_command(line)
+        if msg["op"] == "quit":
+            break
+        seconds, token_ids = _generate(llm, msg)
+        say({"event": "run", "seconds": seconds, "tok_s": sum(msg["max_tokens"]) / seconds, "token_ids": token_ids})
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")      # the protocol's stream
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())      # everything else printed (here or by children): stderr
+    try:
+        serve(sys.stdin, out)
+    except Exception as exc:  # noqa: BLE001 - reported to the driver as one line, then a failing exit status
+        out.write(encode({"event": "error", "message": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

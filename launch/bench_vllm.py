@@ -1,0 +1,255 @@
+"""`bench --compare vllm`: the engine against vLLM (its CPU build, from its own virtualenv) in the same run.
+
+    python -m nanovllm_tp.launch.bench --model HF_DIR --dtype float32 --compare vllm --peer-python VENV/bin/python \
+        --peer-mode both --num-requests 32 --max-model-len 1024 --repeats 3
+
+vLLM runs in a subprocess (launch/bench_peer.py under --peer-python), driven by JSON lines: it is never imported
+here. Order: the peer's interpreter is checked (it must exist and import vllm) before anything is loaded; then the
+engine is built and yields its first token (cold start), warms up; then each peer mode starts in turn (cold start,
+same warm-up); then every repeat runs the engine and each peer on the same freshly drawn prompts, interleaved.
+Reported: medians of output tok/s, the ratio engine / peer (of the medians, and the median of the per-repeat
+ratios), greedy agreement (requests whose tokens are identical to the engine's, over all repeats; fp32 should
+agree on all), cold start (LLM(...) until the first token of one prompt) and load time for both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from nanovllm_tp.launch import bench
+from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.launch import bench_peer
+
+PEER_SCRIPT = pathlib.Path(bench_peer.__file__)
+MODES = {"eager": ["eager"], "compiled": ["compiled"], "both": ["eager", "compiled"]}
+
+
+def add_peer_args(parser) -> None:
+    g = parser.add_argument_group("comparison with vLLM (--compare vllm)")
+    g.add_argument("--peer-python", help="python of a virtualenv where vLLM is installed")
+    g.add_argument("--peer-mode", choices=list(MODES), default="compiled",
+                   help="vLLM eager (enforce_eager=True), compiled (its default, torch.compile) or both")
+    g.add_argument("--peer-kv-gib", type=float, default=2.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    g.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds to wait for any one peer reply")
+
+
+def check_peer_python(path: str | None) -> str:
+    """The vLLM version under `path`; ValueError if the interpreter is missing or cannot import vllm."""
+    if not path:
+        raise ValueError("--compare vllm needs --peer-python PATH (the python of a virtualenv with vLLM)")
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise ValueError(f"--peer-python {path}: no such executable file")
+    try:
+        out = subprocess.run([path, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                             timeout=600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"--peer-python {path}: could not run it ({exc})") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ValueError(f"--peer-python {path} cannot import vllm: {last}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+class PeerProcess:
+    """One vLLM LLM in a subprocess of its own session; close() leaves no process behind."""
+
+    def __init__(self, python: str, config: dict, kv_gib: float, timeout: float):
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_gib:g}")
+        self.timeout, self.log = timeout, tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([python, str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, start_new_session=True)
+        try:
+            self.ready = self.ask({"op": "config", **config})
+        except BaseException:
+            self.close()
+            raise
+
+    def ask(self, message: dict) -> dict:
+        self.proc.stdin.write(bench_peer.encode(message) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(self.timeout, self._kill)
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        reply = json.loads(line) if line.strip() else {"event": "error", "message": f"it exited "
+                                                        f"(status {self.proc.poll()}) or did not answer in time"}
+        if reply["event"] == "error":
+            raise RuntimeError(f"vLLM peer: {reply['message']}\n--- its last log lines ---\n{self.log_tail()}")
+        return reply
+
+    def run(self, prompts, max_tokens, temperature: float) -> dict:
+        return self.ask(bench_peer.run_message(prompts, max_tokens, temperature))
+
+    def log_tail(self, lines: int = 20) -> str:
+        self.log.seek(0)
+        return "\n".join(self.log.read().splitlines()[-lines:])
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(bench_peer.encode({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()          # the session's stragglers too (vLLM's engine-core process)
+        self.proc.wait()
+        self.log.close()
+
+
+# =============================================================================================== comparison
+
+def timed(seconds: float, workload: bc.Workload, token_ids: list[list[int]]) -> dict:
+    produced = [len(t) for t in token_ids]
+    return {"seconds": seconds, "tok_s": workload.requested_output_tokens / seconds,
+            "lengths_ok": produced == workload.output_lens, "token_ids": token_ids}
+
+
+def agreement(ours: list[list[int]], peer: list[list[int]]) -> dict:
+    """How far greedy outputs agree: identical requests, and tokens before each request's first difference."""
+    if len(ours) != len(peer):
+        raise ValueError(f"{len(ours)} requests vs {len(peer)}")
+    same_prefix = []
+    for a, b in zip(ours, peer):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same_prefix.append(n)
+    identical = sum(a == b for a, b in zip(ours, peer))
+    return {"requests": len(ours), "identical": identical, "tokens": sum(len(a) for a in ours),
+            "tokens_before_first_difference": sum(same_prefix)}
+
+
+def merge_agreement(parts: list[dict]) -> dict:
+    return {k: sum(p[k] for p in parts) for k in ("requests", "identical", "tokens", "tokens_before_first_difference")}
+
+
+def ratios(ours: list[dict], peer: list[dict]) -> dict:
+    """engine / peer throughput: of the medians, and the median of the per-repeat ratios (repeat i vs i)."""
+    per = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, peer)]
+    return {"of_medians": bc.median(a["tok_s"] for a in ours) / bc.median(b["tok_s"] for b in peer),
+            "median_of_repeats": bc.median(per), "repeats": [round(r, 3) for r in per]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    return bench.summarize_runs(runs)
+
+
+# =============================================================================================== run
+
+def main(args) -> dict:
+    try:
+        version = check_peer_python(args.peer_python)
+        if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"--compare vllm needs --model to be a Hugging Face directory (config.json), got "
+                             f"{args.model!r}; python -m nanovllm_tp.launch.convert MODEL.gguf DIR makes one")
+    except ValueError as exc:
+        raise SystemExit(f"bench: {exc}") from None
+    bc.apply_threads(args)
+    args.model_source = args.model or f"preset {args.preset}"
+    args.model = bc.resolve_model(args)
+    vocab = bc.model_vocab_size(args.model)
+    workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
+    warm_prompts, warm_outs = bc.warmup_prompts(vocab, args.seed)
+    cold_prompt = warm_prompts[-1]
+    from nanovllm_tp import SamplingParams
+    from nanovllm_tp.launch.generate import build_llm
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    t1 = time.perf_counter()
+    llm.generate([cold_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    cold = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0}
+    env, peers, ready = bc.environment(), {}, {}
+    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(bench.NAME)
+    runs = {"engine": []} | {m: [] for m in MODES[args.peer_mode]}
+    runner, dtype = llm.engine.runner.describe(), str(llm.engine.dtype).removeprefix("torch.")
+    try:
+        bc.log(args, f"engine ready in {cold['load_s']:.1f}s, first token at {cold['first_token_s']:.1f}s: {runner}")
+        bench.warm_up_engine(llm, vocab, args.seed, args.temperature)
+        config = {"model": str(args.model), "dtype": dtype,
+                  "max_model_len": llm.engine.config.max_model_len, "max_num_seqs": args.max_num_seqs,
+                  "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+                  "cold_prompt": cold_prompt}
+        for mode in MODES[args.peer_mode]:
+            peers[mode] = PeerProcess(args.peer_python, {**config, "enforce_eager": mode == "eager"},
+                                      args.peer_kv_gib, args.peer_timeout)
+            ready[mode] = peers[mode].ready
+            bc.log(args, f"vLLM {mode} ready: load {ready[mode]['load_s']:.1f}s, first token at "
+                         f"{ready[mode]['first_token_s']:.1f}s")
+            peers[mode].run(warm_prompts, warm_outs, args.temperature)
+        params = bench.sampling_params(workload, args.temperature)
+        for r in range(args.repeats):
+            prompts = workload.prompts(draw=r + 1)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs["engine"].append(timed(time.perf_counter() - t, workload, [list(o.outputs[0].token_ids)
+                                                                             for o in outs]))
+            for mode, peer in peers.items():
+                reply = peer.run(prompts, workload.output_lens, args.temperature)
+                runs[mode].append(timed(reply["seconds"], workload, reply["token_ids"]))
+            bc.log(args, f"[{r + 1}/{args.repeats}] " + ", ".join(f"{k}: {v[-1]['tok_s']:.1f} tok/s"
+                                                               for k, v in runs.items()))
+    finally:
+        llm.close()
+        for peer in peers.values():
+            peer.close()
+    result = {"name": bench.NAME, "config": bc.config_dict(args), "workload": workload.describe(),
+              "environment": {**bc.finish_environment(env), "vllm": version},
+              "figures": figures(runs, cold, ready, runner, dtype)}
+    bc.save_result(args, out_path, result, draw)
+    print(table(result), flush=True)
+    return result
+
+
+def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dict:
+    f = {"engine": {**summarize(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
+    for mode in ready:
+        parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(runs["engine"], runs[mode])]
+        f[f"vllm_{mode}"] = {**summarize(runs[mode]), **{k: ready[mode][k] for k in
+                                                         ("load_s", "first_token_s", "import_s", "torch_threads")},
+                             "ratio": ratios(runs["engine"], runs[mode]), "agreement": merge_agreement(parts)}
+    return f
+
+
+def table(result: dict) -> str:
+    f, c, w = result["figures"], result["config"], result["workload"]
+    e = f["engine"]
+    rows = [["nanovllm_tp", e["tok_s"], f"{e['seconds']:.3f}", "1.00", "-", f"{e['load_s']:.1f}",
+             f"{e['first_token_s']:.1f}"]]
+    for mode in ("eager", "compiled"):
+        if f"vllm_{mode}" in f:
+            p = f[f"vllm_{mode}"]
+            a = p["agreement"]
+            rows.append([f"vLLM {mode}", p["tok_s"], f"{p['seconds']:.3f}", f"{p['ratio']['of_medians']:.2f}",
+                         f"{a['identical']}/{a['requests']}", f"{p['load_s']:.1f}", f"{p['first_token_s']:.1f}"])
+    title = (f"bench vs vLLM {result['environment']['vllm']}: {w['num_requests']} requests, prompt "
+             f"{w['prompt_len_min']}..{w['prompt_len_max']}, output {w['output_len_min']}..{w['output_len_max']} "
+             f"({w['requested_output_tokens']} tokens), {c['model_source']}, dtype {f['engine']['dtype']}, "
+             f"T={c['temperature']}, median of {c['repeats']}")
+    return bc.format_table(["engine", "output tok/s", "seconds", "ours/this", "same tokens", "load s",
+                            "first token s"], rows, title)
+
+
+def draw(result: dict):
+    def _draw(plt):
+        f = result["figures"]
+        keys = [k for k in ("engine", "vllm_eager", "vllm_compiled") if k in f]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([{"engine": "nanovllm_tp"}.get(k, k.replace("_", " ")) for k in keys], [f[k]["tok_s"] for k in keys],
+               color=["C0", "C1", "C2"][:len(keys)])
+        ax.set_ylabel("output tokens / s (median)")
+        return fig
+    return _draw

@@ -35,8 +35,17 @@ def add_peer_args(parser) -> None:
     g.add_argument("--peer-python", help="python of a virtualenv where vLLM is installed")
     g.add_argument("--peer-mode", choices=list(MODES), default="compiled",
                    help="vLLM eager (enforce_eager=True), compiled (its default, torch.compile) or both")
-    g.add_argument("--peer-kv-gib", type=float, default=2.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    g.add_argument("--peer-kv-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     g.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds to wait for any one peer reply")
+
+
+def peer_env(kv_gib: int, threads: int) -> dict:
+    """vLLM's KV cache size, and its worker's OpenMP threads bound to as many CPUs as the engine's torch threads
+    (its "auto" binding keeps one core of a small machine for its scheduler process). Set in the environment,
+    either wins."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else range(threads)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
 def check_peer_python(path: str | None) -> str:
@@ -59,9 +68,8 @@ def check_peer_python(path: str | None) -> str:
 class PeerProcess:
     """One vLLM LLM in a subprocess of its own session; close() leaves no process behind."""
 
-    def __init__(self, python: str, config: dict, kv_gib: float, timeout: float):
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_gib:g}")
+    def __init__(self, python: str, config: dict, env: dict, timeout: float):
+        env = {**os.environ, **env}
         self.timeout, self.log = timeout, tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([python, str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
@@ -173,6 +181,7 @@ def main(args) -> dict:
     llm.generate([cold_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     cold = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0}
     env, peers, ready = bc.environment(), {}, {}
+    penv = peer_env(args.peer_kv_gib, env["torch_threads"])
     out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(bench.NAME)
     runs = {"engine": []} | {m: [] for m in MODES[args.peer_mode]}
     runner, dtype = llm.engine.runner.describe(), str(llm.engine.dtype).removeprefix("torch.")
@@ -184,8 +193,8 @@ def main(args) -> dict:
                   "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
                   "cold_prompt": cold_prompt}
         for mode in MODES[args.peer_mode]:
-            peers[mode] = PeerProcess(args.peer_python, {**config, "enforce_eager": mode == "eager"},
-                                      args.peer_kv_gib, args.peer_timeout)
+            peers[mode] = PeerProcess(args.peer_python, {**config, "enforce_eager": mode == "eager"}, penv,
+                                      args.peer_timeout)
             ready[mode] = peers[mode].ready
             bc.log(args, f"vLLM {mode} ready: load {ready[mode]['load_s']:.1f}s, first token at "
                          f"{ready[mode]['first_token_s']:.1f}s")
@@ -207,7 +216,7 @@ def main(args) -> dict:
         for peer in peers.values():
             peer.close()
     result = {"name": bench.NAME, "config": bc.config_dict(args), "workload": workload.describe(),
-              "environment": {**bc.finish_environment(env), "vllm": version},
+              "environment": {**bc.finish_environment(env), "vllm": version, "peer_env": penv},
               "figures": figures(runs, cold, ready, runner, dtype)}
     bc.save_result(args, out_path, result, draw)
     print(table(result), flush=True)

@@ -90,7 +90,7 @@ def test_peer_python_without_vllm_is_refused_and_leaves_nothing():
         bench.main(["--compare", "vllm", "--peer-python", sys.executable, "--model", "/nonexistent/model"])
     # the driver itself under that interpreter: the failure comes back as a protocol line, the process is gone
     with pytest.raises(RuntimeError, match="vLLM peer: ModuleNotFoundError.*vllm") as info:
-        bench_vllm.PeerProcess(sys.executable, {k: v for k, v in CONFIG.items() if k != "op"}, 1, timeout=120)
+        bench_vllm.PeerProcess(sys.executable, {k: v for k, v in CONFIG.items() if k != "op"}, {}, timeout=120)
     assert "no module named" in str(info.value).lower()
     assert not [p for p in children() if alive(p)]
 

@@ -152,10 +152,6 @@ def ratios(ours: list[dict], peer: list[dict]) -> dict:
             "median_of_repeats": bc.median(per), "repeats": [round(r, 3) for r in per]}
 
 
-def summarize(runs: list[dict]) -> dict:
-    return bench.summarize_runs(runs)
-
-
 # =============================================================================================== run
 
 def main(args) -> dict:
@@ -224,10 +220,10 @@ def main(args) -> dict:
 
 
 def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dict:
-    f = {"engine": {**summarize(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
+    f = {"engine": {**bench.summarize_runs(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
     for mode in ready:
         parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(runs["engine"], runs[mode])]
-        f[f"vllm_{mode}"] = {**summarize(runs[mode]), **{k: ready[mode][k] for k in
+        f[f"vllm_{mode}"] = {**bench.summarize_runs(runs[mode]), **{k: ready[mode][k] for k in
                                                          ("load_s", "first_token_s", "import_s", "torch_threads")},
                              "ratio": ratios(runs["engine"], runs[mode]), "agreement": merge_agreement(parts)}
     return f

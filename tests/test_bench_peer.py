@@ -66,7 +66,7 @@ def test_ratios_and_throughput_from_real_runs():
     ours = [bench_vllm.timed(s, w, tokens) for s in (1.0, 2.0, 4.0)]
     peer = [bench_vllm.timed(s, w, tokens) for s in (2.0, 2.0, 2.0)]
     assert all(r["lengths_ok"] for r in ours) and ours[0]["tok_s"] == w.requested_output_tokens
-    assert not bench_vllm.timed(1.0, w, tokens[:-1] + [[7]])["lengths_ok"] or w.output_lens[-1] == 1
+    assert not bench_vllm.timed(1.0, w, tokens[:-1] + [[7]])["lengths_ok"]     # outputs are >= 2 tokens
     r = bench_vllm.ratios(ours, peer)
     assert r["repeats"] == [2.0, 1.0, 0.5] and r["median_of_repeats"] == 1.0 and r["of_medians"] == 1.0
     r = bench_vllm.ratios(ours[:2], peer[:2])

@@ -123,6 +123,20 @@ class LLMEngine:
         """End a request between steps (abort, stop string); its blocks are free at once."""
         self.scheduler.finish(seq, reason, stop_reason)
 
+    def stats(self) -> dict:
+        """What this engine runs on and lifetime counters of what it has done (LLM.stats documents the keys)."""
+        from nanovllm_tp.layers.attention import get_attention_backend
+        if self.runner is None:
+            raise RuntimeError("the engine is closed")
+        graphs, sched = self.runner.graphs, self.scheduler
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "attention_backend": get_attention_backend().name, "kv_block_size": self.config.kvcache_block_size,
+                "num_kv_blocks": self.runner.num_kv_blocks,
+                "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
+                "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
+                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens}
+
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs

@@ -248,6 +248,12 @@ class LLM:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def stats(self) -> dict:
+        """Facts about the running engine and lifetime counters: device, dtype, tensor_parallel_size,
+        attention_backend, kv_block_size, num_kv_blocks, cuda_graph_batch_sizes (None when eager), num_steps,
+        num_preemptions, prefix_cache_hit_tokens. RuntimeError once closed."""
+        return self.engine.stats()
+
     def close(self) -> None:
         self.engine.close()
 

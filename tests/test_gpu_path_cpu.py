@@ -406,7 +406,7 @@ def test_gpu_check_script_uses_python3_when_python_is_absent(tmp_path):
     proc = subprocess.run([shutil.which("bash"), str(REPO / "scripts" / "gpu_check.sh"), "--help"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout and "--smoke" in proc.stdout
+    assert "usage" in proc.stdout and "--dry-run" in proc.stdout
     assert marker.exists()
 
 

@@ -240,14 +240,13 @@ def spawn_part(part: str, args, json_path: pathlib.Path, log, timeout: float) ->
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)         # the engine closes cleanly on SIGTERM
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=15)
         return None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)     # whatever is left of its group
-        proc.wait()
+    finally:        # its group, whatever ended the wait: SIGTERM first (the engine closes cleanly), then SIGKILL
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait)
 
 
 def main(argv=None) -> int:

@@ -1,10 +1,13 @@
 """launch/gpu_check: its CPU dry run end to end (every part in its own process, the table at the end), its
 token comparison on outputs that differ, one exactness row against transformers, and LLM.stats()."""
+import contextlib
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -19,24 +22,38 @@ TPUT_ROWS = ["engine tok/s, graphs", "engine tok/s, eager", "graphs vs eager tok
              "transformers CB tok/s"]
 
 
-def processes_with(marker: str) -> list[int]:
-    """Live processes whose environment carries the marker (everything a run started inherits it)."""
+def processes_with(marker: str, command: str = "") -> list[int]:
+    """Live processes whose environment carries the marker (everything a run started inherits it) and whose
+    command line contains `command`."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker.encode() in f.read():
+            with open(f"/proc/{entry}/environ", "rb") as f, open(f"/proc/{entry}/cmdline", "rb") as g:
+                if marker.encode() in f.read() and command.encode() in g.read():
                     found.append(int(entry))
         except OSError:
             pass
     return found
 
 
+@contextlib.contextmanager
+def marked_run(tmp_path, *args, **kwargs):
+    """The check in its dry run, every process it starts marked; none may outlive it, nor any shared memory."""
+    value, shm_before = uuid.uuid4().hex, our_shm_segments()
+    cmd = [sys.executable, "-m", "nanovllm_tp.launch.gpu_check", "--dry-run", "--out", str(tmp_path), *args]
+    try:
+        with started(cmd, env={"OMP_NUM_THREADS": "1", "NVTP_GPU_CHECK_TEST": value}, cwd=REPO, **kwargs) as proc:
+            yield proc, value
+        assert not processes_with(value), "a process of the run outlived it"
+        assert our_shm_segments() <= shm_before
+    finally:
+        for pid in processes_with(value):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
-    marker, shm_before = f"NVTP_GPU_CHECK_TEST={uuid.uuid4().hex}", our_shm_segments()
-    cmd = [sys.executable, "-m", "nanovllm_tp.launch.gpu_check", "--dry-run", "--out", str(tmp_path)]
-    with started(cmd, env={"OMP_NUM_THREADS": "1", marker.split("=")[0]: marker.split("=")[1]}, cwd=REPO,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with marked_run(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, _):
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:] + err[-4000:]
     table = (tmp_path / "gpu_check.md").read_text().rstrip()
@@ -57,8 +74,18 @@ def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
         assert rows[("tput", check)]["status"] in ("PASS", "INFO") and f"| tput | {check} |" in table
     assert float(rows[("tput", "engine tok/s, graphs")]["result"].split()[0].replace(",", "")) > 0
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
-    assert not processes_with(marker), "a process of the run outlived it"
-    assert our_shm_segments() <= shm_before
+
+
+def test_stopping_the_check_stops_its_parts(tmp_path):
+    """SIGTERM to the check while its TP=2 part runs an engine: it exits, and takes the part and its worker along."""
+    with marked_run(tmp_path, "--skip", "pytest,exact,tput", stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL) as (proc, marker):
+        deadline = time.monotonic() + 120
+        while not processes_with(marker, "nanovllm_tp.workers") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_with(marker, "nanovllm_tp.workers"), "the TP=2 part never started its worker"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
 
 
 def test_compare_tokens_reports_every_difference():

@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -15,7 +16,7 @@ import torch
 
 from nanovllm_tp.launch import gpu_check
 from nanovllm_tp.launch.make_tiny import hf_greedy
-from tests.procs import our_shm_segments, started
+from tests.procs import segments_of, started
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TPUT_ROWS = ["engine tok/s, graphs", "engine tok/s, eager", "graphs vs eager tokens (float32)", "graph speed-up",
@@ -38,15 +39,26 @@ def processes_with(marker: str, command: str = "") -> list[int]:
 
 @contextlib.contextmanager
 def marked_run(tmp_path, *args, **kwargs):
-    """The check in its dry run, every process it starts marked; none may outlive it, nor any shared memory."""
-    value, shm_before = uuid.uuid4().hex, our_shm_segments()
+    """The check in its dry run, every process it starts marked and watched; none may outlive it, nor any shared
+    memory segment of theirs (segment names carry the pid of the engine's rank 0)."""
+    value, seen, done = uuid.uuid4().hex, set(), threading.Event()
+
+    def watch():
+        while not done.wait(0.1):
+            seen.update(processes_with(value))
+
+    watcher = threading.Thread(target=watch, daemon=True)
     cmd = [sys.executable, "-m", "nanovllm_tp.launch.gpu_check", "--dry-run", "--out", str(tmp_path), *args]
     try:
         with started(cmd, env={"OMP_NUM_THREADS": "1", "NVTP_GPU_CHECK_TEST": value}, cwd=REPO, **kwargs) as proc:
+            watcher.start()
             yield proc, value
+        done.set()
+        watcher.join()
         assert not processes_with(value), "a process of the run outlived it"
-        assert our_shm_segments() <= shm_before
+        assert len(seen) > 1 and not {s for pid in seen for s in segments_of(pid)}
     finally:
+        done.set()
         for pid in processes_with(value):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

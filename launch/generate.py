@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of every rank's steps "
+                        "(open it in https://ui.perfetto.dev)")
+    parser.add_argument("--trace-layers", action="store_true", help="with --trace: a span per decoder layer")
 
 
 def build_llm(args) -> LLM:
@@ -36,7 +39,8 @@ def build_llm(args) -> LLM:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, trace_path=args.trace,
+               trace_layers=args.trace_layers)
 
 
 def main(argv=None) -> None:

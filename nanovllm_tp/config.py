@@ -190,6 +190,8 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
+    trace_path: str | None = None        # write a Chrome/Perfetto trace of every rank's steps here at close
+    trace_layers: bool = False           # ... with a span per decoder layer
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -205,7 +207,8 @@ class EngineConfig:
         for name in ("max_model_len", "kvcache_block_size", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        self._check_trace()
+        for name in ("enforce_eager", "enable_prefix_caching", "trace_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         u = self.gpu_memory_utilization
@@ -238,6 +241,18 @@ class EngineConfig:
         if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={mc.num_key_value_heads} must "
                              "divide one another (kv heads are replicated when tp exceeds them)")
+
+    def _check_trace(self) -> None:
+        if self.trace_path is None:
+            if self.trace_layers is True:
+                raise ValueError("trace_layers=True needs trace_path (where to write the trace)")
+            return
+        if not isinstance(self.trace_path, (str, os.PathLike)):
+            raise TypeError(f"trace_path must be a file path, got {type(self.trace_path).__name__}")
+        path = os.path.abspath(os.fspath(self.trace_path))    # spawned and torchrun ranks write beside it
+        if not os.path.isdir(os.path.dirname(path)) or os.path.isdir(path):
+            raise ValueError(f"trace_path {self.trace_path!r}: not a file path in an existing directory")
+        self.trace_path = path
 
 
 def _check_int(name: str, value, minimum: int) -> None:

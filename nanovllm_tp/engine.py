@@ -10,6 +10,7 @@ import weakref
 import numpy as np
 import torch
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -72,6 +73,7 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_and_dtype(config)
         backend = choose_attention_backend(self.device, self.dtype, config.kvcache_block_size)
         resolve_block_size(config, backend)
+        self._trace = trace.start(config, rank=0)
         try:
             if config.tensor_parallel_size > 1 and not _under_torchrun():
                 from nanovllm_tp.distributed.launch import SpawnRendezvous, spawn_workers
@@ -127,17 +129,24 @@ class LLMEngine:
         """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs
         sched = self.scheduler
-        plan = sched.schedule()
+        with trace.span("schedule"):
+            plan = sched.schedule()
         if plan is None:
             return [], 0, False
         try:
             with tp_scope(self._tp):
                 if self.writer is not None:
-                    self.writer.publish(plan.encode())
-                logits = self.runner.execute(plan)
-            tokens, lp = self.sampler(logits, sched.sampling)
+                    with trace.span("encode_plan"):
+                        payload = plan.encode()
+                    with trace.span("publish"):
+                        self.writer.publish(payload)
+                with trace.plan_span("execute", plan):
+                    logits = self.runner.execute(plan)
+            with trace.span("sample"):
+                tokens, lp = self.sampler(logits, sched.sampling)
             if sched.prompt_chunks:
-                prompt_logprobs(logits, sched.prompt_chunks)
+                with trace.span("prompt_logprobs"):
+                    prompt_logprobs(logits, sched.prompt_chunks)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -147,7 +156,9 @@ class LLMEngine:
             raise
         if lp is not None:
             _record_logprobs(sched.sampling, lp)
-        return sched.postprocess(tokens), plan.num_tokens, plan.is_prefill
+        with trace.span("postprocess"):
+            progressed = sched.postprocess(tokens)
+        return progressed, plan.num_tokens, plan.is_prefill
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
@@ -199,6 +210,7 @@ class LLMEngine:
             shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
             set_tp(0, 1, None)
         stop_children(self.children)
+        trace.finish(self._trace, wait_s=0.0 if self.children else 10.0)   # spawned ranks have left by now
         if self._rendezvous is not None:
             self._rendezvous.close()
         if self.writer is not None:

@@ -6,6 +6,7 @@ import gc
 
 import torch
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
@@ -105,10 +106,15 @@ class ModelRunner:
         if plan.block_copies is not None and len(plan.block_copies):
             self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
-            return self.graphs.run(plan)
-        input_ids, positions = self.prepare(plan)
+            with trace.span("graph_replay"):
+                return self.graphs.run(plan)
+        with trace.span("prepare"):
+            input_ids, positions = self.prepare(plan)
         try:
-            return self.model.compute_logits(self.model(input_ids, positions))
+            with trace.span("forward"):
+                hidden = self.model(input_ids, positions)
+            with trace.span("lm_head"):
+                return self.model.compute_logits(hidden)
         finally:
             reset_context()
 

@@ -13,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed import shm_allreduce
 from nanovllm_tp.distributed import trust
@@ -89,6 +90,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
         from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
         runner.graphs = capture_decode_graphs(runner, config.max_num_seqs, config.max_model_len)
+    trace.watch_layers(runner.model)    # after capture: no hook runs while graphs are recorded
     return runner
 
 
@@ -99,12 +101,15 @@ def serve(runner: ModelRunner, reader) -> None:
     limits = PlanLimits.of(runner)
     while True:
         try:
-            payload = reader.receive()
+            with trace.span("receive"):
+                payload = reader.receive()
         except ChannelClosed:
             return
-        plan = StepPlan.decode(payload)
-        check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
-        runner.execute(plan)
+        with trace.span("decode_plan"):
+            plan = StepPlan.decode(payload)
+            check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
+        with trace.plan_span("execute", plan):
+            runner.execute(plan)
 
 
 def run_worker(config: EngineConfig) -> int:
@@ -113,10 +118,11 @@ def run_worker(config: EngineConfig) -> int:
     from nanovllm_tp.engine import (_exit_on_sigterm, choose_attention_backend, resolve_block_size,
                                     resolve_device_and_dtype)
     _exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
-    reader = runner = None
+    reader = runner = recording = None
     try:
         device, dtype = resolve_device_and_dtype(config)
         info = join_group(config, device)
+        recording = trace.start(config, info.rank)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0], secret=info.secret)
         shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
@@ -141,6 +147,7 @@ def run_worker(config: EngineConfig) -> int:
                 pass
         if reader is not None:
             reader.close()
+        trace.finish(recording)             # this rank's part, which rank 0 merges
         shm_allreduce.teardown()        # unlinks the segment too if rank 0 is dead
         if dist.is_initialized():
             try:

@@ -1,5 +1,6 @@
 """trace_path / --trace: every rank's step spans in one Chrome/Perfetto JSON file, the same tokens as without
 it, nothing written when it is off, and a bounded close when a rank died."""
+import argparse
 import json
 import logging
 import os
@@ -197,3 +198,21 @@ def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path)
         {e["args"]["step"] for e in spans(events, 2, "execute")}
     assert sorted(os.listdir(tmp_path)) == ["run.json", "tokens.json"]
     assert not segments_of(result["pid"])
+
+
+def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
+    from nanovllm_tp.launch import bench, bench_latency, bench_serve, bench_tp, generate, serve
+    tiny = ["--model", tiny_model_dir, "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "4", "8",
+            "--kv-cache-memory", str(32 << 20), "--quiet"]
+    bench.main([*tiny, "--out", str(tmp_path / "bench.json"), "--trace", str(tmp_path / "b.json"),
+                "--trace-layers"])
+    events = check_layout(json.loads((tmp_path / "b.json").read_text()), 1)
+    assert {"step", "forward", "layer.0", "sample"} <= {e["name"] for e in spans(events, 1)}
+    bench_tp.main(["--tp-list", "1", *tiny, "--out", str(tmp_path / "tp.json"), "--trace", str(tmp_path / "t.json")])
+    check_layout(json.loads((tmp_path / "t.tp1.json").read_text()), 1)
+    for parser in (serve.build_parser(), bench_latency.build_parser(), bench_serve.build_parser()):
+        args = parser.parse_args(["--trace", "x.json", "--trace-layers"])
+        assert args.trace == "x.json" and args.trace_layers
+    parser = argparse.ArgumentParser()
+    generate.add_engine_args(parser)
+    assert parser.parse_args([]).trace is None

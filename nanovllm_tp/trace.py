@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -73,12 +74,15 @@ def plan_span(name: str, plan):
     return _Span(name, (plan.step_id, plan.kind, plan.num_tokens, plan.num_rows))
 
 
+@dataclass(slots=True)
 class Recording:
-    __slots__ = ("path", "rank", "world", "layers", "started", "dropped", "hooks")
-
-    def __init__(self, path: str, rank: int, world: int, layers: bool):
-        self.path, self.rank, self.world, self.layers = path, rank, world, layers
-        self.started, self.dropped, self.hooks = time.time(), 0, []
+    path: str
+    rank: int
+    world: int
+    layers: bool
+    started: float = field(default_factory=time.time)      # wall clock: parts older than this are stale
+    dropped: int = 0
+    hooks: list = field(default_factory=list)
 
 
 _recording: Recording | None = None

@@ -21,8 +21,6 @@ import tempfile
 
 import torch
 
-from nanovllm_tp.layers.attention import TorchBackend
-
 log = logging.getLogger("nanovllm_tp")
 SOURCE = importlib.resources.files("nanovllm_tp.layers") / "csrc" / "cpu_kernels.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
@@ -161,13 +159,3 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     otherwise."""
     return load() if x.dtype in DTYPES and x.is_cpu else None
 
-
-class CpuBackend(TorchBackend):
-    """The torch backend's prefill; decode in place from the paged cache with the C kernel."""
-    name = "cpu"
-
-    def _decode(self, q, k_cache, v_cache, ctx, scale):
-        kernels = for_tensor(q)
-        if kernels is None:
-            return super()._decode(q, k_cache, v_cache, ctx, scale)
-        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)

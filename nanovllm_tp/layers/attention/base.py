@@ -11,6 +11,7 @@ import torch
 from nanovllm_tp.context import Context
 
 BACKENDS: dict[str, type["AttentionBackend"]] = {}
+HALF = (torch.float16, torch.bfloat16)
 
 
 def register_backend(cls: type["AttentionBackend"]) -> type["AttentionBackend"]:

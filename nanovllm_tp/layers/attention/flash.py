@@ -5,9 +5,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
-
-HALF = (torch.float16, torch.bfloat16)
+from nanovllm_tp.layers.attention.base import HALF, AttentionBackend, register_backend
 
 
 def flash_available() -> bool:

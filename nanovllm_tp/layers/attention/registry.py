@@ -42,6 +42,8 @@ def check_backend_name(name) -> None:
 
 def backend_class(name: str) -> type[AttentionBackend]:
     check_backend_name(name)
+    if name == AUTO:
+        raise ValueError(f"{AUTO!r} names no backend: select_backend makes that choice")
     return BACKENDS[name]
 
 

@@ -3,8 +3,7 @@ without a cached prefix where this torch has it, a Triton paged kernel for every
 fp32), and a Triton paged split-K kernel for decode (captured in CUDA graphs)."""
 import inspect
 
-from nanovllm_tp.layers.attention.base import register_backend
-from nanovllm_tp.layers.attention.flash import HALF
+from nanovllm_tp.layers.attention.base import HALF, register_backend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 
 

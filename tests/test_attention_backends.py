@@ -132,3 +132,18 @@ def test_tp2_on_the_torch_backend_matches_transformers(tiny_model_dir, hf_model)
             assert o.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
     finally:
         llm.close()
+
+
+def test_command_line_flag_reaches_the_engine(tiny_model_dir):
+    import argparse
+
+    from nanovllm_tp.launch.generate import add_engine_args, build_llm
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).attention_backend == "auto"
+    llm = build_llm(parser.parse_args(["--model", tiny_model_dir, "--device", "cpu", "--attention-backend", "torch",
+                                       "--block-size", "16", "--kv-cache-memory", str(32 << 20)]))
+    try:
+        assert "attention torch," in llm.engine.runner.describe()
+    finally:
+        llm.close()

@@ -187,4 +187,3 @@ def _check_one_multi_rank_engine(config: EngineConfig) -> None:
 def _under_torchrun() -> bool:
     from nanovllm_tp.distributed.launch import launched_by_torchrun
     return launched_by_torchrun()
-

@@ -158,4 +158,3 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when x is an fp32 or bf16 CPU tensor and they are available; the layers' torch code runs
     otherwise."""
     return load() if x.dtype in DTYPES and x.is_cpu else None
-

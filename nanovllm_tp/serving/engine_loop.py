@@ -1,9 +1,11 @@
 """The one thread that owns the LLM while serving.
 
-HTTP handlers never touch the engine: they put commands (add, abort) in an inbox and await an asyncio queue per
+HTTP handlers never touch the engine: they put commands (add, abort) in an inbox and await a RequestStream per
 request. Between two steps the loop drains the inbox (new requests join the next step: continuous batching across
-clients), runs a step, and hands each request's output to its queue on the event loop. When the engine fails,
-every open request gets the error and later submissions are refused.
+clients), runs a step, and hands each request's output to its stream on the event loop. A stream holds one
+output: a delta output that its reader has not taken yet is merged with the next, so a client (or an event
+loop) slower than the engine gets fewer, larger chunks instead of a backlog, and serving costs less per token as
+the load grows. When the engine fails, every open request gets the error and later submissions are refused.
 """
 import asyncio
 import itertools
@@ -12,8 +14,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from nanovllm_tp.outputs import RequestOutput
-from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.outputs import RequestOutput, merge_delta
+from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -26,12 +28,58 @@ class Overloaded(RuntimeError):
     """Too many requests wait already."""
 
 
+class RequestStream:
+    """One request's outputs as its handler reads them (on the event loop). `ready` is set whenever there is
+    something to read; handlers reading several streams at once give them one shared event."""
+    __slots__ = ("merge", "ready", "pending", "ended", "error")
+
+    def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None):
+        self.merge = kind == RequestOutputKind.DELTA
+        self.ready = ready or asyncio.Event()
+        self.pending: RequestOutput | None = None
+        self.ended = False                    # the last output was put (it may still be pending)
+        self.error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        if self.pending is not None and self.merge:
+            merge_delta(self.pending, out)
+        else:
+            self.pending = out                # cumulative or final: the newest says it all
+        self.ended = out.finished
+        self.ready.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.ready.set()
+
+    @property
+    def done(self) -> bool:
+        """The last output was put and read: nothing more will come."""
+        return self.pending is None and self.ended
+
+    def take(self) -> RequestOutput | None:
+        """What arrived since the last take (None: nothing new); the engine's error once all is read."""
+        out, self.pending = self.pending, None
+        if out is None and self.error is not None and not self.ended:
+            raise self.error
+        return out
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, waiting for it; None once the request has finished and all is read."""
+        while self.pending is None and self.error is None:
+            if self.ended:
+                return None
+            self.ready.clear()
+            await self.ready.wait()
+        return self.take()
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
     prompt: object
     params: SamplingParams
-    outputs: asyncio.Queue          # RequestOutput items, then None at the end; an exception on failure
+    outputs: RequestStream
     accepted: asyncio.Future        # set once the engine validated and queued the request (or refused it)
     loop: asyncio.AbstractEventLoop
 
@@ -60,8 +108,10 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return len(self.llm.engine.scheduler.waiting) + self._pending
 
-    async def submit(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
-        """Hand a request to the engine; returns its output queue once the engine accepted it. A ValueError /
+    async def submit(self, request_id: str, prompt, params: SamplingParams,
+                     ready: asyncio.Event | None = None) -> RequestStream:
+        """Hand a request to the engine; returns its output stream (set `ready` when it has news) once the
+        engine accepted it. A ValueError /
         TypeError from validation propagates; EngineDead and Overloaded say why nothing was queued."""
         if self.dead:
             raise EngineDead(self.dead)
@@ -69,7 +119,7 @@ class EngineLoop:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
         loop = asyncio.get_running_loop()
-        item = _Add(request_id, prompt, params, asyncio.Queue(), loop.create_future(), loop)
+        item = _Add(request_id, prompt, params, RequestStream(params.output_kind, ready), loop.create_future(), loop)
         with self._pending_lock:
             self._pending += 1
         self._inbox.put(item)
@@ -134,11 +184,9 @@ class EngineLoop:
             item = self._open.get(out.request_id)
             if item is None:
                 continue
-            batch = batches.setdefault(item.loop, [])
-            batch.append((item.outputs, out))
+            batches.setdefault(item.loop, []).append((item.outputs, out))
             if out.finished:
                 del self._open[out.request_id]
-                batch.append((item.outputs, None))
                 if self.on_finished is not None:
                     self.on_finished(out)
         for loop, batch in batches.items():
@@ -146,7 +194,7 @@ class EngineLoop:
 
     def _fail_all(self, exc: BaseException) -> None:
         for item in list(self._open.values()):
-            item.loop.call_soon_threadsafe(item.outputs.put_nowait, exc)
+            item.loop.call_soon_threadsafe(item.outputs.fail, exc)
         self._open.clear()
         while True:
             try:
@@ -158,8 +206,8 @@ class EngineLoop:
 
 
 def _put_all(batch: list) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+    for stream, out in batch:
+        stream.put(out)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -7,7 +7,7 @@ import pytest
 from nanovllm_tp import SamplingParams
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput, merge_delta
 from nanovllm_tp.sampling_params import RequestOutputKind
-from nanovllm_tp.serving.engine_loop import EngineDead, RequestStream
+from nanovllm_tp.serving.engine_client import EngineDead, RequestStream
 
 PROMPTS = ["The quick brown fox", "Once upon a time there"]
 

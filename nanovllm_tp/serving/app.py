@@ -1,17 +1,18 @@
-"""The HTTP layer: FastAPI routes of the OpenAI API over one EngineLoop. Handlers only validate, submit and
-await their requests' outputs; a client that goes away has its requests aborted."""
+"""The HTTP layer: FastAPI routes of the OpenAI API over an EngineClient (in the HTTP process). Handlers only
+validate, submit and await their requests' outputs; a client that goes away has its requests aborted."""
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_tp.serving.engine_loop import EngineDead, EngineLoop, Overloaded, RequestStream
+from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
@@ -30,16 +31,27 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(error_body(message, kind, status, param), status_code=status)
 
 
-def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024) -> FastAPI:
-    metrics = ServingMetrics(llm.engine.scheduler, model_name)
-    engine = EngineLoop(llm, max_waiting_requests, on_finished=metrics.on_finished)
+@dataclass(slots=True)
+class ServedModel:
+    name: str                  # what clients call it
+    root: str                  # where it was loaded from
+    max_model_len: int
+    tokenizer: object          # for chat templates and echo
+
+
+def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = None) -> FastAPI:
+    model_name, tokenizer = model.name, model.tokenizer
+    metrics = ServingMetrics(lambda: engine.stats, model_name)
+    engine.on_finished = metrics.on_finished
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        engine.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        engine.close()
 
     app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan)
-    app.state.engine, app.state.llm = engine, llm
+    app.state.engine = engine
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -107,8 +119,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanovllm_tp", "root": llm.config.model,
-                                            "max_model_len": llm.config.max_model_len}]}
+                                            "owned_by": "nanovllm_tp", "root": model.root,
+                                            "max_model_len": model.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -123,7 +135,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
         top_n = body.logprobs or 0
 
         def choice(i, out, c, sent):
-            prefix = (out.prompt or llm.get_tokenizer().decode(out.prompt_token_ids)) \
+            prefix = (out.prompt or tokenizer.decode(out.prompt_token_ids)) \
                 if body.echo and not sent else ""
             lp = None
             if body.logprobs is not None:
@@ -141,7 +153,6 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        tokenizer = llm.get_tokenizer()
         try:
             params = body.sampling_params()
             if getattr(tokenizer, "chat_template", None) is None:

@@ -12,6 +12,7 @@ from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
+from nanovllm_tp.layers.linear import pack_cpu_weights
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
@@ -32,6 +33,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_model(self.model, config.model)
+        pack_cpu_weights(self.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:

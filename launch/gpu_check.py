@@ -115,9 +115,8 @@ def _device_facts() -> dict:
 
 
 def _engine_facts(llm) -> dict:
-    from nanovllm_tp.layers.attention import get_attention_backend
     runner = llm.engine.runner
-    return {"backend": get_attention_backend().name, "describe": runner.describe(),
+    return {"backend": runner.backend.name, "describe": runner.describe(),
             "graph_sizes": None if runner.graphs is None else sorted(runner.graphs.graphs),
             "num_kv_blocks": runner.num_kv_blocks, "block_size": runner.block_size}
 

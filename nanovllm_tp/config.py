@@ -184,7 +184,8 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    kvcache_block_size: int | None = None   # None: 256 with flash-attn, 16 otherwise
+    kvcache_block_size: int | None = None   # None: the backend's default (256 with flash-attn, 16 otherwise)
+    attention_backend: str = "auto"      # a registered name (layers/attention/); auto: see its registry.py
     kv_cache_memory: int | None = None   # bytes per rank; CPU default below, on CUDA overrides utilization
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -218,6 +219,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        from nanovllm_tp.layers.attention.registry import check_backend_name
+        check_backend_name(self.attention_backend)
         mc = self.model_config = ModelConfig.from_pretrained(self.model)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings

@@ -21,14 +21,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True, seed: int = 0, trace_path: str | None = None,
-                 trace_layers: bool = False):
+                 enable_prefix_caching: bool = True, seed: int = 0, attention_backend: str = "auto",
+                 trace_path: str | None = None, trace_layers: bool = False):
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, kvcache_block_size=kvcache_block_size,
                               kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                               enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              trace_path=trace_path, trace_layers=trace_layers)
+                              attention_backend=attention_backend, trace_path=trace_path, trace_layers=trace_layers)
         config.validate()
         from nanovllm_tp.distributed.launch import launched_by_torchrun
         if tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:

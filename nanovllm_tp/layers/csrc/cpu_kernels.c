@@ -1,6 +1,6 @@
 /* fp32 and bf16 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
  * and a few microseconds of dispatch): paged decode attention, RMSNorm (with the residual add fused in),
- * neox RoPE and SiLU-and-mul. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
+ * neox RoPE and SiLU-and-mul; and the sampler's per-row top-k. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
  *
  * Threads: OpenMP. Built against the libgomp torch has already loaded, the kernels share torch's thread pool
  * and follow torch.set_num_threads. Small inputs stay on the calling thread (a parallel region costs more).
@@ -252,4 +252,76 @@ void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16)
         if (bf16) silu_mul_row(gate, up, o, width, 1);
         else silu_mul_row(gate, up, o, width, 0);
     }
+}
+
+/* ---------------------------------------------------------------- top-k per row (the sampler's)
+ *   x [rows, cols] fp32 (row stride `stride`) -> vals, ids [rows, k]: each row's k largest, best first; of
+ * equal values the lower column comes first. One pass per row with a heap of the k best so far (its root the
+ * worst of them), then the heap sorted out. Values are compared as integer keys that order floats exactly,
+ * -inf (a masked logit) included, whatever -ffast-math assumes. Returns -1 if the heap cannot be allocated.
+ */
+typedef struct { uint32_t key; int32_t col; } topk_entry;
+
+INLINE uint32_t order_key(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+INLINE int ranks_before(topk_entry a, topk_entry b)
+{
+    return a.key > b.key || (a.key == b.key && a.col < b.col);
+}
+
+static void sift_down(topk_entry *h, int n, int i)
+{
+    for (;;) {
+        int worst = i;
+        const int l = 2 * i + 1, r = l + 1;
+        if (l < n && ranks_before(h[worst], h[l])) worst = l;
+        if (r < n && ranks_before(h[worst], h[r])) worst = r;
+        if (worst == i) return;
+        const topk_entry t = h[i];
+        h[i] = h[worst];
+        h[worst] = t;
+        i = worst;
+    }
+}
+
+int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
+{
+    int failed = 0;
+    #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
+    for (int64_t r = 0; r < rows; r++) {
+        topk_entry *h = malloc(sizeof(topk_entry) * (size_t)k);
+        if (!h) {
+            failed = 1;
+            continue;
+        }
+        const float *row = x + r * stride;
+        for (int c = 0; c < k; c++) h[c] = (topk_entry){order_key(row[c]), c};
+        for (int i = k / 2 - 1; i >= 0; i--) sift_down(h, k, i);
+        for (int64_t start = k; start < cols; start += 16) {   /* most blocks hold nothing better: skipped */
+            const int64_t end = start + 16 < cols ? start + 16 : cols;
+            float best = row[start];
+            for (int64_t c = start + 1; c < end; c++) best = best > row[c] ? best : row[c];
+            if (order_key(best) <= h[0].key) continue;
+            for (int64_t c = start; c < end; c++) {
+                const topk_entry e = {order_key(row[c]), (int32_t)c};
+                if (e.key > h[0].key) {  /* an equal value comes later, so ranks after the root */
+                    h[0] = e;
+                    sift_down(h, k, 0);
+                }
+            }
+        }
+        for (int n = k; n > 0; n--) {    /* the root is the worst left: it takes the last free place */
+            vals[r * k + n - 1] = row[h[0].col];
+            ids[r * k + n - 1] = h[0].col;
+            h[0] = h[n - 1];
+            sift_down(h, n - 1, 0);
+        }
+        free(h);
+    }
+    return failed ? -1 : 0;
 }

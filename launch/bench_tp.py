@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.trace import sibling_path
 
 NAME = "bench_tp"
 
@@ -66,7 +67,7 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
            "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--repeats", str(args.repeats),
            *(["--model", args.model] if args.model else []), *(["--quiet"] if args.quiet else []),
-           *(["--trace", trace_name(args.trace, tp)] if args.trace else []), *passthrough]
+           *(["--trace", sibling_path(args.trace, f"tp{tp}")] if args.trace else []), *passthrough]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
@@ -93,11 +94,6 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
     return {"tp": tp, "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
             "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"), "wall_s": time.perf_counter() - t0,
             "command": cmd, "child_environment": child["environment"], "child_config": child["config"]}
-
-
-def trace_name(path: str, tp: int) -> str:
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.tp{tp}{ext or '.json'}"
 
 
 def table(result: dict) -> str:

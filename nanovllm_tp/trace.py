@@ -88,6 +88,12 @@ class Recording:
 _recording: Recording | None = None
 
 
+def sibling_path(path: str, tag: str) -> str:
+    """out.json -> out.TAG.json: where a second engine of the same run writes its trace."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{tag}{ext or '.json'}"
+
+
 def part_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}"
 

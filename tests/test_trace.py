@@ -216,3 +216,5 @@ def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
     parser = argparse.ArgumentParser()
     generate.add_engine_args(parser)
     assert parser.parse_args([]).trace is None
+    assert trace.sibling_path("/d/out.json", "offline") == "/d/out.offline.json"     # bench_serve's offline engine
+    assert trace.sibling_path("/d/out", "tp2") == "/d/out.tp2.json"

@@ -36,29 +36,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def start_front(args, commands: str, outputs: str) -> subprocess.Popen:
+    """The HTTP process: it imports and connects while the engine loads, and serves once told what."""
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
+    if args.api_key:
+        env["NANOVLLM_TP_API_KEY"] = args.api_key
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
+         "--name", args.served_model_name or args.model or "tiny", "--host", args.host, "--port", str(args.port),
+         "--max-waiting-requests", str(args.max_waiting_requests), "--log-level", args.log_level], env=env)
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 1:
         raise SystemExit("--max-waiting-requests must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = build_llm(args)          # under torchrun, ranks > 0 serve plans in here and exit with rank 0
+    if int(os.environ.get("RANK", "0")) != 0:
+        build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0
+        return
     from nanovllm_tp.serving.engine_loop import EngineLoop, wait_for_front
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT):         # stop between two steps, not inside one
-        signal.signal(sig, lambda signum, frame: stop.append(signum))
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
-    loop = front = None
+    stop, front, llm, loop = [], None, None, None
     try:
+        front = start_front(args, commands, outputs)
+        llm = build_llm(args)
+        for sig in (signal.SIGTERM, signal.SIGINT):     # from now on, stop between two steps, not inside one
+            signal.signal(sig, lambda signum, frame: stop.append(signum))
         loop = EngineLoop(llm, commands, outputs)
-        env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
-        if args.api_key:
-            env["NANOVLLM_TP_API_KEY"] = args.api_key
-        front = subprocess.Popen(
-            [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
-             "--model", llm.config.model, "--name", args.served_model_name or args.model or "tiny",
-             "--max-model-len", str(llm.config.max_model_len), "--host", args.host, "--port", str(args.port),
-             "--max-waiting-requests", str(args.max_waiting_requests), "--log-level", args.log_level], env=env)
         loop.run(lambda: not stop and front.poll() is None)
     finally:
         if front is not None and front.poll() is None:
@@ -66,7 +72,8 @@ def main(argv=None) -> None:
             wait_for_front(front, timeout=5)
         if loop is not None:
             loop.close()
-        llm.close()
+        if llm is not None:
+            llm.close()
         shutil.rmtree(rundir, ignore_errors=True)
     if not stop:
         raise SystemExit(f"the HTTP process exited with {front.returncode}")

@@ -309,3 +309,21 @@ def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir
         os.kill(proc.pid, signal.SIGKILL)
         assert wait_gone([front], 15) is not None
         assert not rundirs(proc.pid)
+
+
+def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
+    """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans."""
+    port = free_port()
+    cmd = ["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model", tiny_model_dir,
+           "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
+    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+        wait_ready(port, proc)
+        fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
+        assert len(fronts) == 1
+        got = client(port, key="unused").completions.create(model="tiny", prompt=PROMPTS, max_tokens=16,
+                                                            temperature=0)
+        assert [ch.text for ch in got.choices] == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        pids = [proc.pid, *_children(proc.pid)]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert wait_gone(pids, 30) is not None
+        assert not [d for p in pids for d in rundirs(p)]

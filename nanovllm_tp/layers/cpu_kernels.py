@@ -142,7 +142,7 @@ class CpuKernels:
         rows, cols = x.shape
         vals, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
         if self._topk_rows(x.data_ptr(), rows, cols, x.stride(0), k, vals.data_ptr(), ids.data_ptr()):
-            raise MemoryError("the CPU top-k kernel could not allocate its heap")
+            raise MemoryError("the CPU top-k kernel could not allocate its scratch")
         return vals, ids
 
 

@@ -91,6 +91,13 @@ class EngineClient:
         self._ids = itertools.count()
         self._receiver: asyncio.Task | None = None
 
+    async def wait_ready(self) -> dict:
+        """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
+        msg = wire.unpack(await self._outputs.recv())
+        if msg["op"] != "ready":
+            raise RuntimeError(f"the engine's first message was {msg['op']!r}, not 'ready'")
+        return msg
+
     def start(self) -> None:
         """Start receiving (on the running event loop)."""
         self._receiver = asyncio.ensure_future(self._receive())

@@ -1,5 +1,8 @@
 """The engine side of the server: rank 0's main thread owns the LLM and serves the HTTP process.
 
+Once the engine is up, the loop binds its sockets and tells the HTTP process (started earlier, so that its imports
+overlap the engine's loading) what it serves.
+
 The HTTP process (serving/frontend.py) parses requests, renders chat templates and writes server-sent events;
 this loop only runs the engine. They are separate processes so that neither waits for the other's interpreter
 lock: on a small model a step takes a few milliseconds, about what the HTTP side spends per step on 64 streams.
@@ -37,6 +40,7 @@ class EngineLoop:
         for sock, endpoint in ((self._commands, commands), (self._outputs, outputs)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
+        self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
     def run(self, keep_going) -> None:
         """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS)."""

@@ -1,7 +1,8 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
 HTTP -> engine:  {"op": "add", "id", "prompt", "params"}, {"op": "abort", "id"}
-engine -> HTTP:  {"op": "accepted", "id", "error", "error_type"}   (error: None, or validation's message)
+engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
+                 {"op": "accepted", "items": [[id, error, error type]]}  (error: None, or validation's message)
                  {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle)
                  {"op": "dead", "why"}                                 (the engine stopped; nothing more comes)
 

@@ -256,10 +256,15 @@ void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16)
 
 /* ---------------------------------------------------------------- top-k per row (the sampler's)
  *   x [rows, cols] fp32 (row stride `stride`) -> vals, ids [rows, k]: each row's k largest, best first; of
- * equal values the lower column comes first. One pass per row with a heap of the k best so far (its root the
- * worst of them), then the heap sorted out. Values are compared as integer keys that order floats exactly,
- * -inf (a masked logit) included, whatever -ffast-math assumes. Returns -1 if the heap cannot be allocated.
+ * equal values the lower column comes first. Values are compared as integer keys that order floats exactly, -inf
+ * (a masked logit) included, whatever -ffast-math assumes.
+ * Per row: the maximum of each block of 16 columns; the k-th largest of those maxima is a threshold that at least
+ * k values reach (one per such block), so only blocks whose maximum reaches it are read again, and only values
+ * reaching it are inserted into the sorted list of the best k so far (about 1-2 k insertions on logits).
+ * Returns -1 if the row's scratch cannot be allocated.
  */
+#define TOPK_BLOCK 16
+
 typedef struct { uint32_t key; int32_t col; } topk_entry;
 
 INLINE uint32_t order_key(float f)
@@ -269,59 +274,85 @@ INLINE uint32_t order_key(float f)
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-INLINE int ranks_before(topk_entry a, topk_entry b)
+/* the n-th largest (0-based) of a[0..len), reordering a: quickselect, middle pivot */
+static uint32_t nth_largest(uint32_t *a, int64_t len, int64_t n)
 {
-    return a.key > b.key || (a.key == b.key && a.col < b.col);
+    int64_t lo = 0, hi = len - 1;
+    while (lo < hi) {
+        const uint32_t pivot = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const uint32_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (n <= j) hi = j;
+        else if (n >= i) lo = i;
+        else return a[n];
+    }
+    return a[n];
 }
 
-static void sift_down(topk_entry *h, int n, int i)
+/* insert e into best[0..*n) (sorted: larger key first, then lower column), keeping at most k */
+INLINE void insert_sorted(topk_entry *best, int *n, int k, topk_entry e)
 {
-    for (;;) {
-        int worst = i;
-        const int l = 2 * i + 1, r = l + 1;
-        if (l < n && ranks_before(h[worst], h[l])) worst = l;
-        if (r < n && ranks_before(h[worst], h[r])) worst = r;
-        if (worst == i) return;
-        const topk_entry t = h[i];
-        h[i] = h[worst];
-        h[worst] = t;
-        i = worst;
+    if (*n == k && e.key <= best[k - 1].key) return;   /* columns come in order: an equal key ranks after */
+    int lo = 0, hi = *n;
+    while (lo < hi) {                                     /* the first entry e ranks before */
+        const int mid = (lo + hi) / 2;
+        if (best[mid].key >= e.key) lo = mid + 1;
+        else hi = mid;
     }
+    const int last = *n < k ? *n : k - 1;
+    memmove(best + lo + 1, best + lo, sizeof(topk_entry) * (size_t)(last - lo));
+    best[lo] = e;
+    if (*n < k) (*n)++;
 }
 
 int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
 {
+    const int64_t blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;
     int failed = 0;
     #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
     for (int64_t r = 0; r < rows; r++) {
-        topk_entry *h = malloc(sizeof(topk_entry) * (size_t)k);
-        if (!h) {
+        uint32_t *maxima = malloc(sizeof(uint32_t) * (size_t)blocks * 2);
+        topk_entry *best = malloc(sizeof(topk_entry) * (size_t)k);
+        if (!maxima || !best) {
+            free(maxima);
+            free(best);
             failed = 1;
             continue;
         }
         const float *row = x + r * stride;
-        for (int c = 0; c < k; c++) h[c] = (topk_entry){order_key(row[c]), c};
-        for (int i = k / 2 - 1; i >= 0; i--) sift_down(h, k, i);
-        for (int64_t start = k; start < cols; start += 16) {   /* most blocks hold nothing better: skipped */
-            const int64_t end = start + 16 < cols ? start + 16 : cols;
-            float best = row[start];
-            for (int64_t c = start + 1; c < end; c++) best = best > row[c] ? best : row[c];
-            if (order_key(best) <= h[0].key) continue;
-            for (int64_t c = start; c < end; c++) {
-                const topk_entry e = {order_key(row[c]), (int32_t)c};
-                if (e.key > h[0].key) {  /* an equal value comes later, so ranks after the root */
-                    h[0] = e;
-                    sift_down(h, k, 0);
-                }
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+            uint32_t m = 0;
+            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+                const uint32_t key = order_key(row[c]);
+                m = key > m ? key : m;
+            }
+            maxima[b] = maxima[blocks + b] = m;
+        }
+        const uint32_t threshold = k <= blocks ? nth_largest(maxima + blocks, blocks, k - 1) : 0;
+        int n = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            if (maxima[b] < threshold) continue;
+            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+                const uint32_t key = order_key(row[c]);
+                if (key >= threshold) insert_sorted(best, &n, k, (topk_entry){key, (int32_t)c});
             }
         }
-        for (int n = k; n > 0; n--) {    /* the root is the worst left: it takes the last free place */
-            vals[r * k + n - 1] = row[h[0].col];
-            ids[r * k + n - 1] = h[0].col;
-            h[0] = h[n - 1];
-            sift_down(h, n - 1, 0);
+        for (int i = 0; i < n; i++) {
+            vals[r * k + i] = row[best[i].col];
+            ids[r * k + i] = best[i].col;
         }
-        free(h);
+        free(maxima);
+        free(best);
     }
     return failed ? -1 : 0;
 }

@@ -184,7 +184,7 @@ def environment() -> dict:
         "argv": sys.argv,
     }
     from importlib.metadata import PackageNotFoundError, version
-    for module in ("transformers", "nanovllm_tp"):
+    for module in ("transformers", "nanovllm_tp", "triton", "flash_attn"):
         try:
             env[module] = version("nanovllm-tp" if module == "nanovllm_tp" else module)
         except PackageNotFoundError:

@@ -35,6 +35,7 @@ from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch import bench_latency
 from nanovllm_tp.launch.bench_latency import QUANTILES, arrival_offsets, label, load_points, run_point
 from nanovllm_tp.launch.make_tiny import CORPUS
+from nanovllm_tp.trace import sibling_path
 
 NAME = "bench_serve"
 
@@ -263,6 +264,8 @@ def main(argv=None) -> dict:
         if args.compare_offline:           # built while the server idles
             from nanovllm_tp.launch.bench import warm_up_engine
             from nanovllm_tp.launch.generate import build_llm
+            if args.trace:                 # the server writes args.trace; this engine writes beside it
+                args.trace = sibling_path(args.trace, "offline")
             llm = build_llm(args)
             warm_up_engine(llm, vocab, args.seed, args.temperature)
         draw_no = 0

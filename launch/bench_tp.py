@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.trace import sibling_path
 
 NAME = "bench_tp"
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="runs per TP size (bench reports the median)")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per TP size")
+    parser.add_argument("--trace", metavar="OUT.json", help="a Perfetto trace per TP size: OUT.tp1.json, ...")
     bc.add_output_args(parser)
     return parser
 
@@ -64,7 +66,8 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
            "--preset", args.preset, "--num-requests", str(args.num_requests),
            "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--repeats", str(args.repeats),
-           *(["--model", args.model] if args.model else []), *(["--quiet"] if args.quiet else []), *passthrough]
+           *(["--model", args.model] if args.model else []), *(["--quiet"] if args.quiet else []),
+           *(["--trace", sibling_path(args.trace, f"tp{tp}")] if args.trace else []), *passthrough]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK"):

@@ -21,10 +21,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, help="KV cache block size")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="auto, or a backend's name: torch, cpu (C decode kernel), torch-cuda, flash")
     parser.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per rank")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of every rank's steps "
+                        "(open it in https://ui.perfetto.dev)")
+    parser.add_argument("--trace-layers", action="store_true", help="with --trace: a span per decoder layer")
 
 
 def build_llm(args) -> LLM:
@@ -36,7 +41,8 @@ def build_llm(args) -> LLM:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+               attention_backend=args.attention_backend, trace_path=args.trace, trace_layers=args.trace_layers)
 
 
 def main(argv=None) -> None:

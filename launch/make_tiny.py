@@ -33,6 +33,10 @@ PRESETS = {
                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, torch_dtype="float32"),
     "small": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=64, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # Qwen3-0.6B's shape and vocabulary size (the tokenizer stays the tiny BPE): for throughput on a GPU
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       torch_dtype="bfloat16"),
 }
 BPE_VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # appended after BPE: ids 2000..2002
@@ -75,8 +79,8 @@ def build_config(preset: str, vocab_size: int, eos_id: int, overrides: dict) -> 
                   hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6,
                   rope_theta=1e6, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
                   use_cache=True, use_sliding_window=False, sliding_window=None,
-                  bos_token_id=eos_id, eos_token_id=eos_id, initializer_range=0.02,
-                  **PRESETS[preset])
+                  bos_token_id=eos_id, eos_token_id=eos_id, initializer_range=0.02)
+    config.update(PRESETS[preset])
     config.update(overrides)
     # transformers >= 5 reads rope/dtype from these keys; older versions from the legacy ones.
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}

@@ -1,5 +1,8 @@
 """An OpenAI-compatible HTTP server on rank 0 (completions, chat completions, models, health, metrics).
 
+Two processes: rank 0 runs the engine loop, and starts the HTTP process (serving/frontend.py) beside it; they
+talk over ZMQ on local sockets in a directory only this user can enter.
+
     python -m nanovllm_tp.launch.serve                                  # the embedded tiny checkpoint
     python -m nanovllm_tp.launch.serve --model DIR --port 8000 --api-key KEY
     ./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 --model DIR     # rank 0 serves HTTP, rank 1 plans
@@ -8,10 +11,13 @@ Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the ser
 (open requests are not drained).
 """
 import argparse
-import asyncio
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 
 from nanovllm_tp.launch.generate import add_engine_args, build_llm
 
@@ -30,35 +36,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def start_front(args, commands: str, outputs: str) -> subprocess.Popen:
+    """The HTTP process: it imports and connects while the engine loads, and serves once told what."""
+    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
+    if args.api_key:
+        env["NANOVLLM_TP_API_KEY"] = args.api_key
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
+         "--name", args.served_model_name or args.model or "tiny", "--host", args.host, "--port", str(args.port),
+         "--max-waiting-requests", str(args.max_waiting_requests), "--log-level", args.log_level], env=env)
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 1:
         raise SystemExit("--max-waiting-requests must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = build_llm(args)          # under torchrun, ranks > 0 serve plans in here and exit with rank 0
-    import uvicorn
-    from nanovllm_tp.serving.app import build_app
-    name = args.served_model_name or args.model or "tiny"
-    app = build_app(llm, name, args.api_key, args.max_waiting_requests)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-
-    async def announce():
-        while not server.started:
-            await asyncio.sleep(0.05)
-        print(f"nanovllm_tp serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-
-    async def run():
-        announcing = asyncio.ensure_future(announce())
-        await server.serve()
-        announcing.cancel()
-
+    if int(os.environ.get("RANK", "0")) != 0:
+        build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0
+        return
+    from nanovllm_tp.serving.engine_loop import EngineLoop, wait_for_front
+    rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
+    commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
+    stop, front, llm, loop = [], None, None, None
     try:
-        asyncio.run(run())
+        front = start_front(args, commands, outputs)
+        llm = build_llm(args)
+        for sig in (signal.SIGTERM, signal.SIGINT):     # from now on, stop between two steps, not inside one
+            signal.signal(sig, lambda signum, frame: stop.append(signum))
+        loop = EngineLoop(llm, commands, outputs)
+        loop.run(lambda: not stop and front.poll() is None)
     finally:
-        app.state.engine.shutdown()
-        llm.close()
+        if front is not None and front.poll() is None:
+            front.terminate()
+            wait_for_front(front, timeout=5)
+        if loop is not None:
+            loop.close()
+        if llm is not None:
+            llm.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+    if not stop:
+        raise SystemExit(f"the HTTP process exited with {front.returncode}")
     sys.exit(0)
 
 

@@ -184,12 +184,15 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    kvcache_block_size: int | None = None   # None: 256 with flash-attn, 16 otherwise
+    kvcache_block_size: int | None = None   # None: the backend's default (256 with flash-attn, 16 otherwise)
+    attention_backend: str = "auto"      # a registered name (layers/attention/); auto: see its registry.py
     kv_cache_memory: int | None = None   # bytes per rank; CPU default below, on CUDA overrides utilization
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
+    trace_path: str | None = None        # write a Chrome/Perfetto trace of every rank's steps here at close
+    trace_layers: bool = False           # ... with a span per decoder layer
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def validate(self) -> None:
@@ -205,7 +208,8 @@ class EngineConfig:
         for name in ("max_model_len", "kvcache_block_size", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        self._check_trace()
+        for name in ("enforce_eager", "enable_prefix_caching", "trace_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         u = self.gpu_memory_utilization
@@ -215,6 +219,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        from nanovllm_tp.layers.attention.registry import check_backend_name
+        check_backend_name(self.attention_backend)
         mc = self.model_config = ModelConfig.from_pretrained(self.model)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
@@ -238,6 +244,18 @@ class EngineConfig:
         if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={mc.num_key_value_heads} must "
                              "divide one another (kv heads are replicated when tp exceeds them)")
+
+    def _check_trace(self) -> None:
+        if self.trace_path is None:
+            if self.trace_layers is True:
+                raise ValueError("trace_layers=True needs trace_path (where to write the trace)")
+            return
+        if not isinstance(self.trace_path, (str, os.PathLike)):
+            raise TypeError(f"trace_path must be a file path, got {type(self.trace_path).__name__}")
+        path = os.path.abspath(os.fspath(self.trace_path))    # spawned and torchrun ranks write beside it
+        if not os.path.isdir(os.path.dirname(path)) or os.path.isdir(path):
+            raise ValueError(f"trace_path {self.trace_path!r}: not a file path in an existing directory")
+        self.trace_path = path
 
 
 def _check_int(name: str, value, minimum: int) -> None:

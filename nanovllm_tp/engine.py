@@ -1,65 +1,19 @@
 """Rank 0's engine: the scheduler, this rank's runner, and the plan channel to the other ranks."""
 import atexit
 import logging
-import os
-import signal
-import threading
 import time
 import weakref
 
 import numpy as np
-import torch
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.distributed.launch import exit_on_sigterm
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
+from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("nanovllm_tp")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if config.dtype != "auto":
-        dtype = _DTYPES[config.dtype]
-    elif use_cuda:
-        dtype = _DTYPES.get(config.model_config.torch_dtype.replace("torch.", ""), torch.bfloat16)
-    else:
-        dtype = torch.float32
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-    return device, dtype
-
-
-def choose_attention_backend(device: torch.device, dtype: torch.dtype, block_size: int | None = None):
-    """On CUDA flash-attn when it imports and takes the dtype and block size (an explicit kvcache_block_size it
-    cannot use picks torch-cuda), else torch-cuda; on CPU the C decode kernel."""
-    from nanovllm_tp.layers.attention import TorchBackend
-    forced = os.environ.get("NANOVLLM_TP_ATTENTION")    # torch | cpu | torch-cuda | flash, for comparisons
-    if device.type == "cuda" and forced != "torch":
-        from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend, flash_available, \
-            pick_cuda_backend
-        name = pick_cuda_backend(dtype, block_size, flash_available(), forced)
-        return FlashBackend() if name == "flash" else CudaTorchBackend()
-    if forced == "torch":
-        return TorchBackend()
-    from nanovllm_tp.layers.cpu_kernels import CpuBackend
-    return CpuBackend()
-
-
-def resolve_block_size(config: EngineConfig, backend) -> None:
-    if config.kvcache_block_size is None:
-        config.kvcache_block_size = 256 if backend.name == "flash" else 16
-    backend.check_block_size(config.kvcache_block_size)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -70,8 +24,8 @@ class LLMEngine:
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
-        backend = choose_attention_backend(self.device, self.dtype, config.kvcache_block_size)
-        resolve_block_size(config, backend)
+        backend = resolve_attention_backend(config, self.device, self.dtype)
+        self._trace = trace.start(config, rank=0)
         try:
             if config.tensor_parallel_size > 1 and not _under_torchrun():
                 from nanovllm_tp.distributed.launch import SpawnRendezvous, spawn_workers
@@ -97,7 +51,7 @@ class LLMEngine:
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
         _live_engines.add(self)
-        _exit_on_sigterm()
+        exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
 
     def _open_channel(self) -> None:
@@ -123,21 +77,41 @@ class LLMEngine:
         """End a request between steps (abort, stop string); its blocks are free at once."""
         self.scheduler.finish(seq, reason, stop_reason)
 
+    def stats(self) -> dict:
+        """What this engine runs on and lifetime counters of what it has done (LLM.stats documents the keys)."""
+        if self.runner is None:
+            raise RuntimeError("the engine is closed")
+        graphs, sched = self.runner.graphs, self.scheduler
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
+                "num_kv_blocks": self.runner.num_kv_blocks,
+                "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
+                "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
+                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens}
+
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs
         sched = self.scheduler
-        plan = sched.schedule()
+        with trace.span("schedule"):
+            plan = sched.schedule()
         if plan is None:
             return [], 0, False
         try:
             with tp_scope(self._tp):
                 if self.writer is not None:
-                    self.writer.publish(plan.encode())
-                logits = self.runner.execute(plan)
-            tokens, lp = self.sampler(logits, sched.sampling)
+                    with trace.span("encode_plan"):
+                        payload = plan.encode()
+                    with trace.span("publish"):
+                        self.writer.publish(payload)
+                with trace.plan_span("execute", plan):
+                    logits = self.runner.execute(plan)
+            with trace.span("sample"):
+                tokens, lp = self.sampler(logits, sched.sampling)
             if sched.prompt_chunks:
-                prompt_logprobs(logits, sched.prompt_chunks)
+                with trace.span("prompt_logprobs"):
+                    prompt_logprobs(logits, sched.prompt_chunks)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -147,7 +121,9 @@ class LLMEngine:
             raise
         if lp is not None:
             _record_logprobs(sched.sampling, lp)
-        return sched.postprocess(tokens), plan.num_tokens, plan.is_prefill
+        with trace.span("postprocess"):
+            progressed = sched.postprocess(tokens)
+        return progressed, plan.num_tokens, plan.is_prefill
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
@@ -199,6 +175,7 @@ class LLMEngine:
             shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
             set_tp(0, 1, None)
         stop_children(self.children)
+        trace.finish(self._trace, wait_s=0.0 if self.children else 10.0)   # spawned ranks have left by now
         if self._rendezvous is not None:
             self._rendezvous.close()
         if self.writer is not None:
@@ -235,13 +212,3 @@ def _check_one_multi_rank_engine(config: EngineConfig) -> None:
 def _under_torchrun() -> bool:
     from nanovllm_tp.distributed.launch import launched_by_torchrun
     return launched_by_torchrun()
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM becomes SystemExit on rank 0, so atexit closes the channel and stops every rank."""
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, on_sigterm)

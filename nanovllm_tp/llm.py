@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
@@ -20,12 +21,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True, seed: int = 0):
+                 enable_prefix_caching: bool = True, seed: int = 0, attention_backend: str = "auto",
+                 trace_path: str | None = None, trace_layers: bool = False):
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, kvcache_block_size=kvcache_block_size,
                               kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                              enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed)
+                              enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed,
+                              attention_backend=attention_backend, trace_path=trace_path, trace_layers=trace_layers)
         config.validate()
         from nanovllm_tp.distributed.launch import launched_by_torchrun
         if tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
@@ -159,7 +162,8 @@ class LLM:
         """Run one engine step; returns an output for every request that progressed (per its output_kind),
         including what happened to step()-driven requests since the last call."""
         if self.engine.has_unfinished():
-            self._engine_step()
+            with trace.span("step"):
+                self._engine_step()
         outputs = []
         for rid in list(self._dirty):
             del self._dirty[rid]
@@ -183,13 +187,14 @@ class LLM:
                 self._forget(state)
             self._dirty.clear()
             raise
-        for seq in progressed:
-            state = self._by_seq[seq.seq_id]
-            stop = state.update(seq)
-            if stop is not None:
-                self.engine.finish(seq, "stop", stop)
-                state.update(seq)
-            self._dirty[state.request_id] = None
+        with trace.span("detokenize"):
+            for seq in progressed:
+                state = self._by_seq[seq.seq_id]
+                stop = state.update(seq)
+                if stop is not None:
+                    self.engine.finish(seq, "stop", stop)
+                    state.update(seq)
+                self._dirty[state.request_id] = None
         return num_tokens, is_prefill
 
     def _generate(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
@@ -204,7 +209,8 @@ class LLM:
         try:
             while not all(s.finished for s in mine):
                 start = time.perf_counter()
-                num_tokens, is_prefill = self._engine_step()
+                with trace.span("step"):
+                    num_tokens, is_prefill = self._engine_step()
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
                 prefill_tps, decode_tps = (rate, decode_tps) if is_prefill else (prefill_tps, rate)
                 if bar is not None:
@@ -247,6 +253,12 @@ class LLM:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def stats(self) -> dict:
+        """Facts about the running engine and lifetime counters: device, dtype, tensor_parallel_size,
+        attention_backend, kv_block_size, num_kv_blocks, cuda_graph_batch_sizes (None when eager), num_steps,
+        num_preemptions, prefix_cache_hit_tokens. RuntimeError once closed."""
+        return self.engine.stats()
 
     def close(self) -> None:
         self.engine.close()

@@ -58,3 +58,25 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None
+
+
+def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of one request as one: each completion's text, tokens and logprobs joined,
+    the later one's state (finish, cumulative logprob, metrics) kept. Modifies and returns `earlier`."""
+    by_index = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        mine = by_index.get(c.index)
+        if mine is None:
+            earlier.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        mine.text += c.text
+        mine.token_ids = mine.token_ids + c.token_ids
+        if c.logprobs is not None:
+            mine.logprobs = (mine.logprobs or []) + c.logprobs
+        mine.cumulative_logprob, mine.finish_reason, mine.stop_reason = \
+            c.cumulative_logprob, c.finish_reason, c.stop_reason
+    if earlier.prompt_logprobs is None:
+        earlier.prompt_logprobs = later.prompt_logprobs
+    earlier.finished, earlier.metrics = later.finished, later.metrics
+    return earlier

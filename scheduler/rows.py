@@ -36,6 +36,34 @@ def rows_of(seqs) -> np.ndarray:
     return np.fromiter((s.row for s in seqs), ROW_DTYPE, len(seqs))
 
 
+class SeenTokens:
+    """A sequence's distinct tokens and how often each occurs in its output, for the penalties. Kept on the
+    sequence and brought up to date from its tokens when read (they only grow, preemption included), so a
+    step costs the tokens added since the last one, not the whole history."""
+    __slots__ = ("ids", "out_counts", "size", "slot", "upto")
+
+    def __init__(self):
+        self.ids = np.zeros(64, np.int64)
+        self.out_counts = np.zeros(64, np.float32)
+        self.size, self.slot, self.upto = 0, {}, 0     # slot: token id -> its index in ids
+
+    def update(self, token_ids: list[int], num_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+        for pos in range(self.upto, len(token_ids)):
+            t = token_ids[pos]
+            i = self.slot.get(t)
+            if i is None:
+                if self.size == len(self.ids):
+                    self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+                    self.out_counts = np.concatenate([self.out_counts, np.zeros_like(self.out_counts)])
+                i = self.slot[t] = self.size
+                self.ids[i] = t
+                self.size += 1
+            if pos >= num_prompt:
+                self.out_counts[i] += 1
+        self.upto = len(token_ids)
+        return self.ids[:self.size], self.out_counts[:self.size]
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """What rank 0's sampler needs for one step: one entry per row that produces a token this step."""
@@ -48,19 +76,20 @@ class SamplingBatch:
         return len(self.seqs)
 
     def penalty_tokens(self, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(entry, token id, is an output token) for every token of the given entries' sequences."""
-        counts, tokens, outputs = [], [], []
+        """(entry, token id, times in the output) for each distinct token, prompt or output, of the given
+        entries' sequences."""
+        ids, counts, sizes = [], [], []
         for e in entries.tolist():
             seq = self.seqs[e]
-            counts.append(seq.num_tokens)
-            tokens.append(np.asarray(seq.token_ids, np.int64))
-            out = np.zeros(seq.num_tokens, np.bool_)
-            out[seq.num_prompt_tokens:] = True
-            outputs.append(out)
-        if not counts:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, np.zeros(0, np.bool_)
-        return np.repeat(entries, counts), np.concatenate(tokens), np.concatenate(outputs)
+            if seq.seen is None:
+                seq.seen = SeenTokens()
+            i, c = seq.seen.update(seq.token_ids, seq.num_prompt_tokens)
+            ids.append(i)
+            counts.append(c)
+            sizes.append(len(i))
+        if not sizes:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return np.repeat(entries, sizes), np.concatenate(ids), np.concatenate(counts)
 
     def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""

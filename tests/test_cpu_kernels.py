@@ -9,7 +9,8 @@ import torch
 
 from nanovllm_tp.context import Context
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.attention import TorchBackend
+from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
+from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from tests.helpers import random_paged_decode
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -34,7 +35,7 @@ def test_kernel_matches_torch_backend(head_dim, group, block_size, dtype):
                                                                    seed=head_dim * 1000 + group * 10 + block_size)
     q, k_cache, v_cache = (t.to(dtype) for t in (q, k_cache, v_cache))
     ctx = decode_context(lens, table, context_lens)
-    backend = cpu_kernels.CpuBackend()
+    backend = CpuBackend()
     assert cpu_kernels.load() is not None
     scale = head_dim ** -0.5
     got = backend.forward(q, None, None, k_cache, v_cache, ctx, scale)
@@ -51,7 +52,7 @@ def test_kernel_padding_row_and_thread_counts_agree():
     lens = [0, 5, 300, 17, 64, 1, 129, 0]
     q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 4, 2, 64, seed=0)
     ctx = decode_context(lens, table, context_lens)
-    backend = cpu_kernels.CpuBackend()
+    backend = CpuBackend()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -77,7 +78,7 @@ def test_kernel_reads_only_the_rows_blocks():
     for block in set(range(k_cache.shape[0])) - owned:
         k_cache[block] = float("nan")
         v_cache[block] = float("nan")
-    out = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, decode_context(lens, table, context_lens),
+    out = CpuBackend().forward(q, None, None, k_cache, v_cache, decode_context(lens, table, context_lens),
                                              32 ** -0.5)
     assert torch.isfinite(out).all()
 
@@ -104,7 +105,7 @@ def test_without_a_compiler_decode_falls_back_to_torch(tmp_path, monkeypatch, ca
         lens = [3, 40]
         q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, seed=2)
         ctx = decode_context(lens, table, context_lens)
-        got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
+        got = CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
         assert torch.equal(got, TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2))
     finally:
         cpu_kernels.load.cache_clear()
@@ -132,7 +133,7 @@ def test_other_dtypes_use_the_torch_path():
     q, k_cache, v_cache, table, context_lens = random_paged_decode(lens, 16, 2, 2, 32, seed=3)
     q, k_cache, v_cache = (t.to(torch.float16) for t in (q, k_cache, v_cache))
     ctx = decode_context(lens, table, context_lens)
-    got = cpu_kernels.CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
+    got = CpuBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2)
     assert got.dtype == torch.float16
     assert torch.equal(got, TorchBackend().forward(q, None, None, k_cache, v_cache, ctx, 0.2))
 
@@ -275,3 +276,30 @@ def test_engine_uses_the_kernels_and_matches_with_them_off(tiny_model_dir, both_
             top = ref_logprobs[same][ref_tokens[same]].logprob
             assert tokens[same] in ref_logprobs[same], "the flipped choice is the reference's runner-up"
             assert top - ref_logprobs[same][tokens[same]].logprob < margin, "a near tie in the reference"
+
+
+@needs_compiler
+@pytest.mark.parametrize("k", [1, 5, 50, 300])
+@pytest.mark.parametrize("rows,cols", [(1, 300), (7, 2003), (64, 49152)])     # 64 x 49152: the threaded path
+def test_topk_matches_torch(rows, cols, k):
+    g = torch.Generator().manual_seed(rows * cols + k)
+    x = torch.randn(rows, cols + 3, generator=g)[:, 3:]           # a row stride that is not the width
+    x[0, ::7] = float("-inf")                                      # masked logits, as the sampler sees them
+    x[-1, : cols // 2] = float("-inf")
+    k = min(k, cols)
+    vals, ids = cpu_kernels.load().topk(x, k)
+    want = x.topk(k, dim=-1)
+    torch.testing.assert_close(vals, want.values, rtol=0, atol=0)
+    assert torch.equal(x.gather(1, ids), vals)                    # the ids point at those values
+    assert all(len(set(r)) == k for r in ids.tolist())             # no column twice
+
+
+@needs_compiler
+def test_topk_ties_take_the_lower_column_first():
+    x = torch.zeros(3, 100)
+    x[1, 40:60] = 1.0
+    x[2] = float("-inf")                                           # a row of nothing but -inf
+    vals, ids = cpu_kernels.load().topk(x, 8)
+    assert ids[0].tolist() == list(range(8))
+    assert ids[1].tolist() == list(range(40, 48)) and vals[1].tolist() == [1.0] * 8
+    assert ids[2].tolist() == list(range(8)) and vals[2].isneginf().all()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.layers.attention import TorchBackend
+from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
 from nanovllm_tp.workers.cuda_graph import DecodeInputs, block_table_width, graph_batch_sizes, padded_batch_size
 from nanovllm_tp.workers.kv_cache import blocks_for_budget, gpu_kv_budget, kv_block_bytes
@@ -172,25 +172,25 @@ def test_gpu_kv_budget():
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256, 1024])
 def test_cuda_torch_backend_accepts_power_of_two_blocks(block_size):
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
-    object.__new__(CudaTorchBackend).check_block_size(block_size)
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
+    object.__new__(CudaTorchBackend).fit_block_size(block_size)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 12, 24, 100, 768, 2048])
 def test_cuda_torch_backend_rejects_other_blocks(block_size):
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
     with pytest.raises(ValueError, match=rf"power of two in \[8, 1024\] as kvcache_block_size, got {block_size}"):
-        object.__new__(CudaTorchBackend).check_block_size(block_size)
+        object.__new__(CudaTorchBackend).fit_block_size(block_size)
 
 
 def test_flash_backend_block_sizes():
-    from nanovllm_tp.layers.flash_backend import FlashBackend
+    from nanovllm_tp.layers.attention.flash import FlashBackend
     backend = object.__new__(FlashBackend)
     for ok in (256, 512, 1024):
-        backend.check_block_size(ok)
+        backend.fit_block_size(ok)
     for bad in (16, 128, 255, 300):
         with pytest.raises(ValueError, match=rf"multiple of 256 as kvcache_block_size, got {bad}"):
-            backend.check_block_size(bad)
+            backend.fit_block_size(bad)
 
 
 # ---------------------------------------------------------------- CUDA backend choice, flash-attn present or not
@@ -205,7 +205,7 @@ BF16, FP32 = torch.bfloat16, torch.float32
     (False, BF16, None, "torch-cuda"), (False, BF16, 16, "torch-cuda"), (False, BF16, 256, "torch-cuda"),
 ])
 def test_cuda_backend_choice(flash_ok, dtype, block_size, want, caplog):
-    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    from nanovllm_tp.layers.attention.registry import pick_cuda_backend
     with caplog.at_level("INFO", logger="nanovllm_tp"):
         assert pick_cuda_backend(dtype, block_size, flash_ok, None) == want
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -222,7 +222,7 @@ def test_cuda_backend_choice(flash_ok, dtype, block_size, want, caplog):
 @pytest.mark.parametrize("flash_ok", [True, False])
 @pytest.mark.parametrize("block_size", [12, 768, 2048])
 def test_cuda_backend_choice_block_size_no_backend_takes(flash_ok, block_size):
-    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    from nanovllm_tp.layers.attention.registry import pick_cuda_backend
     if flash_ok and block_size % 256 == 0:      # flash-attn takes it
         assert pick_cuda_backend(BF16, block_size, flash_ok, None) == "flash"
         block_size = 1292       # neither rule holds
@@ -236,7 +236,7 @@ def test_cuda_backend_choice_block_size_no_backend_takes(flash_ok, block_size):
 
 
 def test_cuda_backend_choice_forced():
-    from nanovllm_tp.layers.flash_backend import pick_cuda_backend
+    from nanovllm_tp.layers.attention.registry import pick_cuda_backend
     assert pick_cuda_backend(BF16, 256, True, "torch-cuda") == "torch-cuda"
     assert pick_cuda_backend(BF16, None, True, "flash") == "flash"
     with pytest.raises(ValueError, match=r"=flash, but flash-attn's paged KV cache needs a multiple of 256 "
@@ -252,14 +252,16 @@ def test_cuda_backend_choice_forced():
 
 def test_cuda_backend_choice_with_this_machines_flash_attn(caplog):
     """The same choice with the real availability flag of this environment (flash-attn installed or not)."""
-    from nanovllm_tp.layers.flash_backend import flash_available, pick_cuda_backend
+    from nanovllm_tp.layers.attention.flash import flash_available
+    from nanovllm_tp.layers.attention.registry import pick_cuda_backend
     present = flash_available()
     assert pick_cuda_backend(BF16, None, present, None) == ("flash" if present else "torch-cuda")
     assert pick_cuda_backend(BF16, 16, present, None) == "torch-cuda"
 
 
 def test_backend_graph_support_flags():
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend, FlashBackend
+    from nanovllm_tp.layers.attention.flash import FlashBackend
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
     assert TorchBackend.supports_graphs is False      # reads host-side lengths: never captured
     assert CudaTorchBackend.supports_graphs and FlashBackend.supports_graphs
 
@@ -270,17 +272,16 @@ def test_cpu_engine_never_builds_graphs(tiny_model_dir, monkeypatch):
     import nanovllm_tp.workers.cuda_graph as cuda_graph
 
     from nanovllm_tp import LLM, SamplingParams
-    from nanovllm_tp.engine import choose_attention_backend
+    from nanovllm_tp.layers.attention.registry import select_backend
 
     def refuse(*args, **kwargs):
         raise AssertionError("a CUDAGraphRunner was built on CPU")
 
     monkeypatch.setattr(cuda_graph, "CUDAGraphRunner", refuse)
     monkeypatch.setattr(cuda_graph, "profile_kv_budget", refuse)
-    for forced in ("torch-cuda", "flash"):      # forcing a CUDA backend means nothing on CPU
-        monkeypatch.setenv("NANOVLLM_TP_ATTENTION", forced)
-        assert isinstance(choose_attention_backend(torch.device("cpu"), torch.float32), TorchBackend)
-    monkeypatch.delenv("NANOVLLM_TP_ATTENTION")
+    for cuda_only in ("torch-cuda", "flash"):      # asking for a CUDA backend on CPU is refused by name
+        with pytest.raises(ValueError, match=rf"attention_backend={cuda_only} runs on cuda, not cpu"):
+            select_backend(torch.device("cpu"), torch.float32, None, cuda_only)
     llm = LLM(tiny_model_dir, device="cpu", enforce_eager=False, kvcache_block_size=16, kv_cache_memory=32 << 20,
               max_num_seqs=4)
     try:
@@ -334,7 +335,7 @@ def test_teardown_releases_runner_before_destroying_the_process_group(tiny_model
 def _cpu_runner(tiny_model_dir):
     from nanovllm_tp.config import EngineConfig
     from nanovllm_tp.distributed.parallel_state import set_tp
-    from nanovllm_tp.layers.cpu_kernels import CpuBackend
+    from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
     from nanovllm_tp.workers.worker import build_runner
     config = EngineConfig(model=tiny_model_dir, device="cpu", kvcache_block_size=16, kv_cache_memory=8 << 20,
                           max_model_len=256, max_num_seqs=4)
@@ -406,7 +407,7 @@ def test_gpu_check_script_uses_python3_when_python_is_absent(tmp_path):
     proc = subprocess.run([shutil.which("bash"), str(REPO / "scripts" / "gpu_check.sh"), "--help"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout and "--smoke" in proc.stdout
+    assert "usage" in proc.stdout and "--dry-run" in proc.stdout
     assert marker.exists()
 
 

@@ -102,30 +102,56 @@ def test_mixed_batch_rows_keep_their_own_knobs():
     assert together[0] == int(logits[0].argmax())
 
 
-def test_penalties_match_a_direct_computation():
-    torch.manual_seed(2)
-    vocab = 40
-    logits = torch.randn(3, vocab) * 3
-    prompts = [[1, 2, 3, 3], [5, 6], [7]]
-    outputs = [[3, 9, 9, 10], [6, 6, 6, 11], [12]]
-    params = [SamplingParams(temperature=0, repetition_penalty=1.7),
-              SamplingParams(temperature=0, presence_penalty=1.1, frequency_penalty=0.6),
-              SamplingParams(temperature=0, repetition_penalty=0.6, presence_penalty=-0.4, frequency_penalty=1.9)]
-    batch = batch_of(params, prompts, outputs)
+def penalized(logits, params, prompts, outputs) -> torch.Tensor:
+    """vLLM's penalties, one logit at a time: repetition over prompt and output, frequency and presence over
+    the output."""
     want = logits.clone()
     for r, p in enumerate(params):
         seen = set(prompts[r]) | set(outputs[r])
-        for t in range(vocab):
+        for t in range(logits.shape[1]):
             x = float(want[r, t])
             if t in seen:
                 x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
             c = outputs[r].count(t)
             x -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
             want[r, t] = x
+    return want
+
+
+PENALTIES = [SamplingParams(temperature=0, repetition_penalty=1.7),
+             SamplingParams(temperature=0, presence_penalty=1.1, frequency_penalty=0.6),
+             SamplingParams(temperature=0, repetition_penalty=0.6, presence_penalty=-0.4, frequency_penalty=1.9)]
+
+
+def test_penalties_match_a_direct_computation():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40) * 3
+    prompts = [[1, 2, 3, 3], [5, 6], [7]]
+    outputs = [[3, 9, 9, 10], [6, 6, 6, 11], [12]]
+    batch = batch_of(PENALTIES, prompts, outputs)
+    want = penalized(logits, PENALTIES, prompts, outputs)
     got = Sampler()._penalize(logits.clone(), batch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     tokens, _ = Sampler()(logits, batch)
     assert tokens == want.argmax(-1).tolist()
+
+
+def test_penalties_follow_sequences_that_grow_between_steps():
+    """The counts are kept on each sequence across steps: after each step's new tokens (past the first
+    allocation of distinct ids, repeats of prompt tokens among them) they still equal a count from scratch."""
+    rng = np.random.default_rng(5)
+    vocab = 300
+    prompts = [[1, 2, 3, 3], [5, 6], [7]]
+    outputs = [[], [], []]
+    batch = batch_of(PENALTIES, prompts, outputs)
+    for step in range(6):
+        for r, seq in enumerate(batch.seqs):
+            new = rng.integers(0, vocab if step % 2 else 10, size=int(rng.integers(1, 60))).tolist()
+            seq.token_ids += new
+            outputs[r] += new
+        logits = torch.from_numpy(rng.standard_normal((3, vocab)).astype(np.float32) * 3)
+        want = penalized(logits, PENALTIES, prompts, outputs)
+        torch.testing.assert_close(Sampler()._penalize(logits.clone(), batch), want, rtol=1e-6, atol=1e-5)
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():

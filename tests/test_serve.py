@@ -1,10 +1,14 @@
 """The OpenAI server as its users meet it: a real server process on a free port of 127.0.0.1, driven with the
 official `openai` client (and raw HTTP where the client hides what is checked)."""
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import re
 import signal
+import subprocess
+import tempfile
 import time
 
 import httpx
@@ -20,10 +24,28 @@ ENGINE_ARGS = ["--block-size", "16", "--kv-cache-memory", str(32 << 20), "--max-
 
 
 def start_server(model_dir: str, *extra: str):
+    """(port, a context manager of the server process: SIGTERM when it ends, then everything left is killed)."""
     port = free_port()
     cmd = python_cmd("-m", "nanovllm_tp.launch.serve", "--model", model_dir, "--port", str(port),
                      "--served-model-name", "tiny", *ENGINE_ARGS, *extra)
-    return port, started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+
+    @contextlib.contextmanager
+    def run():
+        with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+            try:
+                yield proc
+            finally:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=15)
+                assert not rundirs(proc.pid), "the server left its sockets"
+    return port, run()
+
+
+def rundirs(pid: int) -> list[str]:
+    """The socket directories a server process made (it removes them on every exit it lives through)."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"nanovllm_tp-serve-{pid}-*"))
 
 
 def wait_ready(port: int, proc, timeout: float = 120.0) -> None:
@@ -264,3 +286,44 @@ def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
         refused, waited = asyncio.run(run())
         assert refused.status_code == 429 and "max-waiting-requests" in refused.json()["error"]["message"]
         assert waited.status_code == 200 and waited.json()["usage"]["completion_tokens"] == 2
+
+
+def _frontend(pid: int) -> int:
+    return next(p for p in _children(pid) if "nanovllm_tp.serving.frontend" in _cmdline(p))
+
+
+def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir)
+    with ctx as proc:
+        wait_ready(port, proc)
+        os.kill(_frontend(proc.pid), signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+        assert not rundirs(proc.pid)
+
+
+def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir)
+    with ctx as proc:
+        wait_ready(port, proc)
+        front = _frontend(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert wait_gone([front], 15) is not None
+        assert not rundirs(proc.pid)
+
+
+def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
+    """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans."""
+    port = free_port()
+    cmd = ["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model", tiny_model_dir,
+           "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
+    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+        wait_ready(port, proc)
+        fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
+        assert len(fronts) == 1
+        got = client(port, key="unused").completions.create(model="tiny", prompt=PROMPTS, max_tokens=16,
+                                                            temperature=0)
+        assert [ch.text for ch in got.choices] == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        pids = [proc.pid, *_children(proc.pid)]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert wait_gone(pids, 30) is not None
+        assert not [d for p in pids for d in rundirs(p)]

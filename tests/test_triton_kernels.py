@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanovllm_tp.context import Context
-from nanovllm_tp.layers.attention import TorchBackend
+from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.workers.cuda_graph import DecodeInputs
 from tests.helpers import random_paged_cache, random_paged_decode
 from tests.test_gpu_path_cpu import make_decode_plan
@@ -98,7 +98,7 @@ PREFILL_ROWS = [(0, 20), (37, 11), (150, 1), (21, 70), (300, 5)]
 
 def _prefill_interpreter_child() -> None:
     from nanovllm_tp.layers import triton_prefill
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
     assert type(triton_prefill._paged_prefill_kernel).__name__ == "InterpretedFunction"
     reference, backend, report = TorchBackend(), CudaTorchBackend(), []
     for group, block_size, head_dim, dtype_name in PREFILL_CONFIGS:

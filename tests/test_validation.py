@@ -187,6 +187,10 @@ def test_tiny_positive_temperature_is_refused_or_greedy(tiny_llm, baseline):
     (dict(kv_cache_memory=0), ValueError, r"kv_cache_memory must be >= 1"),
     (dict(seed=-1), ValueError, r"seed must be >= 0"),
     (dict(enable_prefix_caching="yes"), TypeError, r"enable_prefix_caching must be a bool"),
+    (dict(attention_backend="sdpa"), ValueError,
+     r"attention_backend must be 'auto' or one of 'cpu', 'flash', 'torch', 'torch-cuda', got 'sdpa'"),
+    (dict(attention_backend=None), TypeError, r"attention_backend must be a str, got NoneType"),
+    (dict(attention_backend="flash", device="cpu"), ValueError, r"attention_backend=flash runs on cuda, not cpu"),
 ], ids=lambda v: repr(v)[:32] if not isinstance(v, type) else v.__name__)
 def test_invalid_engine_knobs(tiny_model_dir, knobs, exc, pattern):
     with pytest.raises(exc, match=pattern):

@@ -6,12 +6,14 @@ import gc
 
 import torch
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
-from nanovllm_tp.layers.attention import Attention, get_attention_backend
+from nanovllm_tp.layers.attention import Attention, AttentionBackend
+from nanovllm_tp.layers.linear import pack_cpu_weights
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
@@ -19,8 +21,8 @@ from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
-        self.config = config
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, backend: AttentionBackend):
+        self.config, self.backend = config, backend
         self.device, self.dtype = device, dtype
         self.block_size = config.kvcache_block_size
         mc = config.model_config
@@ -32,8 +34,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_model(self.model, config.model)
+        pack_cpu_weights(self.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn in self.attention_layers:
+            attn.backend = backend
         self.num_kv_blocks = 0
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
 
@@ -68,12 +73,9 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         q_lens = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]
         context_lens = plan.context_lens
-        cu_k = torch.zeros(plan.num_rows + 1, dtype=torch.int32)
-        cu_k[1:] = torch.from_numpy(context_lens.astype("int64")).cumsum(0)
-        set_context(Context(
+        ctx = Context(
             is_prefill=plan.is_prefill,
             cu_seqlens_q=self._to_device(plan.cu_seqlens_q),
-            cu_seqlens_k=cu_k.to(self.device, non_blocking=True),
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()),
             slot_mapping=self._to_device(plan.slot_mapping),
             context_lens=self._to_device(context_lens),
@@ -81,7 +83,9 @@ class ModelRunner:
             has_cached_prefix=bool((context_lens > q_lens).any()),
             context_lens_cpu=context_lens.tolist(), q_lens_cpu=q_lens.tolist(),
             logits_indices=None if plan.prompt_logits is None else self._to_device(self.logits_indices(plan)),
-        ))
+        )
+        self.backend.prepare(ctx)
+        set_context(ctx)
         return self._to_device(plan.input_ids), self._to_device(plan.positions)
 
     @staticmethod
@@ -105,10 +109,15 @@ class ModelRunner:
         if plan.block_copies is not None and len(plan.block_copies):
             self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
-            return self.graphs.run(plan)
-        input_ids, positions = self.prepare(plan)
+            with trace.span("graph_replay"):
+                return self.graphs.run(plan)
+        with trace.span("prepare"):
+            input_ids, positions = self.prepare(plan)
         try:
-            return self.model.compute_logits(self.model(input_ids, positions))
+            with trace.span("forward"):
+                hidden = self.model(input_ids, positions)
+            with trace.span("lm_head"):
+                return self.model.compute_logits(hidden)
         finally:
             reset_context()
 
@@ -129,4 +138,4 @@ class ModelRunner:
 
     def describe(self) -> str:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
-                f"{get_attention_backend().name}, {self.num_kv_blocks} KV blocks of {self.block_size}")
+                f"{self.backend.name}, {self.num_kv_blocks} KV blocks of {self.block_size}")

@@ -13,14 +13,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed import shm_allreduce
 from nanovllm_tp.distributed import trust
-from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, init_process_group, join_spawned,
-                                            launched_by_torchrun, multi_node, node_ranks, rank0_host, share_store,
-                                            torchrun_secret)
+from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, exit_on_sigterm, init_process_group,
+                                            join_spawned, launched_by_torchrun, multi_node, node_ranks, rank0_host,
+                                            share_store, torchrun_secret)
 from nanovllm_tp.distributed.parallel_state import tp_size
-from nanovllm_tp.layers.attention import set_attention_backend
+from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
 from nanovllm_tp.workers.model_runner import ModelRunner
@@ -62,9 +63,8 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
 
 def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> ModelRunner:
     """This rank's model shard and KV cache; every rank agrees on the smallest block count."""
-    set_attention_backend(backend)
     torch.manual_seed(config.seed)
-    runner = ModelRunner(config, device, dtype)
+    runner = ModelRunner(config, device, dtype, backend)
     block_bytes = runner.kv_block_bytes()
     budget = config.kv_cache_memory
     if budget is None:
@@ -89,6 +89,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
         from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
         runner.graphs = capture_decode_graphs(runner, config.max_num_seqs, config.max_model_len)
+    trace.watch_layers(runner.model)    # after capture: no hook runs while graphs are recorded
     return runner
 
 
@@ -99,29 +100,30 @@ def serve(runner: ModelRunner, reader) -> None:
     limits = PlanLimits.of(runner)
     while True:
         try:
-            payload = reader.receive()
+            with trace.span("receive"):
+                payload = reader.receive()
         except ChannelClosed:
             return
-        plan = StepPlan.decode(payload)
-        check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
-        runner.execute(plan)
+        with trace.span("decode_plan"):
+            plan = StepPlan.decode(payload)
+            check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
+        with trace.plan_span("execute", plan):
+            runner.execute(plan)
 
 
 def run_worker(config: EngineConfig) -> int:
     """Entry for ranks > 0 (torchrun or spawned). Returns the process exit code."""
     from nanovllm_tp.distributed.channel import PlanReader
-    from nanovllm_tp.engine import (_exit_on_sigterm, choose_attention_backend, resolve_block_size,
-                                    resolve_device_and_dtype)
-    _exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
-    reader = runner = None
+    exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
+    reader = runner = recording = None
     try:
         device, dtype = resolve_device_and_dtype(config)
         info = join_group(config, device)
+        recording = trace.start(config, info.rank)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0], secret=info.secret)
         shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
-        backend = choose_attention_backend(device, dtype, config.kvcache_block_size)
-        resolve_block_size(config, backend)
+        backend = resolve_attention_backend(config, device, dtype)
         runner = build_runner(config, device, dtype, backend)
         serve(runner, reader)
         return 0
@@ -141,6 +143,7 @@ def run_worker(config: EngineConfig) -> int:
                 pass
         if reader is not None:
             reader.close()
+        trace.finish(recording)             # this rank's part, which rank 0 merges
         shm_allreduce.teardown()        # unlinks the segment too if rank 0 is dead
         if dist.is_initialized():
             try:

@@ -6,10 +6,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
@@ -206,3 +208,14 @@ def stop_children(children: list[subprocess.Popen], timeout: float = 5.0) -> Non
                 child.wait(timeout=sig_timeout)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM becomes SystemExit, so cleanup runs: rank 0's atexit closes the channel and stops every rank; a
+    worker (torchrun's agent sends SIGTERM when another rank fails) releases its runner and the group."""
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_sigterm)

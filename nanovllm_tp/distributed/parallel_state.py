@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp import trace
 from nanovllm_tp.distributed.shm_allreduce import installed as _shm_installed
 
 
@@ -48,10 +49,11 @@ def tp_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp.size > 1:
-        shm = _shm_installed()     # same-node CPU ranks: shared memory beats gloo's TCP by ~10x
-        if shm is not None and shm.fits(x):
-            return shm.all_reduce(x)
-        dist.all_reduce(x, group=_tp.group)
+        with trace.span("all_reduce"):      # mostly the wait for the slowest rank
+            shm = _shm_installed()     # same-node CPU ranks: shared memory beats gloo's TCP by ~10x
+            if shm is not None and shm.fits(x):
+                return shm.all_reduce(x)
+            dist.all_reduce(x, group=_tp.group)
     return x
 
 
@@ -60,6 +62,7 @@ def gather_last_dim_to_rank0(x: torch.Tensor) -> torch.Tensor | None:
     if _tp.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_tp.size)] if _tp.rank == 0 else None
-    dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(_tp.group, 0) if _tp.group else 0,
-                group=_tp.group)
+    with trace.span("gather_logits"):
+        dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(_tp.group, 0) if _tp.group else 0,
+                    group=_tp.group)
     return torch.cat(parts, dim=-1) if _tp.rank == 0 else None

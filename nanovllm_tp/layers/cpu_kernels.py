@@ -1,5 +1,5 @@
 """C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
-add fused in, RoPE and SiLU-and-mul.
+add fused in, RoPE and SiLU-and-mul; and the sampler's per-row top-k (fp32).
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
@@ -21,8 +21,6 @@ import tempfile
 
 import torch
 
-from nanovllm_tp.layers.attention import TorchBackend
-
 log = logging.getLogger("nanovllm_tp")
 SOURCE = importlib.resources.files("nanovllm_tp.layers") / "csrc" / "cpu_kernels.c"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
@@ -32,6 +30,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "topk_rows": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -135,6 +134,17 @@ class CpuKernels:
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
 
+    def topk(self, x, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k largest values of x ([rows, cols] fp32, 0 < k <= cols), best first (ties: lower column
+        first), and their columns."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, cols = x.shape
+        vals, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+        if self._topk_rows(x.data_ptr(), rows, cols, x.stride(0), k, vals.data_ptr(), ids.data_ptr()):
+            raise MemoryError("the CPU top-k kernel could not allocate its scratch")
+        return vals, ids
+
 
 @functools.cache
 def load() -> CpuKernels | None:
@@ -160,14 +170,3 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when x is an fp32 or bf16 CPU tensor and they are available; the layers' torch code runs
     otherwise."""
     return load() if x.dtype in DTYPES and x.is_cpu else None
-
-
-class CpuBackend(TorchBackend):
-    """The torch backend's prefill; decode in place from the paged cache with the C kernel."""
-    name = "cpu"
-
-    def _decode(self, q, k_cache, v_cache, ctx, scale):
-        kernels = for_tensor(q)
-        if kernels is None:
-            return super()._decode(q, k_cache, v_cache, ctx, scale)
-        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)

@@ -5,7 +5,7 @@ from torch import nn
 
 from nanovllm_tp.context import get_context
 from nanovllm_tp.distributed.parallel_state import all_reduce, gather_last_dim_to_rank0, tp_rank, tp_size
-from nanovllm_tp.layers.linear import copy_checked, shape_of, take_rows
+from nanovllm_tp.layers.linear import copy_checked, matmul, shape_of, take_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,6 +36,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each row (or the tokens the context names), gathered whole on rank 0
     (None elsewhere)."""
+    packed = None            # the weight in oneDNN's layout, once pack_cpu_weights ran
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
@@ -43,5 +44,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             hidden = hidden[ctx.logits_indices]
         elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
-        logits = gather_last_dim_to_rank0(F.linear(hidden, self.weight))
+        logits = gather_last_dim_to_rank0(matmul(hidden, self.weight, self.packed))
         return logits[:, :self.vocab_size] if logits is not None else None

@@ -2,7 +2,14 @@
 
 Loaders receive either a tensor or a lazy safetensors slice; both support shape lookup (via `shape_of`) and
 `[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
+
+On CPU, once loaded, bf16 weights are repacked into oneDNN's blocked layout (`pack_cpu_weights`): F.linear
+reorders the weight on every call, a packed weight is read as it is, which makes decode matmuls 1.2-2x faster.
+NANOVLLM_TP_PACKED_LINEAR=0 keeps F.linear; =all packs fp32 weights too (faster again, but fp32 sums then come
+in oneDNN's order rather than the BLAS's that transformers uses, so rare near-ties can tip a greedy token).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +40,42 @@ def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
     copy_checked(param.data, loaded[:])
 
 
+PACK_BATCH_HINT = 32     # the row count oneDNN picks the packed layout for (a decode batch); any count works
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    mode = os.environ.get("NANOVLLM_TP_PACKED_LINEAR", "1")
+    if mode == "0" or not torch.backends.mkldnn.is_available():
+        return ()
+    bf16 = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+    return bf16 + ((torch.float32,) if mode == "all" else ())
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head) for oneDNN, where
+    its dtype allows; the dense copy of a linear layer's weight is freed. Returns how many were packed."""
+    dtypes, count = packable_dtypes(), 0
+    for m in model.modules():
+        if not hasattr(m, "packed") or m.weight.device.type != "cpu" or m.weight.dtype not in dtypes:
+            continue
+        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT)
+        if isinstance(m, LinearBase):       # the LM head's weight may be the embedding's too: kept
+            m.weight.data = m.weight.data.new_empty((0, m.weight.shape[1]))
+        count += 1
+    return count
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): through the packed weight when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class LinearBase(nn.Module):
+    packed = None            # the weight in oneDNN's layout, once pack_cpu_weights ran
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -48,7 +90,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.packed, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -119,5 +161,5 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, take_cols(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(matmul(x, self.weight, self.packed))
         return y + self.bias if self.bias is not None else y

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.sampling_params import MIN_TEMPERATURE
 from nanovllm_tp.scheduler.rows import SamplingBatch
 
@@ -76,6 +77,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values, best first, and their ids. On CPU (fp32) the C kernel: block maxima give a
+    threshold, and only values past it are ranked; several times cheaper than torch.topk at a sampler's shapes."""
+    kernels = cpu_kernels.for_tensor(x) if x.dtype is torch.float32 else None
+    if kernels is None:
+        return x.topk(k, dim=-1)
+    return kernels.topk(x, k)
+
+
 @dataclass(slots=True)
 class TokenLogprobs:
     """Logprobs of some positions: the chosen token's logprob and rank (1 = most likely) and the top-N."""
@@ -85,14 +95,19 @@ class TokenLogprobs:
     top_logprobs: np.ndarray  # float32 [positions, N]
 
 
-def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenLogprobs:
-    """From normalised logprobs [positions, vocab] and the chosen token of each position."""
-    picked = logprobs.gather(1, chosen[:, None])
-    rank = (logprobs > picked).sum(dim=1) + 1
-    top = logprobs.topk(top_n, dim=1) if top_n else None
-    return TokenLogprobs(picked[:, 0].cpu().numpy(), rank.cpu().numpy(),
-                         top.indices.cpu().numpy() if top else np.zeros((len(chosen), 0), np.int64),
-                         top.values.cpu().numpy() if top else np.zeros((len(chosen), 0), np.float32))
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenLogprobs:
+    """Log-softmax figures of some positions from their fp32 logits [positions, vocab] and the chosen token of
+    each: a logprob is a logit less the row's logsumexp, and ranks and the top-N are the logits' own, so the
+    normalised [positions, vocab] array is never made."""
+    lse = torch.logsumexp(logits, dim=1, keepdim=True)
+    picked = logits.gather(1, chosen[:, None])
+    rank = (logits > picked).sum(dim=1) + 1
+    if top_n:
+        vals, ids = top_k(logits, top_n)
+        top_ids, top_lps = ids.cpu().numpy(), (vals - lse).cpu().numpy()
+    else:
+        top_ids, top_lps = np.zeros((len(chosen), 0), np.int64), np.zeros((len(chosen), 0), np.float32)
+    return TokenLogprobs((picked - lse)[:, 0].cpu().numpy(), rank.cpu().numpy(), top_ids, top_lps)
 
 
 def _np(x: np.ndarray, device) -> torch.Tensor:
@@ -111,7 +126,7 @@ class Sampler:
         logits = logits.float()
         rows, dev = batch.rows, logits.device
         want_lp = np.flatnonzero(rows["logprobs"] >= 0)
-        raw_lp = torch.log_softmax(logits[_np(want_lp, dev)], dim=-1) if len(want_lp) else None
+        raw = logits[_np(want_lp, dev)] if len(want_lp) else None    # logprobs are the model's, as vLLM's
         logits = self._suppress(logits, batch)
         logits = self._penalize(logits, batch)
         tokens = argmax_rows(logits)
@@ -119,8 +134,8 @@ class Sampler:
         if len(hot):
             tokens[_np(hot, tokens.device)] = self._draw(logits, batch, hot).to(tokens.device)
         lp = None
-        if raw_lp is not None:
-            lp = token_logprobs(raw_lp, tokens.to(dev)[_np(want_lp, dev)], int(rows["logprobs"][want_lp].max()))
+        if raw is not None:
+            lp = token_logprobs(raw, tokens.to(dev)[_np(want_lp, dev)], int(rows["logprobs"][want_lp].max()))
         return tokens.tolist(), lp
 
     def _suppress(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -140,18 +155,26 @@ class Sampler:
         if not len(need):
             return logits
         vocab, dev = logits.shape[1], logits.device
-        entry, token, is_out = batch.penalty_tokens(need)
-        keep = token < vocab
-        pairs, inverse = np.unique(entry[keep] * vocab + token[keep], return_inverse=True)
-        counts = np.bincount(inverse, weights=is_out[keep], minlength=len(pairs)).astype(np.float32)
-        r, t = pairs // vocab, pairs % vocab
-        index = (_np(r, dev), _np(t, dev))
-        x = logits[index].float().cpu().numpy()
+        r, t, counts = batch.penalty_tokens(need)
+        keep = t < vocab
+        if not keep.all():
+            r, t, counts = r[keep], t[keep], counts[keep]
+        logits = logits.clone()
+        flat = logits.view(-1)
+        where = r * vocab + t
+        if logits.is_cpu:        # numpy's gather and scatter: several times cheaper than torch indexing here
+            host = flat.numpy()
+        else:
+            where = _np(where, dev)
+            host = flat[where].cpu().numpy()
+        x = host[where] if logits.is_cpu else host
         rep = rows["repetition_penalty"][r]
         x = np.where(x > 0, x / rep, x * rep)
         x -= rows["frequency_penalty"][r] * counts + rows["presence_penalty"][r] * (counts > 0)
-        logits = logits.clone()
-        logits[index] = torch.from_numpy(x.astype(np.float32)).to(dev, logits.dtype)
+        if logits.is_cpu:
+            host[where] = x
+        else:
+            flat[where] = torch.from_numpy(x.astype(np.float32)).to(dev)
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
@@ -159,18 +182,19 @@ class Sampler:
         top-k draw among their k best candidates (small: numpy on the host); the others over the whole
         vocabulary (torch, on the logits' device)."""
         rows, dev, vocab = batch.rows[hot], logits.device, logits.shape[1]
-        scaled = logits[_np(hot, dev)] / _np(rows["temperature"], dev)[:, None]
         index = batch.sample_index[hot]
         out = torch.empty(len(hot), dtype=torch.int64)
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
-        if len(group):
-            vals, ids = scaled[_np(group, dev)].topk(int(rows["top_k"][group].max()), dim=-1)
+        if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
+            vals, ids = top_k(logits[_np(hot[group], dev)], int(rows["top_k"][group].max()))
+            scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(
-                _draw_candidates(vals.cpu().numpy(), ids.cpu().numpy(), rows[group], index[group]))
+                _draw_candidates(scaled, ids.cpu().numpy(), rows[group], index[group]))
         group = np.flatnonzero(~limited)
         if len(group):
-            out[torch.from_numpy(group)] = _draw_vocab(scaled[_np(group, dev)], rows[group], index[group]).cpu()
+            scaled = logits[_np(hot[group], dev)] / _np(rows["temperature"][group], dev)[:, None]
+            out[torch.from_numpy(group)] = _draw_vocab(scaled, rows[group], index[group]).cpu()
         return out
 
 
@@ -225,7 +249,7 @@ def prompt_logprobs(logits: torch.Tensor, chunks) -> None:
             continue
         idx = torch.tensor([first_row + t - 1 - first_pos for t in targets], device=logits.device)
         chosen = torch.tensor([seq.token_ids[t] for t in targets], device=logits.device)
-        lp = token_logprobs(torch.log_softmax(logits[idx].float(), dim=-1), chosen, seq.params.prompt_logprobs)
+        lp = token_logprobs(logits[idx].float(), chosen, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids, lp.top_logprobs))
 
 

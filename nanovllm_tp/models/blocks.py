@@ -4,14 +4,20 @@ body and a causal-LM base class.
 An architecture file subclasses `CausalLM`, says how it reads its HF config (`config_options`) and, if its
 layers differ, which MLP each layer gets (`make_mlp`). Checkpoint names follow HF's (`model.layers.N...`).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.layers.attention import Attention
 from nanovllm_tp.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_tp.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm_tp.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
+
+if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
+    from nanovllm_tp.config import ModelConfig
 
 
 class DecoderAttention(nn.Module):

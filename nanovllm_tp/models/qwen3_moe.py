@@ -1,13 +1,18 @@
 """Qwen3-MoE: Qwen3's attention (q/k norm) with a sparse MoE block in the layers the config names (every
 decoder_sparse_step-th layer not in mlp_only_layers) and a dense gated MLP in the others."""
+from __future__ import annotations
+
 import re
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.models.blocks import GatedMLP
 from nanovllm_tp.models.moe import SparseMoE
 from nanovllm_tp.models.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
+    from nanovllm_tp.config import ModelConfig
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _WHICH = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}

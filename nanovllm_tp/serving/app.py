@@ -1,17 +1,18 @@
-"""The HTTP layer: FastAPI routes of the OpenAI API over one EngineLoop. Handlers only validate, submit and
-await their requests' outputs; a client that goes away has its requests aborted."""
+"""The HTTP layer: FastAPI routes of the OpenAI API over an EngineClient (in the HTTP process). Handlers only
+validate, submit and await their requests' outputs; a client that goes away has its requests aborted."""
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_tp.serving.engine_loop import EngineDead, EngineLoop, Overloaded
+from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
@@ -30,16 +31,27 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(error_body(message, kind, status, param), status_code=status)
 
 
-def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024) -> FastAPI:
-    metrics = ServingMetrics(llm.engine.scheduler, model_name)
-    engine = EngineLoop(llm, max_waiting_requests, on_finished=metrics.on_finished)
+@dataclass(slots=True)
+class ServedModel:
+    name: str                  # what clients call it
+    root: str                  # where it was loaded from
+    max_model_len: int
+    tokenizer: object          # for chat templates and echo
+
+
+def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = None) -> FastAPI:
+    model_name, tokenizer = model.name, model.tokenizer
+    metrics = ServingMetrics(lambda: engine.stats, model_name)
+    engine.on_finished = metrics.on_finished
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        engine.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        engine.close()
 
     app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan)
-    app.state.engine, app.state.llm = engine, llm
+    app.state.engine = engine
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -69,21 +81,22 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model")
 
-    async def submit_all(request_id: str, prompts: list, params) -> list[asyncio.Queue]:
-        queues, ids = [], []
+    async def submit_all(request_id: str, prompts: list, params) -> list[RequestStream]:
+        """One engine request per prompt, their streams sharing one `ready` event."""
+        streams, ids, ready = [], [], asyncio.Event()
         try:
             for i, prompt in enumerate(prompts):
                 ids.append(f"{request_id}-{i}")
-                queues.append(await engine.submit(ids[-1], prompt, params))
+                streams.append(await engine.submit(ids[-1], prompt, params, ready))
         except (ValueError, TypeError) as exc:
-            _abort(ids[:len(queues)])
+            _abort(ids[:len(streams)])
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
-            _abort(ids[:len(queues)])
+            _abort(ids[:len(streams)])
             raise ApiError(429, str(exc), "rate_limit_error") from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
-        return queues
+        return streams
 
     def _abort(ids) -> None:
         for rid in ids:
@@ -106,8 +119,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanovllm_tp", "root": llm.config.model,
-                                            "max_model_len": llm.config.max_model_len}]}
+                                            "owned_by": "nanovllm_tp", "root": model.root,
+                                            "max_model_len": model.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -117,12 +130,12 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
-        queues = await submit_all(rid, prompts, params)
+        streams = await submit_all(rid, prompts, params)
         builder = ResponseBuilder("completion", rid, model_name, params.n)
         top_n = body.logprobs or 0
 
         def choice(i, out, c, sent):
-            prefix = (out.prompt or llm.get_tokenizer().decode(out.prompt_token_ids)) \
+            prefix = (out.prompt or tokenizer.decode(out.prompt_token_ids)) \
                 if body.echo and not sent else ""
             lp = None
             if body.logprobs is not None:
@@ -133,14 +146,13 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             return builder.choice(i, c, prefix, lp, delta=body.stream)
 
         if body.stream:
-            return _stream(request, queues, builder, body.include_usage, choice, _abort, rid)
-        outputs = await _finals(request, queues, lambda: _abort(f"{rid}-{i}" for i in range(len(queues))))
+            return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)
+        outputs = await _finals(request, streams, lambda: _abort(f"{rid}-{i}" for i in range(len(streams))))
         return builder.response([choice(i, o, c, False) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        tokenizer = llm.get_tokenizer()
         try:
             params = body.sampling_params()
             if getattr(tokenizer, "chat_template", None) is None:
@@ -154,7 +166,7 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
         prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         rid = engine.new_request_id("chatcmpl")
-        queues = await submit_all(rid, [prompt], params)
+        streams = await submit_all(rid, [prompt], params)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
         top_n = body.top_logprobs or 0
 
@@ -163,84 +175,67 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting_requ
             return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
 
         if body.stream:
-            return _stream(request, queues, builder, body.include_usage, choice, _abort, rid)
-        outputs = await _finals(request, queues, lambda: _abort([f"{rid}-0"]))
+            return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)
+        outputs = await _finals(request, streams, lambda: _abort([f"{rid}-0"]))
         return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 
     return app
 
 
-async def _next(queue: asyncio.Queue):
-    item = await queue.get()
-    if isinstance(item, BaseException):
-        raise item
-    return item
-
-
-async def _finals(request: Request, queues: list[asyncio.Queue], abort) -> list:
-    """The final output of every queue; the requests are aborted if the client goes away meanwhile."""
-    async def final(q):
-        last = None
-        while (item := await _next(q)) is not None:
-            last = item
-        return last
-
-    task = asyncio.ensure_future(asyncio.gather(*(final(q) for q in queues)))
+async def _finals(request: Request, streams: list[RequestStream], abort) -> list:
+    """The final output of every stream; the requests are aborted if the client goes away meanwhile."""
+    ready, finals = streams[0].ready, [None] * len(streams)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                abort()
-                raise ApiError(499, "the client closed the connection")
+        while not all(s.done for s in streams):
+            ready.clear()
+            for i, s in enumerate(streams):
+                out = s.take()
+                finals[i] = out if out is not None else finals[i]
+            if all(s.done for s in streams):
+                break
+            try:
+                await asyncio.wait_for(ready.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    abort()
+                    raise ApiError(499, "the client closed the connection") from None
     except EngineDead as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
+    return finals
 
 
-def _stream(request: Request, queues: list[asyncio.Queue], builder: ResponseBuilder, include_usage: bool,
+def _stream(request: Request, streams: list[RequestStream], builder: ResponseBuilder, include_usage: bool,
             choice, abort, rid: str) -> StreamingResponse:
-    """Server-sent events: one chunk per output of any of the queues, a usage chunk if asked, then [DONE]."""
+    """Server-sent events: a chunk each time any of the streams has news (a stream's outputs not yet sent are
+    merged into one chunk), a usage chunk if asked, then [DONE]."""
     async def events():
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, q):
-            while True:
-                try:
-                    item = await _next(q)
-                except EngineDead as exc:
-                    await merged.put((i, exc))
-                    return
-                await merged.put((i, item))
-                if item is None:
-                    return
-
-        pumps = [asyncio.ensure_future(pump(i, q)) for i, q in enumerate(queues)]
-        open_ids, finals, started = set(range(len(queues))), {}, set()
+        ready, finals, started = streams[0].ready, {}, set()
         try:
-            while open_ids:
-                i, item = await merged.get()
-                if item is None:
-                    open_ids.discard(i)
-                    continue
-                if isinstance(item, BaseException):
-                    yield _sse(error_body(str(item), "service_unavailable", 503))
-                    return
+            while not all(s.done for s in streams):
+                ready.clear()
                 choices = []
-                for c in item.outputs:
-                    choices.append(choice(i, item, c, (i, c.index) in started))
-                    started.add((i, c.index))
+                for i, s in enumerate(streams):
+                    try:
+                        item = s.take()
+                    except EngineDead as exc:
+                        yield _sse(error_body(str(exc), "service_unavailable", 503))
+                        return
+                    if item is None:
+                        continue
+                    for c in item.outputs:
+                        choices.append(choice(i, item, c, (i, c.index) in started))
+                        started.add((i, c.index))
+                    if item.finished:
+                        finals[i] = item
                 if choices:
                     yield _sse(builder.chunk(choices))
-                if item.finished:
-                    finals[i] = item
+                if not all(s.done for s in streams):
+                    await ready.wait()
             if include_usage:
-                yield _sse(builder.chunk([], builder.usage(list(finals.values()))))
+                yield _sse(builder.chunk([], builder.usage([finals[i] for i in sorted(finals)])))
             yield "data: [DONE]\n\n"
         finally:
-            for p in pumps:
-                p.cancel()
+            open_ids = [i for i, s in enumerate(streams) if not s.done]
             if open_ids:                     # the client went away (or the engine failed) mid-stream
                 abort([f"{rid}-{i}" for i in open_ids])
 

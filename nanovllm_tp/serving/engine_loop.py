@@ -1,171 +1,109 @@
-"""The one thread that owns the LLM while serving.
+"""The engine side of the server: rank 0's main thread owns the LLM and serves the HTTP process.
 
-HTTP handlers never touch the engine: they put commands (add, abort) in an inbox and await an asyncio queue per
-request. Between two steps the loop drains the inbox (new requests join the next step: continuous batching across
-clients), runs a step, and hands each request's output to its queue on the event loop. When the engine fails,
-every open request gets the error and later submissions are refused.
+Once the engine is up, the loop binds its sockets and tells the HTTP process (started earlier, so that its imports
+overlap the engine's loading) what it serves.
+
+The HTTP process (serving/frontend.py) parses requests, renders chat templates and writes server-sent events;
+this loop only runs the engine. They are separate processes so that neither waits for the other's interpreter
+lock: on a small model a step takes a few milliseconds, about what the HTTP side spends per step on 64 streams.
+
+Between two steps the loop takes every command that arrived (adds join the next step: continuous batching
+across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
+figures for /metrics. When the engine fails, the HTTP process is told once and the loop only waits to be
+stopped: the server answers 503 from then on.
 """
-import asyncio
-import itertools
 import logging
-import queue
-import threading
-from dataclasses import dataclass
+import time
 
-from nanovllm_tp.outputs import RequestOutput
-from nanovllm_tp.sampling_params import SamplingParams
+import zmq
+
+from nanovllm_tp.serving import wire
 
 log = logging.getLogger("nanovllm_tp")
+IDLE_POLL_MS = 200
 
 
-class EngineDead(RuntimeError):
-    """The engine stopped (closed or failed): no request can be served any more."""
-
-
-class Overloaded(RuntimeError):
-    """Too many requests wait already."""
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: object
-    params: SamplingParams
-    outputs: asyncio.Queue          # RequestOutput items, then None at the end; an exception on failure
-    accepted: asyncio.Future        # set once the engine validated and queued the request (or refused it)
-    loop: asyncio.AbstractEventLoop
+def scheduler_stats(llm) -> dict:
+    s = llm.engine.scheduler
+    bm = s.block_manager
+    return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+            "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks}
 
 
 class EngineLoop:
-    def __init__(self, llm, max_waiting_requests: int = 1024, on_finished=None):
+    def __init__(self, llm, commands: str, outputs: str):
+        """`commands` and `outputs`: the ipc:// endpoints to bind (in a directory only this user can enter)."""
         self.llm = llm
-        self.max_waiting = max_waiting_requests
-        self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
-        self.dead: str | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._open: dict[str, _Add] = {}
-        self._pending = 0                          # adds in the inbox, not yet in the scheduler
-        self._pending_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="nanovllm_tp-engine-loop", daemon=True)
-        self._thread.start()
+        self._ctx = zmq.Context()
+        self._commands = self._ctx.socket(zmq.PULL)
+        self._outputs = self._ctx.socket(zmq.PUSH)
+        for sock, endpoint in ((self._commands, commands), (self._outputs, outputs)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)
+        self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
-    # ---- called from the event loop ----
+    def run(self, keep_going) -> None:
+        """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS)."""
+        dead = False
+        while keep_going():
+            busy = not dead and self.llm.has_unfinished_requests()
+            if self._commands.poll(0 if busy else IDLE_POLL_MS):
+                changed = self._take_commands(dead)
+                if changed and not dead and not self.llm.has_unfinished_requests():
+                    self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})
+            if dead or not self.llm.has_unfinished_requests():
+                continue
+            try:
+                outs = self.llm.step()
+            except Exception as exc:       # a dead rank, a bug: the HTTP side fails every open request
+                why = f"the engine stopped: {exc}"
+                log.error("engine loop: %s", why)
+                self._send({"op": "dead", "why": why})
+                dead = True
+                continue
+            self._send({"op": "outputs", "outputs": [wire.output_to_wire(o) for o in outs],
+                        "stats": scheduler_stats(self.llm)})
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
 
-    def num_waiting(self) -> int:
-        return len(self.llm.engine.scheduler.waiting) + self._pending
+    def _send(self, msg: dict) -> None:
+        self._outputs.send(wire.pack(msg), copy=False)
 
-    async def submit(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
-        """Hand a request to the engine; returns its output queue once the engine accepted it. A ValueError /
-        TypeError from validation propagates; EngineDead and Overloaded say why nothing was queued."""
-        if self.dead:
-            raise EngineDead(self.dead)
-        if self.num_waiting() >= self.max_waiting:
-            raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
-                             f"{self.max_waiting}); try again later")
-        loop = asyncio.get_running_loop()
-        item = _Add(request_id, prompt, params, asyncio.Queue(), loop.create_future(), loop)
-        with self._pending_lock:
-            self._pending += 1
-        self._inbox.put(item)
-        self._wake.set()
-        await item.accepted
-        return item.outputs
+    def _take_commands(self, dead: bool) -> bool:
+        accepted, changed = [], False
+        while True:
+            try:
+                raw = self._commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            msg = wire.unpack(raw.buffer)
+            if msg["op"] == "abort" and not dead:
+                self.llm.abort_request(msg["id"])
+                changed = True
+            elif msg["op"] == "add":
+                accepted.append(self._add(msg, dead))
+                changed = True
+        if accepted:
+            self._send({"op": "accepted", "items": accepted})
+        return changed
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its client went away); it leaves the engine before the next step."""
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
-
-    def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-
-    # ---- the engine thread ----
-
-    def _run(self) -> None:
+    def _add(self, msg: dict, dead: bool) -> list:
+        """[id, error message or None, error type]: validation errors go back to the client as a 400."""
+        if dead:
+            return [msg["id"], "the engine stopped", "EngineDead"]
         try:
-            while not self._stop:
-                self._drain()
-                if not self.llm.has_unfinished_requests():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                self._deliver(self.llm.step())
-        except BaseException as exc:        # a dead rank, a bug: every open request learns it
-            self.dead = f"the engine stopped: {exc}"
-            log.error("engine loop: %s", self.dead)
-            self._fail_all(EngineDead(self.dead))
-            return
-        self.dead = "the server is shutting down"
-        self._fail_all(EngineDead(self.dead))
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, tuple):
-                _, request_id = item
-                if request_id in self._open:
-                    self.llm.abort_request(request_id)
-                continue
-            with self._pending_lock:
-                self._pending -= 1
-            try:
-                self.llm.add_request(item.prompt, item.params, request_id=item.request_id)
-            except Exception as exc:         # validation: the handler turns it into a 400
-                item.loop.call_soon_threadsafe(_settle, item.accepted, exc)
-                continue
-            self._open[item.request_id] = item
-            item.loop.call_soon_threadsafe(_settle, item.accepted, None)
-
-    def _deliver(self, outs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their queues: one wake-up of each event loop per step, not one per request."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outs:
-            item = self._open.get(out.request_id)
-            if item is None:
-                continue
-            batch = batches.setdefault(item.loop, [])
-            batch.append((item.outputs, out))
-            if out.finished:
-                del self._open[out.request_id]
-                batch.append((item.outputs, None))
-                if self.on_finished is not None:
-                    self.on_finished(out)
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for item in list(self._open.values()):
-            item.loop.call_soon_threadsafe(item.outputs.put_nowait, exc)
-        self._open.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if not isinstance(item, tuple):
-                item.loop.call_soon_threadsafe(_settle, item.accepted, exc)
+            self.llm.add_request(msg["prompt"], wire.params_from_wire(msg["params"]), request_id=msg["id"])
+        except (ValueError, TypeError) as exc:
+            return [msg["id"], str(exc), type(exc).__name__]
+        return [msg["id"], None, None]
 
 
-def _put_all(batch: list) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+def wait_for_front(proc, timeout: float) -> None:
+    """Wait for the HTTP process to exit, killing it after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

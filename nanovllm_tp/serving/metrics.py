@@ -1,7 +1,8 @@
 """Prometheus metrics of a serving engine (`GET /metrics`), with vLLM's metric names under our prefix.
 
-Queue sizes, KV-cache usage and preemptions are read from the scheduler when scraped; token counters and
-latency histograms are fed by every finished request.
+Queue sizes, KV-cache usage and preemptions are the scheduler's figures as of the engine's last message (it sends
+them with every step's outputs, and when idle after adds and aborts); token counters and latency histograms are
+fed by every finished request.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -12,8 +13,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _SchedulerCollector:
-    def __init__(self, scheduler, model_name: str):
-        self.scheduler, self.labels = scheduler, {"model_name": model_name}
+    def __init__(self, stats, model_name: str):
+        self.stats, self.labels = stats, {"model_name": model_name}     # stats(): the engine's latest figures
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
@@ -21,21 +22,20 @@ class _SchedulerCollector:
         return g
 
     def collect(self):
-        s = self.scheduler
-        bm = s.block_manager
-        yield self._gauge("num_requests_running", "Sequences in the running queue.", len(s.running))
-        yield self._gauge("num_requests_waiting", "Sequences waiting (new or preempted).", len(s.waiting))
+        s = self.stats()
+        yield self._gauge("num_requests_running", "Sequences in the running queue.", s["running"])
+        yield self._gauge("num_requests_waiting", "Sequences waiting (new or preempted).", s["waiting"])
         yield self._gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (1 = full).",
-                          (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+                          s["kv_usage"])
         c = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions by recompute.", labels=list(self.labels))
-        c.add_metric(list(self.labels.values()), s.num_preemptions)
+        c.add_metric(list(self.labels.values()), s["preemptions"])
         yield c
 
 
 class ServingMetrics:
-    def __init__(self, scheduler, model_name: str):
+    def __init__(self, stats, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(scheduler, model_name))
+        self.registry.register(_SchedulerCollector(stats, model_name))
         labels = ["model_name"]
         self.model_name = model_name
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
@@ -52,7 +52,7 @@ class ServingMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def on_finished(self, out) -> None:
-        """Count one finished request (called from the engine loop)."""
+        """Count one finished request."""
         m = out.metrics
         self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(self.model_name).inc(m.num_generation_tokens)

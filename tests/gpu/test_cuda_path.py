@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nanovllm_tp.context import Context, reset_context
-from nanovllm_tp.layers.attention import TorchBackend, store_kvcache
+from nanovllm_tp.layers.attention import store_kvcache
+from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.scheduler import Sequence
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
 from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache, written_slots
@@ -100,8 +101,7 @@ def graph_prompts(tiny_model_dir):
     return mixed_prompts(2003, lengths=PROMPT_LENS, seed=7)
 
 
-def test_eager_and_graphs_give_identical_tokens_fp32(tiny_model_dir, graph_prompts, release, monkeypatch):
-    monkeypatch.delenv("NANOVLLM_TP_ATTENTION", raising=False)
+def test_eager_and_graphs_give_identical_tokens_fp32(tiny_model_dir, graph_prompts, release):
     eager, facts_e = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, dtype="float32",
                                 enforce_eager=True)
     graphs, facts_g = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, dtype="float32",
@@ -112,16 +112,14 @@ def test_eager_and_graphs_give_identical_tokens_fp32(tiny_model_dir, graph_promp
     for i, (e, g) in enumerate(zip(eager, graphs)):
         assert e == g, f"prompt {i} (len {PROMPT_LENS[i]}): graphs diverge from eager at token {first_diff(e, g)}"
     # the plain torch backend (SDPA over gathered KV, never captured) gives the same tokens in fp32
-    monkeypatch.setenv("NANOVLLM_TP_ATTENTION", "torch")
     ref, facts_t = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, dtype="float32",
-                              enforce_eager=False)
+                              enforce_eager=False, attention_backend="torch")
     assert facts_t["graphs"] is None and "attention torch," in facts_t["describe"]
     for i, (r, g) in enumerate(zip(ref, graphs)):
         assert r == g, f"prompt {i}: torch-cuda backend diverges from the torch backend at token {first_diff(r, g)}"
 
 
-def test_eager_and_graphs_give_identical_tokens_bf16(tiny_model_dir, graph_prompts, release, monkeypatch):
-    monkeypatch.delenv("NANOVLLM_TP_ATTENTION", raising=False)
+def test_eager_and_graphs_give_identical_tokens_bf16(tiny_model_dir, graph_prompts, release):
     eager, _ = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, dtype="bfloat16", enforce_eager=True)
     graphs, facts = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, dtype="bfloat16",
                                enforce_eager=False)
@@ -240,7 +238,7 @@ def gather(cache, table_row, n, block_size):
 
 
 def cuda_backends():
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
     return [TorchBackend(), CudaTorchBackend()]
 
 
@@ -354,7 +352,7 @@ def test_prefill_with_cached_prefix_falls_back_and_matches():
 def test_cached_prefix_prefill_memory_is_bounded():
     """torch-cuda over a long cached prefix: the paged Triton kernel allocates the output only (the per-row
     SDPA it replaces built a [heads, new, prefix] score matrix: 16 x 2048 x 32768 bf16 = 2 GiB here)."""
-    from nanovllm_tp.layers.flash_backend import CudaTorchBackend
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
     torch.manual_seed(5)
     heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 16
     cached, new = [32768, 100], [2048, 7]
@@ -417,12 +415,11 @@ def test_too_small_kv_cache_memory_is_a_clear_error(tiny_model_dir):
         LLM(tiny_model_dir, dtype="bfloat16", kvcache_block_size=16, kv_cache_memory=1 << 16)
 
 
-def test_backend_follows_the_block_size_with_and_without_flash_attn(tiny_model_dir, release, monkeypatch, caplog):
+def test_backend_follows_the_block_size_with_and_without_flash_attn(tiny_model_dir, release, caplog):
     """bf16: the default block size takes flash-attn when it imports (block 256), torch-cuda otherwise (16); an
     explicit block 16 always runs torch-cuda, and says why when flash-attn is there."""
     from nanovllm_tp import LLM
-    from nanovllm_tp.layers.flash_backend import flash_available
-    monkeypatch.delenv("NANOVLLM_TP_ATTENTION", raising=False)
+    from nanovllm_tp.layers.attention.flash import flash_available
     small = dict(dtype="bfloat16", kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=4, enforce_eager=True)
     llm = LLM(tiny_model_dir, **small)
     try:
@@ -468,7 +465,7 @@ def test_graph_replay_allocates_nothing(tiny_model_dir, release):
 
 def test_flash_backend_matches_dense_reference():
     pytest.importorskip("flash_attn", reason="flash-attn is not installed: the FlashBackend is not in use here")
-    from nanovllm_tp.layers.flash_backend import FlashBackend
+    from nanovllm_tp.layers.attention.flash import FlashBackend
     backend = FlashBackend()
     torch.manual_seed(3)
     heads, kv_heads, dim, scale, block_size = 16, 8, 128, 128 ** -0.5, 256
@@ -500,13 +497,12 @@ def test_flash_backend_matches_dense_reference():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_flash_engine_tokens_match_torch_cuda_engine(tiny_model_dir, graph_prompts, release, monkeypatch):
+def test_flash_engine_tokens_match_torch_cuda_engine(tiny_model_dir, graph_prompts, release):
     pytest.importorskip("flash_attn", reason="flash-attn is not installed: the FlashBackend is not in use here")
     kwargs = dict(dtype="bfloat16", kvcache_block_size=256, enforce_eager=False)
-    monkeypatch.setenv("NANOVLLM_TP_ATTENTION", "flash")
-    flash, facts = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, **kwargs)
+    flash, facts = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, attention_backend="flash", **kwargs)
     assert "attention flash" in facts["describe"]
-    monkeypatch.setenv("NANOVLLM_TP_ATTENTION", "torch-cuda")
-    ours, _ = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, **{**kwargs, "kvcache_block_size": 128})
+    ours, _ = run_engine(tiny_model_dir, release, graph_prompts, MAX_TOKENS, attention_backend="torch-cuda",
+                         **{**kwargs, "kvcache_block_size": 128})
     diffs = {i: first_diff(a, b) for i, (a, b) in enumerate(zip(flash, ours)) if a != b}
     assert len(diffs) <= 1 and all(p >= 8 for p in diffs.values()), f"flash vs torch-cuda (bf16): {diffs}"

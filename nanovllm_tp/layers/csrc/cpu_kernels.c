@@ -1,6 +1,6 @@
 /* fp32 and bf16 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
  * and a few microseconds of dispatch): paged decode attention, RMSNorm (with the residual add fused in),
- * neox RoPE and SiLU-and-mul. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
+ * neox RoPE and SiLU-and-mul; and the sampler's per-row top-k. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
  *
  * Threads: OpenMP. Built against the libgomp torch has already loaded, the kernels share torch's thread pool
  * and follow torch.set_num_threads. Small inputs stay on the calling thread (a parallel region costs more).
@@ -252,4 +252,107 @@ void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16)
         if (bf16) silu_mul_row(gate, up, o, width, 1);
         else silu_mul_row(gate, up, o, width, 0);
     }
+}
+
+/* ---------------------------------------------------------------- top-k per row (the sampler's)
+ *   x [rows, cols] fp32 (row stride `stride`) -> vals, ids [rows, k]: each row's k largest, best first; of
+ * equal values the lower column comes first. Values are compared as integer keys that order floats exactly, -inf
+ * (a masked logit) included, whatever -ffast-math assumes.
+ * Per row: the maximum of each block of 16 columns; the k-th largest of those maxima is a threshold that at least
+ * k values reach (one per such block), so only blocks whose maximum reaches it are read again, and only values
+ * reaching it are inserted into the sorted list of the best k so far (about 1-2 k insertions on logits).
+ * Returns -1 if the row's scratch cannot be allocated.
+ */
+#define TOPK_BLOCK 16
+
+typedef struct { uint32_t key; int32_t col; } topk_entry;
+
+INLINE uint32_t order_key(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* the n-th largest (0-based) of a[0..len), reordering a: quickselect, middle pivot */
+static uint32_t nth_largest(uint32_t *a, int64_t len, int64_t n)
+{
+    int64_t lo = 0, hi = len - 1;
+    while (lo < hi) {
+        const uint32_t pivot = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const uint32_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (n <= j) hi = j;
+        else if (n >= i) lo = i;
+        else return a[n];
+    }
+    return a[n];
+}
+
+/* insert e into best[0..*n) (sorted: larger key first, then lower column), keeping at most k */
+INLINE void insert_sorted(topk_entry *best, int *n, int k, topk_entry e)
+{
+    if (*n == k && e.key <= best[k - 1].key) return;   /* columns come in order: an equal key ranks after */
+    int lo = 0, hi = *n;
+    while (lo < hi) {                                     /* the first entry e ranks before */
+        const int mid = (lo + hi) / 2;
+        if (best[mid].key >= e.key) lo = mid + 1;
+        else hi = mid;
+    }
+    const int last = *n < k ? *n : k - 1;
+    memmove(best + lo + 1, best + lo, sizeof(topk_entry) * (size_t)(last - lo));
+    best[lo] = e;
+    if (*n < k) (*n)++;
+}
+
+int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
+{
+    const int64_t blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;
+    int failed = 0;
+    #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
+    for (int64_t r = 0; r < rows; r++) {
+        uint32_t *maxima = malloc(sizeof(uint32_t) * (size_t)blocks * 2);
+        topk_entry *best = malloc(sizeof(topk_entry) * (size_t)k);
+        if (!maxima || !best) {
+            free(maxima);
+            free(best);
+            failed = 1;
+            continue;
+        }
+        const float *row = x + r * stride;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+            uint32_t m = 0;
+            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+                const uint32_t key = order_key(row[c]);
+                m = key > m ? key : m;
+            }
+            maxima[b] = maxima[blocks + b] = m;
+        }
+        const uint32_t threshold = k <= blocks ? nth_largest(maxima + blocks, blocks, k - 1) : 0;
+        int n = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            if (maxima[b] < threshold) continue;
+            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+                const uint32_t key = order_key(row[c]);
+                if (key >= threshold) insert_sorted(best, &n, k, (topk_entry){key, (int32_t)c});
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            vals[r * k + i] = row[best[i].col];
+            ids[r * k + i] = best[i].col;
+        }
+        free(maxima);
+        free(best);
+    }
+    return failed ? -1 : 0;
 }

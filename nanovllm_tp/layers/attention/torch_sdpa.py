@@ -1,35 +1,20 @@
-"""Paged attention: write this step's K/V into the cache, then attend through one backend signature.
-
-KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout).
-Backends implement `forward(q, k, v, k_cache, v_cache, ctx, scale) -> [tokens, heads, head_dim]`.
-"""
+"""`torch`: SDPA over K/V gathered from the paged cache. Runs on CPU and CUDA; the reference for the others."""
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from nanovllm_tp.context import Context, get_context
-
-
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+from nanovllm_tp.context import Context
+from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
 
 
-class TorchBackend:
-    """SDPA over K/V gathered from the paged cache. Works on CPU and CUDA; the reference for the others."""
+@register_backend
+class TorchBackend(AttentionBackend):
+    """Prefill row by row through SDPA (a mixed step's decode rows go through `decode`); decode over each row's
+    blocks gathered from the cache."""
     name = "torch"
+    devices = ("cpu", "cuda")
     supports_graphs = False     # decode reads host-side lengths, which a captured graph cannot
 
-    def check_block_size(self, block_size: int) -> None:
-        pass     # any block size works
-
-    def forward(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        if ctx.is_prefill:
-            return self._prefill(q, k, v, k_cache, v_cache, ctx, scale)
-        return self._decode(q, k_cache, v_cache, ctx, scale)
-
-    def _prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
         out = torch.empty_like(q)
         block_size = k_cache.shape[1] if k_cache.numel() else 0
         starts = [0]
@@ -43,7 +28,7 @@ class TorchBackend:
             decode_ctx = Context(is_prefill=False, context_lens=ctx.context_lens[rows],
                                  block_tables=ctx.block_tables[rows],
                                  context_lens_cpu=[ctx.context_lens_cpu[row] for row in decode_rows])
-            out[tokens] = self._decode(q[tokens], k_cache, v_cache, decode_ctx, scale)
+            out[tokens] = self.decode(q[tokens], k_cache, v_cache, decode_ctx, scale)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
             if q_len == 1 < kv_len:
                 continue
@@ -63,7 +48,7 @@ class TorchBackend:
                                                   is_causal=mask is None, scale=scale)[0]
         return out
 
-    def _decode(self, q, k_cache, v_cache, ctx, scale):
+    def decode(self, q, k_cache, v_cache, ctx, scale):
         """Rows are grouped by context length (powers of two of blocks) so that gathering a group's K/V
         pads each row to at most twice its length, not to the longest row of the whole batch."""
         block_size = k_cache.shape[1]
@@ -113,28 +98,3 @@ class TorchBackend:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2)
-
-
-_backend = TorchBackend()
-
-
-def set_attention_backend(backend) -> None:
-    global _backend
-    _backend = backend
-
-
-def get_attention_backend():
-    return _backend
-
-
-class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache = self.v_cache = torch.tensor([])   # bound by the runner after KV allocation
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_context()
-        if self.k_cache.numel():
-            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        return _backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -1,0 +1,72 @@
+"""The attention backend interface, and the table of backends by name that each backend module adds itself to
+with `@register_backend`.
+
+KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout). A step's
+new K/V are in the cache before `forward` runs (`store_kvcache`), so decode reads everything from the cache.
+"""
+from typing import ClassVar
+
+import torch
+
+from nanovllm_tp.context import Context
+
+BACKENDS: dict[str, type["AttentionBackend"]] = {}
+HALF = (torch.float16, torch.bfloat16)
+
+
+def register_backend(cls: type["AttentionBackend"]) -> type["AttentionBackend"]:
+    """Class decorator: the backend becomes selectable as EngineConfig.attention_backend=cls.name."""
+    other = BACKENDS.get(cls.name)
+    if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise RuntimeError(f"two attention backends are named {cls.name!r}: {other.__module__}.{other.__qualname__} "
+                           f"and {cls.__module__}.{cls.__qualname__}")
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+class AttentionBackend:
+    """One way of computing paged attention. Subclasses set the class attributes, `prefill` and `decode`, and
+    override the policy hooks where the defaults do not hold. Instances keep no per-step state."""
+    name: ClassVar[str]                      # what EngineConfig.attention_backend calls it
+    devices: ClassVar[tuple[str, ...]]       # torch device types it runs on
+    default_block_size: ClassVar[int] = 16   # the KV block size when kvcache_block_size is None
+    supports_graphs: ClassVar[bool] = False  # decode may be captured in CUDA graphs (static shapes, no host reads)
+
+    @classmethod
+    def unavailable(cls, dtype: torch.dtype) -> str | None:
+        """Why it cannot run here for this dtype (a library that does not import, say), or None when it can."""
+        return None
+
+    @classmethod
+    def block_size_problem(cls, block_size: int) -> str | None:
+        """Why it cannot use this KV block size, or None when it can."""
+        return None
+
+    def fit_block_size(self, block_size: int | None) -> int:
+        """The KV block size to use: the asked one when it fits (ValueError if not), else the default."""
+        if block_size is None:
+            return self.default_block_size
+        problem = self.block_size_problem(block_size)
+        if problem:
+            raise ValueError(f"{problem} as kvcache_block_size, got {block_size}")
+        return block_size
+
+    def prepare(self, ctx: Context) -> None:
+        """Add to an eager step's context the metadata only this backend reads (replayed decode graphs skip it:
+        a backend that captures graphs reads nothing from here in decode)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+        """q [tokens, heads, dim], this step's k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        if ctx.is_prefill:
+            return self.prefill(q, k, v, k_cache, v_cache, ctx, scale)
+        return self.decode(q, k_cache, v_cache, ctx, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+        """Rows of any number of new tokens (a mixed step's decode rows included), causal within each row and
+        over the row's cached prefix."""
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+        """One new token per row, over the row's whole context in the cache."""
+        raise NotImplementedError

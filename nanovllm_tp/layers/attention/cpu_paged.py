@@ -1,0 +1,25 @@
+"""`cpu`: the torch backend's prefill, and decode read in place from the paged cache by the C kernel
+(layers/cpu_kernels.py; fp32 and bf16). The default on CPU wherever the kernels build."""
+from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.attention.base import register_backend
+from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
+
+
+@register_backend
+class CpuBackend(TorchBackend):
+    name = "cpu"
+    devices = ("cpu",)
+
+    @classmethod
+    def unavailable(cls, dtype) -> str | None:
+        if dtype not in cpu_kernels.DTYPES:
+            return f"the C kernels take float32 and bfloat16, not {dtype}"
+        if cpu_kernels.load() is None:
+            return "the C kernels are not available here (no C compiler, a failed build, or NANOVLLM_TP_CPU_KERNELS=0)"
+        return None
+
+    def decode(self, q, k_cache, v_cache, ctx, scale):
+        kernels = cpu_kernels.for_tensor(q)
+        if kernels is None:
+            return super().decode(q, k_cache, v_cache, ctx, scale)
+        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)

@@ -1,0 +1,85 @@
+"""The HTTP process of the server, started by launch/serve.py on rank 0 before the engine loads:
+
+    python -m nanovllm_tp.serving.frontend --commands ipc://... --outputs ipc://... --name NAME
+        --host H --port P [--max-waiting-requests N] [--log-level L]
+
+It imports and connects at once, then waits for the engine's "ready" message (model path, max_model_len) to load
+the tokenizer and start serving.
+
+The API key comes in the environment (NANOVLLM_TP_API_KEY), not on a command line others can read. It exits
+when told to (SIGTERM, from the engine process) and on its own when the engine process is gone (then it also
+removes the sockets' directory, which the engine process would have removed).
+"""
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+
+from nanovllm_tp.serving.app import ServedModel, build_app
+from nanovllm_tp.serving.engine_client import EngineClient
+
+PARENT_CHECK_S = 0.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--commands", required=True)
+    p.add_argument("--outputs", required=True)
+    p.add_argument("--name", required=True, help="the model name clients use")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-waiting-requests", type=int, default=1024)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+    from nanovllm_tp.loader import load_tokenizer
+    parent, rundir = os.getppid(), os.path.dirname(args.commands.removeprefix("ipc://"))
+    engine = EngineClient(args.commands, args.outputs, args.max_waiting_requests)
+    state = {"server": None}
+
+    def orphaned() -> bool:
+        """The engine process is gone (then its sockets' directory goes too): nothing left to serve."""
+        if os.getppid() == parent:
+            return False
+        shutil.rmtree(rundir, ignore_errors=True)
+        return True
+
+    async def watch(waiting: asyncio.Task):
+        announced = False
+        while True:
+            server = state["server"]
+            if orphaned():
+                waiting.cancel()
+                if server is not None:
+                    server.should_exit = True
+                return
+            if server is not None and server.started and not announced:
+                print(f"nanovllm_tp serving {args.name!r} on http://{args.host}:{args.port}/v1", flush=True)
+                announced = True
+            await asyncio.sleep(PARENT_CHECK_S if announced else 0.05)
+
+    async def run():
+        waiting = asyncio.ensure_future(engine.wait_ready())
+        watching = asyncio.ensure_future(watch(waiting))
+        try:
+            info = await waiting
+        except asyncio.CancelledError:
+            return
+        model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]))
+        app = build_app(engine, model, os.environ.get("NANOVLLM_TP_API_KEY") or None)
+        state["server"] = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                                        log_level=args.log_level, timeout_graceful_shutdown=1))
+        await state["server"].serve()
+        watching.cancel()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

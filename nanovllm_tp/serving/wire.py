@@ -1,0 +1,68 @@
+"""What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
+
+HTTP -> engine:  {"op": "add", "id", "prompt", "params"}, {"op": "abort", "id"}
+engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
+                 {"op": "accepted", "items": [[id, error, error type]]}  (error: None, or validation's message)
+                 {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle)
+                 {"op": "dead", "why"}                                 (the engine stopped; nothing more comes)
+
+Sampling parameters travel as their constructor's fields and are validated again on arrival; outputs as their
+dataclasses' fields, logprobs as [token id, logprob, rank, decoded token] rows.
+"""
+from dataclasses import fields
+
+import msgpack
+
+from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm_tp.sampling_params import SamplingParams
+
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(raw) -> dict:
+    msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ValueError("not a message of the serving protocol")
+    return msg
+
+
+def params_to_wire(p: SamplingParams) -> dict:
+    return {name: (int(v) if name == "output_kind" else v) for name in _PARAM_FIELDS for v in (getattr(p, name),)}
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def _positions_to_wire(positions):
+    if positions is None:
+        return None
+    return [None if pos is None else [[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in pos.items()]
+            for pos in positions]
+
+
+def _positions_from_wire(rows):
+    if rows is None:
+        return None
+    return [None if pos is None else {t: Logprob(v, rank, text) for t, v, rank, text in pos} for pos in rows]
+
+
+def output_to_wire(out: RequestOutput) -> list:
+    m = out.metrics
+    return [out.request_id, out.prompt, out.prompt_token_ids, _positions_to_wire(out.prompt_logprobs),
+            [[c.index, c.text, c.token_ids, c.cumulative_logprob, _positions_to_wire(c.logprobs), c.finish_reason,
+              c.stop_reason] for c in out.outputs], out.finished,
+            None if m is None else [m.arrival_time, m.first_token_time, m.last_token_time, m.finish_time,
+                                    m.num_generation_tokens]]
+
+
+def output_from_wire(row: list) -> RequestOutput:
+    request_id, prompt, prompt_ids, prompt_lps, completions, finished, metrics = row
+    outs = [CompletionOutput(index, text, ids, cum, _positions_from_wire(lps), reason, stop)
+            for index, text, ids, cum, lps, reason, stop in completions]
+    return RequestOutput(request_id, prompt, prompt_ids, _positions_from_wire(prompt_lps), outs, finished,
+                         None if metrics is None else RequestMetrics(*metrics))

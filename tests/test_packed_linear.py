@@ -1,0 +1,71 @@
+"""Linear layers through oneDNN-packed weights on CPU: the matmul against a float64 reference at decode and
+prefill row counts, which weights get packed, and a bf16 engine's logprobs against transformers in fp32."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm_tp.layers.linear import matmul, pack_cpu_weights, packable_dtypes
+
+needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 on this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 32, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_matmul_matches_a_float64_reference(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 3, 96, generator=g).to(dtype)[:, 1]      # a strided view, as a sliced activation
+    w, b = torch.randn(160, 96, generator=g).to(dtype), torch.randn(160, generator=g).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    want = F.linear(x.double(), w.double(), b.double())
+    tol = dict(rtol=1e-2, atol=5e-2) if dtype is torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(matmul(x, w, packed, b).double(), want, **tol)
+    torch.testing.assert_close(matmul(x, w, packed).double(), want - b.double(), **tol)
+    assert matmul(x.reshape(rows, 1, 96), w, packed).shape == (rows, 1, 160)
+
+
+@needs_bf16
+def test_bf16_linear_weights_are_packed_and_fp32_only_on_request(tiny_model_dir, monkeypatch):
+    from nanovllm_tp import LLM
+    from nanovllm_tp.layers.linear import LinearBase
+    for dtype, mode, want in [("bfloat16", "1", True), ("float32", "1", False), ("float32", "all", True),
+                              ("bfloat16", "0", False)]:
+        monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode)
+        llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
+        try:
+            model = llm.engine.runner.model
+            linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+            assert all((m.packed is not None) == want for m in linears), (dtype, mode)
+            assert all((m.weight.numel() == 0) == want for m in linears)
+            assert pack_cpu_weights(torch.nn.Linear(2, 2)) == 0     # layers without a packed slot: untouched
+        finally:
+            llm.close()
+
+
+@needs_bf16
+def test_bf16_engine_logprobs_follow_transformers_fp32(tiny_model_dir, hf_model):
+    """Teacher-forced: transformers in fp32 scores the bf16 engine's own greedy tokens. Each chosen token's
+    logprob is within a bf16-sized margin of the reference's, and nearly all are the reference's own choice
+    (bf16 moves this random model's logprobs by up to ~0.5 nats, enough to flip its near ties)."""
+    from nanovllm_tp import LLM, SamplingParams
+    llm = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_memory=16 << 20)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 2000, int(rng.integers(3, 150))).tolist() for _ in range(16)]
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+                            use_tqdm=False)
+    finally:
+        llm.close()
+    agree = total = 0
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt + c.token_ids])).logits[0].double(), -1)
+        for i, t in enumerate(c.token_ids):
+            row = ref[len(prompt) - 1 + i]
+            assert abs(c.logprobs[i][t].logprob - float(row[t])) < 0.4
+            agree += int(row.argmax()) == t
+            total += 1
+    assert agree >= 0.9 * total

@@ -1,0 +1,38 @@
+"""The messages between the HTTP process and the engine loop: sampling parameters and real outputs (logprobs,
+prompt logprobs, n > 1, stop reasons) come back equal after msgpack, and parameters are validated on arrival."""
+import pytest
+
+from nanovllm_tp import SamplingParams
+from nanovllm_tp.sampling_params import RequestOutputKind
+from nanovllm_tp.serving import wire
+
+
+def test_sampling_params_round_trip_every_field():
+    p = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=11, presence_penalty=0.5,
+                       frequency_penalty=-0.5, repetition_penalty=1.2, stop=["\n", "end"], stop_token_ids=[3],
+                       include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
+                       prompt_logprobs=1, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+    msg = wire.unpack(wire.pack({"op": "add", "params": wire.params_to_wire(p)}))
+    assert wire.params_from_wire(msg["params"]) == p
+
+
+def test_params_are_validated_again_on_arrival():
+    d = wire.params_to_wire(SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        wire.params_from_wire({**d, "temperature": -1.0})
+    with pytest.raises(TypeError):
+        wire.params_from_wire({**d, "no_such_knob": 1})
+
+
+def test_outputs_round_trip(tiny_llm):
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=6, logprobs=2, prompt_logprobs=2,
+                            stop=[" the"])
+    for out in tiny_llm.generate(["The quick brown fox", "Hello"], params, use_tqdm=False):
+        back = wire.output_from_wire(wire.unpack(wire.pack({"op": "outputs", "o": wire.output_to_wire(out)}))["o"])
+        assert back == out
+        assert back.prompt_logprobs[0] is None and back.outputs[0].logprobs
+
+
+def test_a_message_without_an_op_is_refused():
+    with pytest.raises(ValueError):
+        wire.unpack(wire.pack([1, 2]))

@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
     args.model = bc.resolve_model(args)
     vocab = bc.model_vocab_size(args.model)
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
-    from nanovllm_tp.launch.bench import warm_up_engine
+    from nanovllm_tp.launch.bench_engine import warm_up_engine
     from nanovllm_tp.launch.generate import build_llm
     llm = build_llm(args)            # under torchrun, ranks > 0 serve in here and exit when rank 0 is done
     env = bc.environment()

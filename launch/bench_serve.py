@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
         asyncio.run(run_server_point(args, bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab),
                                      bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab).prompts(), warm))
         if args.compare_offline:           # built while the server idles
-            from nanovllm_tp.launch.bench import warm_up_engine
+            from nanovllm_tp.launch.bench_engine import warm_up_engine
             from nanovllm_tp.launch.generate import build_llm
             if args.trace:                 # the server writes args.trace; this engine writes beside it
                 args.trace = sibling_path(args.trace, "offline")

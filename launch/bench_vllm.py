@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 
-from nanovllm_tp.launch import bench
+from nanovllm_tp.launch import bench_engine
 from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch import bench_peer
 
@@ -178,12 +178,12 @@ def main(args) -> dict:
     cold = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0}
     env, peers, ready = bc.environment(), {}, {}
     penv = peer_env(args.peer_kv_gib, env["torch_threads"])
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(bench.NAME)
+    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path("bench")
     runs = {"engine": []} | {m: [] for m in MODES[args.peer_mode]}
     runner, dtype = llm.engine.runner.describe(), str(llm.engine.dtype).removeprefix("torch.")
     try:
         bc.log(args, f"engine ready in {cold['load_s']:.1f}s, first token at {cold['first_token_s']:.1f}s: {runner}")
-        bench.warm_up_engine(llm, vocab, args.seed, args.temperature)
+        bench_engine.warm_up_engine(llm, vocab, args.seed, args.temperature)
         config = {"model": str(args.model), "dtype": dtype,
                   "max_model_len": llm.engine.config.max_model_len, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
@@ -195,7 +195,7 @@ def main(args) -> dict:
             bc.log(args, f"vLLM {mode} ready: load {ready[mode]['load_s']:.1f}s, first token at "
                          f"{ready[mode]['first_token_s']:.1f}s")
             peers[mode].run(warm_prompts, warm_outs, args.temperature)
-        params = bench.sampling_params(workload, args.temperature)
+        params = bench_engine.sampling_params(workload, args.temperature)
         for r in range(args.repeats):
             prompts = workload.prompts(draw=r + 1)
             t = time.perf_counter()
@@ -211,7 +211,7 @@ def main(args) -> dict:
         llm.close()
         for peer in peers.values():
             peer.close()
-    result = {"name": bench.NAME, "config": bc.config_dict(args), "workload": workload.describe(),
+    result = {"name": "bench", "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": {**bc.finish_environment(env), "vllm": version, "peer_env": penv},
               "figures": figures(runs, cold, ready, runner, dtype)}
     bc.save_result(args, out_path, result, draw)
@@ -220,10 +220,10 @@ def main(args) -> dict:
 
 
 def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dict:
-    f = {"engine": {**bench.summarize_runs(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
+    f = {"engine": {**bench_engine.summarize_runs(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
     for mode in ready:
         parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(runs["engine"], runs[mode])]
-        f[f"vllm_{mode}"] = {**bench.summarize_runs(runs[mode]), **{k: ready[mode][k] for k in
+        f[f"vllm_{mode}"] = {**bench_engine.summarize_runs(runs[mode]), **{k: ready[mode][k] for k in
                                                          ("load_s", "first_token_s", "import_s", "torch_threads")},
                              "ratio": ratios(runs["engine"], runs[mode]), "agreement": merge_agreement(parts)}
     return f

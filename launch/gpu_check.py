@@ -170,7 +170,7 @@ def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
     import torch
 
     from nanovllm_tp import LLM
-    from nanovllm_tp.launch import bench
+    from nanovllm_tp.launch import bench, bench_engine
     from nanovllm_tp.launch.make_tiny import ensure_tiny
     model = str(ensure_tiny(sizes.preset))
     vocab, dtype, k = bc.model_vocab_size(model), ("float32" if device == "cpu" else "bfloat16"), sizes.hf_requests
@@ -186,10 +186,10 @@ def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
         try:
             stats = llm.stats()
             tokens[mode] = greedy(llm, check, check_lens)[0]
-            bench.warm_up_engine(llm, vocab, 0, 0.0)
-            runs[mode] = run = bench.run_engine(llm, w, prompts, 0.0)
+            bench_engine.warm_up_engine(llm, vocab, 0, 0.0)
+            runs[mode] = run = bench_engine.run_engine(llm, w, prompts, 0.0)
             if mode == "graphs":        # the engine on the requests transformers runs too
-                runs["subset"] = bench.run_engine(llm, sub, prompts[:k], 0.0)
+                runs["subset"] = bench_engine.run_engine(llm, sub, prompts[:k], 0.0)
         finally:
             llm.close()
         add(Row(part, f"engine tok/s, {mode}", f"{run['tok_s']:,.0f} ({w.num_requests} requests, "

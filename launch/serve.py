@@ -33,7 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="beyond this many waiting requests, new ones get 429")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--threads", type=int,
+                        help="CPU threads per rank (default: $OMP_NUM_THREADS, else this node's cores but one, "
+                             "shared by its ranks: the core left over runs the HTTP process)")
     return parser
+
+
+def reserve_a_core(args) -> None:
+    """On CPU, the engine's OpenMP threads stall whenever one of them waits for a core (every parallel region
+    waits for its slowest thread), so the HTTP process gets a core of its own unless told otherwise."""
+    import torch
+    if args.threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return
+    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp))
+    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // local)
+    os.environ["OMP_NUM_THREADS"] = str(threads)         # spawned ranks read it
+    torch.set_num_threads(threads)
 
 
 def start_front(args, commands: str, outputs: str) -> subprocess.Popen:
@@ -51,6 +68,9 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 1:
         raise SystemExit("--max-waiting-requests must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("--threads must be >= 1")
+    reserve_a_core(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if int(os.environ.get("RANK", "0")) != 0:
         build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0

@@ -94,12 +94,12 @@ def test_flash_prepare_gives_varlen_key_offsets():
     assert decode.cu_seqlens_k is None and ctx.cu_seqlens_k is None
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_engine_on_a_chosen_backend_matches_transformers(tiny_model_dir, hf_model, backend):
-    llm = LLM(tiny_model_dir, attention_backend=backend, **SMALL)
+@pytest.mark.parametrize("backend,tp", [("torch", 1), ("cpu", 1), ("torch", 2)])
+def test_engine_on_a_chosen_backend_matches_transformers(tiny_model_dir, hf_model, backend, tp):
+    llm = LLM(tiny_model_dir, tensor_parallel_size=tp, attention_backend=backend, **SMALL)
     try:
         assert f"attention {backend}," in llm.engine.runner.describe() and llm.config.attention_backend == backend
-        prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(3, 40))
+        prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(3, 40) if tp == 1 else (5, 33))
         out = llm.generate(prompts, GREEDY, use_tqdm=False)
         for prompt, o in zip(prompts, out):
             assert o.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
@@ -121,17 +121,6 @@ def test_auto_resolves_to_a_name_the_workers_get(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
     with pytest.raises(PeerError, match=r"(?s)rank 1: .*attention_backend=cpu, but the C kernels are not available"):
         LLM(tiny_model_dir, tensor_parallel_size=2, attention_backend="cpu", **SMALL)
-
-
-def test_tp2_on_the_torch_backend_matches_transformers(tiny_model_dir, hf_model):
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2, attention_backend="torch", **SMALL)
-    try:
-        prompts = mixed_prompts(llm.config.model_config.vocab_size, lengths=(5, 33))
-        out = llm.generate(prompts, GREEDY, use_tqdm=False)
-        for prompt, o in zip(prompts, out):
-            assert o.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
-    finally:
-        llm.close()
 
 
 def test_command_line_flag_reaches_the_engine(tiny_model_dir):

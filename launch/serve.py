@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from nanovllm_tp.distributed.launch import stop_children
+from nanovllm_tp.launch.bench_common import apply_threads
 from nanovllm_tp.launch.generate import add_engine_args, build_llm
 
 
@@ -43,14 +45,12 @@ def reserve_a_core(args) -> None:
     """On CPU, the engine's OpenMP threads stall whenever one of them waits for a core (every parallel region
     waits for its slowest thread), so the HTTP process gets a core of its own unless told otherwise."""
     import torch
-    if args.threads is None and os.environ.get("OMP_NUM_THREADS"):
-        return
-    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp))
-    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // local)
-    os.environ["OMP_NUM_THREADS"] = str(threads)         # spawned ranks read it
-    torch.set_num_threads(threads)
+    if args.threads is None:
+        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        if os.environ.get("OMP_NUM_THREADS") or not on_cpu:
+            return
+        args.threads = max(1, ((os.cpu_count() or 1) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
+    apply_threads(args)                  # this process, and OMP_NUM_THREADS for the spawned ranks
 
 
 def start_front(args, commands: str, outputs: str) -> subprocess.Popen:
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0
         return
-    from nanovllm_tp.serving.engine_loop import EngineLoop, wait_for_front
+    from nanovllm_tp.serving.engine_loop import EngineLoop
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
     stop, front, llm, loop = [], None, None, None
@@ -87,9 +87,8 @@ def main(argv=None) -> None:
         loop = EngineLoop(llm, commands, outputs)
         loop.run(lambda: not stop and front.poll() is None)
     finally:
-        if front is not None and front.poll() is None:
-            front.terminate()
-            wait_for_front(front, timeout=5)
+        if front is not None:
+            stop_children([front], timeout=0)        # SIGTERM, then SIGKILL if it lingers
         if loop is not None:
             loop.close()
         if llm is not None:

@@ -13,7 +13,6 @@ figures for /metrics. When the engine fails, the HTTP process is told once and t
 stopped: the server answers 503 from then on.
 """
 import logging
-import time
 
 import zmq
 
@@ -98,12 +97,3 @@ class EngineLoop:
             return [msg["id"], str(exc), type(exc).__name__]
         return [msg["id"], None, None]
 
-
-def wait_for_front(proc, timeout: float) -> None:
-    """Wait for the HTTP process to exit, killing it after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()

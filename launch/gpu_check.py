@@ -135,13 +135,14 @@ def check_variant(part: str, model: str, device: str, ref, variant, tp: int) -> 
 def part_pytest(sizes: Sizes, device: str, add, part: str) -> None:
     import pytest
 
-    class Counts(dict):
+    counts: dict[str, int] = {}
+
+    class Counter:      # a plugin object must be hashable: pytest keeps the ones it has seen in a set
         def pytest_runtest_logreport(self, report):
             if report.when == "call" or report.outcome != "passed":
-                self[report.outcome] = self.get(report.outcome, 0) + 1
+                counts[report.outcome] = counts.get(report.outcome, 0) + 1
 
-    counts = Counts()
-    rc = pytest.main([str(REPO / "tests" / "gpu"), "-q", "-rsfE", "-p", "no:cacheprovider"], plugins=[counts])
+    rc = pytest.main([str(REPO / "tests" / "gpu"), "-q", "-rsfE", "-p", "no:cacheprovider"], plugins=[Counter()])
     status = "FAIL" if rc not in (0, 5) else ("PASS" if counts.get("passed") else "SKIP")
     add(Row(part, "tests/gpu", ", ".join(f"{v} {k}" for k, v in counts.items()) or f"exit code {rc}", status))
 

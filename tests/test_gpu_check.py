@@ -67,7 +67,8 @@ def marked_run(tmp_path, *args, **kwargs):
 def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
     with marked_run(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, _):
         out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:] + err[-4000:]
+    log = tmp_path / "gpu_check.log"
+    assert proc.returncode == 0, out[-4000:] + err[-4000:] + (log.read_text()[-6000:] if log.exists() else "")
     table = (tmp_path / "gpu_check.md").read_text().rstrip()
     assert out.rstrip().endswith(table), "the table is printed last"
     data = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -1,5 +1,5 @@
 """C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
-add fused in, RoPE and SiLU-and-mul; and the sampler's per-row top-k (fp32).
+add fused in, RoPE and SiLU-and-mul; and the sampler's per-row top-k, logprobs and top-k draw (fp32).
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 
+import numpy as np
 import torch
 
 log = logging.getLogger("nanovllm_tp")
@@ -31,6 +32,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "topk_rows": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr]),
+    "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
+    "draw_top_k": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    "apply_penalties": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -137,13 +141,53 @@ class CpuKernels:
     def topk(self, x, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k largest values of x ([rows, cols] fp32, 0 < k <= cols), best first (ties: lower column
         first), and their columns."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        x = _rows_contiguous(x)
         rows, cols = x.shape
         vals, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
         if self._topk_rows(x.data_ptr(), rows, cols, x.stride(0), k, vals.data_ptr(), ids.data_ptr()):
             raise MemoryError("the CPU top-k kernel could not allocate its scratch")
         return vals, ids
+
+    def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):
+        """For each entry, row row_of[e] of x ([rows, vocab] fp32): the logprob and rank of column chosen[e], and
+        the row's top_n columns and their logprobs (as sampler.token_logprobs)."""
+        x = _rows_contiguous(x)
+        row_of, chosen = np.ascontiguousarray(row_of, np.int64), np.ascontiguousarray(chosen, np.int64)
+        n = len(row_of)
+        logprob, rank = np.empty(n, np.float32), np.empty(n, np.int64)
+        top_lps, top_ids = np.empty((n, top_n), np.float32), np.empty((n, top_n), np.int64)
+        if self._row_logprobs(x.data_ptr(), n, x.shape[1], x.stride(0), row_of.ctypes.data, chosen.ctypes.data,
+                              top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data, top_ids.ctypes.data):
+            raise MemoryError("the CPU logprobs kernel could not allocate its scratch")
+        return logprob, rank, top_ids, top_lps
+
+    def draw_top_k(self, x, row_of: np.ndarray, knobs: np.ndarray, counter: np.ndarray) -> np.ndarray:
+        """One token per entry, drawn among the top_k best logits of x[row_of[e]] (as sampler._draw_candidates);
+        knobs: the entries' ROW_DTYPE records (top_k, temperature, min_p, top_p, seed)."""
+        x = _rows_contiguous(x)
+        arrays = [np.ascontiguousarray(a, t) for a, t in (
+            (row_of, np.int64), (knobs["top_k"], np.int32), (knobs["temperature"], np.float32),
+            (knobs["min_p"], np.float32), (knobs["top_p"], np.float32), (knobs["seed"], np.int64),
+            (counter, np.int64))]
+        out = np.empty(len(row_of), np.int64)
+        if self._draw_top_k(x.data_ptr(), len(row_of), x.shape[1], x.stride(0), *(a.ctypes.data for a in arrays),
+                            out.ctypes.data):
+            raise MemoryError("the CPU top-k draw could not allocate its scratch")
+        return out
+
+    def apply_penalties(self, x, entry: np.ndarray, token: np.ndarray, count: np.ndarray, knobs: np.ndarray):
+        """In place on x ([entries, vocab] fp32, rows contiguous): the penalties at the (entry, token) pairs
+        (tokens < vocab), with their output counts; knobs: every entry's ROW_DTYPE record."""
+        if x.stride(-1) != 1:
+            raise ValueError("apply_penalties writes in place: x's rows must be contiguous")
+        arrays = [np.ascontiguousarray(a, t) for a, t in (
+            (entry, np.int64), (token, np.int64), (count, np.float32), (knobs["repetition_penalty"], np.float32),
+            (knobs["frequency_penalty"], np.float32), (knobs["presence_penalty"], np.float32))]
+        self._apply_penalties(x.data_ptr(), x.stride(0), len(entry), *(a.ctypes.data for a in arrays))
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @functools.cache

@@ -95,12 +95,17 @@ class TokenLogprobs:
     top_logprobs: np.ndarray  # float32 [positions, N]
 
 
-def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenLogprobs:
-    """Log-softmax figures of some positions from their fp32 logits [positions, vocab] and the chosen token of
-    each: a logprob is a logit less the row's logsumexp, and ranks and the top-N are the logits' own, so the
-    normalised [positions, vocab] array is never made."""
+def token_logprobs(logits: torch.Tensor, rows: np.ndarray, chosen: np.ndarray, top_n: int) -> TokenLogprobs:
+    """Log-softmax figures of some positions from logits [*, vocab]: position i is logits row rows[i] with
+    its chosen token chosen[i]. A logprob is a logit less the row's logsumexp, and ranks and the top-N are the
+    logits' own, so the normalised array is never made. On CPU one C pass per row."""
+    kernels = cpu_kernels.for_tensor(logits) if logits.dtype is torch.float32 else None
+    if kernels is not None:
+        return TokenLogprobs(*kernels.row_logprobs(logits, rows, chosen, top_n))
+    dev = logits.device
+    logits = logits[_np(rows, dev)].float()
     lse = torch.logsumexp(logits, dim=1, keepdim=True)
-    picked = logits.gather(1, chosen[:, None])
+    picked = logits.gather(1, _np(chosen, dev)[:, None])
     rank = (logits > picked).sum(dim=1) + 1
     if top_n:
         vals, ids = top_k(logits, top_n)
@@ -124,18 +129,17 @@ class Sampler:
         if batch.logits_index is not None:
             logits = logits[_np(batch.logits_index, logits.device)]
         logits = logits.float()
-        rows, dev = batch.rows, logits.device
+        rows, raw = batch.rows, logits     # logprobs are the model's, as vLLM's: suppression and penalties copy
         want_lp = np.flatnonzero(rows["logprobs"] >= 0)
-        raw = logits[_np(want_lp, dev)] if len(want_lp) else None    # logprobs are the model's, as vLLM's
         logits = self._suppress(logits, batch)
         logits = self._penalize(logits, batch)
         tokens = argmax_rows(logits)
         hot = np.flatnonzero(rows["temperature"] >= MIN_TEMPERATURE)
         if len(hot):
             tokens[_np(hot, tokens.device)] = self._draw(logits, batch, hot).to(tokens.device)
-        lp = None
-        if raw is not None:
-            lp = token_logprobs(raw, tokens.to(dev)[_np(want_lp, dev)], int(rows["logprobs"][want_lp].max()))
+        tokens, lp = tokens.cpu().numpy(), None
+        if len(want_lp):
+            lp = token_logprobs(raw, want_lp, tokens[want_lp], int(rows["logprobs"][want_lp].max()))
         return tokens.tolist(), lp
 
     def _suppress(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -160,6 +164,10 @@ class Sampler:
         if not keep.all():
             r, t, counts = r[keep], t[keep], counts[keep]
         logits = logits.clone()
+        kernels = cpu_kernels.for_tensor(logits)
+        if kernels is not None:
+            kernels.apply_penalties(logits, r, t, counts, rows)
+            return logits
         flat = logits.view(-1)
         where = r * vocab + t
         if logits.is_cpu:        # numpy's gather and scatter: several times cheaper than torch indexing here
@@ -179,14 +187,18 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature. Rows with a
-        top-k draw among their k best candidates (small: numpy on the host); the others over the whole
-        vocabulary (torch, on the logits' device)."""
+        top-k draw among their k best candidates (one C pass per row on CPU, else numpy on the host); the
+        others over the whole vocabulary (torch, on the logits' device)."""
         rows, dev, vocab = batch.rows[hot], logits.device, logits.shape[1]
         index = batch.sample_index[hot]
         out = torch.empty(len(hot), dtype=torch.int64)
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
-        if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
+        kernels = cpu_kernels.for_tensor(logits)
+        if len(group) and kernels is not None:
+            out[torch.from_numpy(group)] = torch.from_numpy(
+                kernels.draw_top_k(logits, hot[group], rows[group], index[group]))
+        elif len(group):     # a temperature keeps the order: the k best logits are the k best scaled ones
             vals, ids = top_k(logits[_np(hot[group], dev)], int(rows["top_k"][group].max()))
             scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(
@@ -247,9 +259,9 @@ def prompt_logprobs(logits: torch.Tensor, chunks) -> None:
         targets = [p + 1 for p in range(first_pos, first_pos + count) if have <= p + 1 < seq.num_prompt_tokens]
         if not targets:
             continue
-        idx = torch.tensor([first_row + t - 1 - first_pos for t in targets], device=logits.device)
-        chosen = torch.tensor([seq.token_ids[t] for t in targets], device=logits.device)
-        lp = token_logprobs(logits[idx].float(), chosen, seq.params.prompt_logprobs)
+        idx = np.array([first_row + t - 1 - first_pos for t in targets], np.int64)
+        chosen = np.array([seq.token_ids[t] for t in targets], np.int64)
+        lp = token_logprobs(logits, idx, chosen, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids, lp.top_logprobs))
 
 

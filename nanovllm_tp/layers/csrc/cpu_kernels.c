@@ -1,6 +1,6 @@
 /* fp32 and bf16 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
  * and a few microseconds of dispatch): paged decode attention, RMSNorm (with the residual add fused in),
- * neox RoPE and SiLU-and-mul; and the sampler's per-row top-k. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
+ * neox RoPE and SiLU-and-mul; and the sampler's per-row top-k, logprobs and top-k draw. Loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
  *
  * Threads: OpenMP. Built against the libgomp torch has already loaded, the kernels share torch's thread pool
  * and follow torch.set_num_threads. Small inputs stay on the calling thread (a parallel region costs more).
@@ -313,41 +313,56 @@ INLINE void insert_sorted(topk_entry *best, int *n, int k, topk_entry e)
     if (*n < k) (*n)++;
 }
 
-int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
+/* the k best of one row into best[0..k) (k <= cols), sorted; maxima: scratch of 2 * blocks */
+static void topk_row(const float *row, int64_t cols, int k, uint32_t *maxima, topk_entry *best)
 {
     const int64_t blocks = (cols + TOPK_BLOCK - 1) / TOPK_BLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+        uint32_t m = 0;
+        for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+            const uint32_t key = order_key(row[c]);
+            m = key > m ? key : m;
+        }
+        maxima[b] = maxima[blocks + b] = m;
+    }
+    const uint32_t threshold = k <= blocks ? nth_largest(maxima + blocks, blocks, k - 1) : 0;
+    int n = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        if (maxima[b] < threshold) continue;
+        const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
+        for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
+            const uint32_t key = order_key(row[c]);
+            if (key >= threshold) insert_sorted(best, &n, k, (topk_entry){key, (int32_t)c});
+        }
+    }
+}
+
+/* a row's scratch for topk_row; NULL (nothing held) when it cannot be allocated */
+static topk_entry *topk_scratch(int64_t cols, int k, uint32_t **maxima)
+{
+    *maxima = malloc(sizeof(uint32_t) * (size_t)((cols + TOPK_BLOCK - 1) / TOPK_BLOCK) * 2);
+    topk_entry *best = malloc(sizeof(topk_entry) * (size_t)(k > 0 ? k : 1));
+    if (*maxima && best) return best;
+    free(*maxima);
+    free(best);
+    return NULL;
+}
+
+int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
+{
     int failed = 0;
     #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
     for (int64_t r = 0; r < rows; r++) {
-        uint32_t *maxima = malloc(sizeof(uint32_t) * (size_t)blocks * 2);
-        topk_entry *best = malloc(sizeof(topk_entry) * (size_t)k);
-        if (!maxima || !best) {
-            free(maxima);
-            free(best);
+        uint32_t *maxima;
+        topk_entry *best = topk_scratch(cols, k, &maxima);
+        if (!best) {
             failed = 1;
             continue;
         }
         const float *row = x + r * stride;
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
-            uint32_t m = 0;
-            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
-                const uint32_t key = order_key(row[c]);
-                m = key > m ? key : m;
-            }
-            maxima[b] = maxima[blocks + b] = m;
-        }
-        const uint32_t threshold = k <= blocks ? nth_largest(maxima + blocks, blocks, k - 1) : 0;
-        int n = 0;
-        for (int64_t b = 0; b < blocks; b++) {
-            if (maxima[b] < threshold) continue;
-            const int64_t end = (b + 1) * TOPK_BLOCK < cols ? (b + 1) * TOPK_BLOCK : cols;
-            for (int64_t c = b * TOPK_BLOCK; c < end; c++) {
-                const uint32_t key = order_key(row[c]);
-                if (key >= threshold) insert_sorted(best, &n, k, (topk_entry){key, (int32_t)c});
-            }
-        }
-        for (int i = 0; i < n; i++) {
+        topk_row(row, cols, k, maxima, best);
+        for (int i = 0; i < k; i++) {
             vals[r * k + i] = row[best[i].col];
             ids[r * k + i] = best[i].col;
         }
@@ -355,4 +370,157 @@ int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k,
         free(best);
     }
     return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- sampler
+ * Two passes of rank 0's sampler (fp32 logits [rows, cols], row stride `stride`), one call per step; sampler.py
+ * holds the same operations in numpy/torch, the reference and the path off the CPU. Suppressed logits are -inf:
+ * maxima go through order keys and exp's argument is clamped, whatever -ffast-math assumes.
+ */
+INLINE float key_value(uint32_t key)
+{
+    const uint32_t u = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE float clamped_exp(float d) { return expf(d > -100.0f ? d : -100.0f); }
+
+/* For each entry r, row row_of[r]'s logsumexp-normalised figures at column chosen[r]: logprob, rank (1 + the
+ * columns with a larger logit) and, with top_n > 0, its top_n best columns and their logprobs. Returns -1 if
+ * scratch fails. */
+int row_logprobs(const float *x, int64_t rows, int64_t cols, int64_t stride, const int64_t *row_of,
+                 const int64_t *chosen, int top_n, float *logprob, int64_t *rank, float *top_logprobs,
+                 int64_t *top_ids)
+{
+    int failed = 0;
+    #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + row_of[r] * stride;
+        uint32_t top = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            const uint32_t key = order_key(row[c]);
+            top = key > top ? key : top;
+        }
+        const float m = key_value(top), picked = row[chosen[r]];
+        float sum = 0.0f;
+        int64_t above = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            sum += clamped_exp(row[c] - m);
+            above += row[c] > picked;
+        }
+        const float lse = m + logf(sum);
+        logprob[r] = picked - lse;
+        rank[r] = above + 1;
+        if (top_n <= 0) continue;
+        uint32_t *maxima;
+        topk_entry *best = topk_scratch(cols, top_n, &maxima);
+        if (!best) {
+            failed = 1;
+            continue;
+        }
+        topk_row(row, cols, top_n, maxima, best);
+        for (int i = 0; i < top_n; i++) {
+            top_logprobs[r * top_n + i] = row[best[i].col] - lse;
+            top_ids[r * top_n + i] = best[i].col;
+        }
+        free(maxima);
+        free(best);
+    }
+    return failed ? -1 : 0;
+}
+
+INLINE uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* One token per entry e, drawn among the top_k[e] best logits of row row_of[e]: scaled by 1/temperature, min-p
+ * (drop a candidate below max + log(min_p)), top-p (drop those after the kept mass reached top_p; the first
+ * stays), then Gumbel-max with sampler.uniform_noise's counter-based uniforms of (seed, counter, vocab id), bit
+ * for bit. top_k[e] <= cols. Returns -1 if scratch fails. */
+int draw_top_k(const float *x, int64_t entries, int64_t cols, int64_t stride, const int64_t *row_of,
+               const int32_t *top_k, const float *temperature, const float *min_p, const float *top_p,
+               const int64_t *seed, const int64_t *counter, int64_t *out)
+{
+    int failed = 0;
+    #pragma omp parallel for if (entries * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
+    for (int64_t e = 0; e < entries; e++) {
+        const int k = top_k[e];
+        uint32_t *maxima;
+        topk_entry *best = topk_scratch(cols, k, &maxima);
+        float *vals = malloc(sizeof(float) * (size_t)k);
+        if (!best || !vals) {
+            if (best) {
+                free(maxima);
+                free(best);
+            }
+            free(vals);
+            failed = 1;
+            continue;
+        }
+        const float *row = x + row_of[e] * stride;
+        topk_row(row, cols, k, maxima, best);
+        int keep = 1;     /* candidates are sorted: each mask keeps a prefix; -inf ones (suppressed) never count */
+        while (keep < k && best[keep].key >= order_key(-FLT_MAX)) keep++;
+        for (int i = 0; i < keep; i++) vals[i] = row[best[i].col] / temperature[e];
+        if (min_p[e] > 0.0f) {
+            const float floor = vals[0] + logf(min_p[e]);
+            for (int i = 1; i < keep; i++)
+                if (vals[i] < floor) {
+                    keep = i;
+                    break;
+                }
+        }
+        if (top_p[e] < 1.0f) {
+            float total = 0.0f, mass = 0.0f;
+            for (int i = 0; i < keep; i++) total += clamped_exp(vals[i] - vals[0]);
+            for (int i = 0; i < keep; i++) {
+                if (i > 0 && mass / total >= top_p[e]) {
+                    keep = i;
+                    break;
+                }
+                mass += clamped_exp(vals[i] - vals[0]);
+            }
+        }
+        const uint64_t row_key = splitmix64(splitmix64((uint64_t)seed[e]) ^ (uint64_t)counter[e]);
+        double best_score = 0.0;
+        int pick = 0;
+        for (int i = 0; i < keep; i++) {
+            const uint64_t bits = splitmix64(row_key ^ splitmix64((uint64_t)best[i].col)) >> 11;
+            const double u = ((double)bits + 0.5) * (1.0 / 9007199254740992.0);
+            const double score = (double)vals[i] - log(-log(u));
+            if (i == 0 || score > best_score) {
+                best_score = score;
+                pick = i;
+            }
+        }
+        out[e] = best[pick].col;
+        free(maxima);
+        free(best);
+        free(vals);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The penalties at the (entry, token) pairs that occur (`pairs` of them, token < cols): repetition (a positive
+ * logit divided, a negative one multiplied), then frequency * count + presence * (count > 0) subtracted; the knobs
+ * are per entry, x row e is entry e. Rounded as float32 numpy rounds each op: divisions through double (exact
+ * after rounding, whatever -ffast-math makes of them) and no fused multiply-adds. */
+void apply_penalties(float *x, int64_t stride, int64_t pairs, const int64_t *entry, const int64_t *token,
+                     const float *count, const float *repetition, const float *frequency, const float *presence)
+{
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t e = entry[i];
+        float *v = x + e * stride + token[i];
+        volatile float value = *v > 0.0f ? (float)((double)*v / (double)repetition[e]) : *v * repetition[e];
+        volatile float by_count = frequency[e] * count[i];
+        volatile float by_presence = count[i] > 0.0f ? presence[e] : 0.0f;
+        volatile float penalty = by_count + by_presence;
+        *v = value - penalty;
+    }
 }

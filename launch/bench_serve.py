@@ -43,7 +43,8 @@ NAME = "bench_serve"
 def build_parser() -> argparse.ArgumentParser:
     from nanovllm_tp.launch.generate import add_engine_args
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)     # --model: the model name sent to --base-url; the model directory with --launch
+    add_engine_args(parser)     # --model: the model name sent to --base-url, or a directory: the model's files
+    # (random prompts stay inside its vocabulary; the name comes from the server), and the model with --launch
     srv = parser.add_argument_group("server")
     srv.add_argument("--base-url", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
@@ -78,19 +79,19 @@ def prompts_for(args, workload: bc.Workload, draw: int):
 
 # =============================================================================================== client
 
-async def one_request(client, args, prompt, max_tokens: int, arrived: float, start: float) -> dict:
+async def one_request(session, args, prompt, max_tokens: int, arrived: float, start: float) -> dict:
     body = {"model": args.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
     times, tokens, error = [], None, None
-    async with client.stream("POST", "/completions", json=body) as resp:
-        if resp.status_code != 200:
-            error = f"{resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+    async with session.post(f"{args.base_url}/completions", json=body) as resp:
+        if resp.status != 200:
+            error = f"{resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
         else:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:          # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -106,13 +107,16 @@ async def one_request(client, args, prompt, max_tokens: int, arrived: float, sta
 
 
 async def run_server_point(args, workload: bc.Workload, prompts, point: dict) -> dict:
-    import httpx
+    """The client is aiohttp (its HTTP parser is C): on a small machine the client shares the server's cores, and
+    every cycle it spends is taken from the engine."""
+    import aiohttp
     n = workload.num_requests
     offsets = arrival_offsets(n, point["request_rate"], args.seed) if point["mode"] == "poisson" else [0.0] * n
     cap = asyncio.Semaphore(point["concurrency"] or n)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         start, cpu0 = time.perf_counter(), time.process_time()
 
         async def go(i):
@@ -121,7 +125,7 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
             async with cap:
                 if point["mode"] == "closed":
                     arrived = time.perf_counter()
-                return await one_request(client, args, prompts[i], workload.output_lens[i], arrived, start)
+                return await one_request(session, args, prompts[i], workload.output_lens[i], arrived, start)
 
         records = await asyncio.gather(*(go(i) for i in range(n)))
         client_cpu = time.process_time() - cpu0
@@ -257,7 +261,8 @@ def main(argv=None) -> dict:
         if args.launch:
             proc = launch_server(args)
             bc.log(args, f"server at {args.base_url}")
-        args.model_name = served_model_name(args) if args.launch or not args.model else args.model
+        by_name = args.model and not args.launch and not os.path.isdir(args.model)
+        args.model_name = args.model if by_name else served_model_name(args)
         warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
         asyncio.run(run_server_point(args, bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab),
                                      bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab).prompts(), warm))

@@ -185,12 +185,13 @@ class LLMEngine:
 
 def _record_logprobs(batch, lp) -> None:
     """Attach each sampled token's logprobs to its sequence (entries asked for them, in order)."""
-    entries = np.flatnonzero(batch.rows["logprobs"] >= 0).tolist()
-    for i, e in enumerate(entries):
-        seq = batch.seqs[e]
-        n = int(batch.rows["logprobs"][e])
-        seq.logprobs.append((float(lp.logprob[i]), int(lp.rank[i]), lp.top_ids[i, :n], lp.top_logprobs[i, :n]))
-        seq.cumulative_logprob += float(lp.logprob[i])
+    entries = np.flatnonzero(batch.rows["logprobs"] >= 0)
+    wanted = batch.rows["logprobs"][entries].tolist()
+    logprob, rank, top_ids, top_lps = lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+    for i, e in enumerate(entries.tolist()):
+        seq, n = batch.seqs[e], wanted[i]
+        seq.logprobs.append((logprob[i], rank[i], top_ids[i][:n], top_lps[i][:n]))
+        seq.cumulative_logprob += logprob[i]
 
 
 _live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()

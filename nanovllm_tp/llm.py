@@ -249,10 +249,11 @@ class LLM:
             self._by_seq.pop(c.seq.seq_id, None)
 
     def _token_text_of(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
+        try:
+            return self._token_text[token_id]
+        except KeyError:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+            return text
 
     def stats(self) -> dict:
         """Facts about the running engine and lifetime counters: device, dtype, tensor_parallel_size,

@@ -155,8 +155,10 @@ class RequestState:
 
     def _position(self, token_id: int, entry) -> dict[int, Logprob]:
         """{token id: Logprob} for one position: the top-N (ranks 1..N) and the chosen token."""
-        logprob, rank, top_ids, top_lps = entry
-        out = {token_id: Logprob(logprob, rank, self.token_text(token_id))}
-        for r, (t, v) in enumerate(zip(top_ids.tolist(), top_lps.tolist())):
-            out.setdefault(t, Logprob(float(v), r + 1, self.token_text(t)))
+        logprob, rank, top_ids, top_lps = entry          # top_ids, top_lps: lists, best first
+        text = self.token_text
+        out = {token_id: Logprob(logprob, rank, text(token_id))}
+        for r, (t, v) in enumerate(zip(top_ids, top_lps), 1):
+            if t not in out:
+                out[t] = Logprob(v, r, text(t))
         return out

@@ -46,8 +46,12 @@ def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, 
         out = tmp_path / "ext.json"
         bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--dataset", "text", *TINY[:8],
                           "--request-rate", "50", "--out", str(out), "--quiet"])
+        ids = tmp_path / "ids.json"      # random token ids: --model DIR keeps them in its vocabulary
+        bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--model", tiny_model_dir, *TINY[:8],
+                          "--concurrency", "4", "--out", str(ids), "--quiet"])
     finally:
         bench_serve.stop_server(proc)
     assert proc.returncode is not None
-    (point,) = json.loads(out.read_text())["figures"]["points"]
-    assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point
+    for path in (out, ids):
+        (point,) = json.loads(path.read_text())["figures"]["points"]
+        assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point

@@ -262,7 +262,7 @@ def prompt_logprobs(logits: torch.Tensor, chunks) -> None:
         idx = np.array([first_row + t - 1 - first_pos for t in targets], np.int64)
         chosen = np.array([seq.token_ids[t] for t in targets], np.int64)
         lp = token_logprobs(logits, idx, chosen, seq.params.prompt_logprobs)
-        seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids, lp.top_logprobs))
+        seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()))
 
 
 def run_worst_case(device: torch.device, rows: int, vocab: int) -> None:

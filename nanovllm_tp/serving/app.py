@@ -31,6 +31,22 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
     return JSONResponse(error_body(message, kind, status, param), status_code=status)
 
 
+class ApiKeyCheck:
+    """401 for a /v1 request without the key. Plain ASGI: it looks at the request once and then steps aside, so a
+    streamed answer's chunks do not pass through it (as they would through an @app.middleware function)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 @dataclass(slots=True)
 class ServedModel:
     name: str                  # what clients call it
@@ -68,13 +84,8 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
     async def _http(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, expected=f"Bearer {api_key}".encode())
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

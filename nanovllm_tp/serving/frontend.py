@@ -78,7 +78,18 @@ def main(argv=None) -> None:
         await state["server"].serve()
         watching.cancel()
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(run())
+
+
+def _loop_factory():
+    """uvloop's event loop where it is installed (a dependency off Windows): its socket writes, one per streamed
+    chunk, cost a fraction of asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

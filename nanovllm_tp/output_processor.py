@@ -62,14 +62,14 @@ class RequestState:
     """One request (its n completions) on rank 0, between the engine and the caller."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list, tokenizer, token_text, incremental: bool = True):
+                 seqs: list, tokenizer, token_texts, incremental: bool = True):
         """incremental=False: nobody reads the text before the request ends (no stop strings, only its final
         output is wanted), so it is decoded once at the end."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.incremental = incremental or bool(params.stop_strings)
         self.completions = [_Completion(s, Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
                             for s in seqs]
-        self.token_text = token_text           # token id -> its text, for logprobs
+        self.token_texts = token_texts         # ids -> a token id -> text map holding them, for logprobs
         self.sent_prompt_logprobs = False
         self.hold = max((len(s) for s in params.stop_strings), default=1) - 1 \
             if not params.include_stop_str_in_output else 0
@@ -122,8 +122,8 @@ class RequestState:
         outs = [o for o in (self._completion(c, delta) for c in self.completions) if o is not None]
         prompt_lp = None
         if self.completions[0].seq.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):
-            prompt_lp = [None] + [self._position(self.prompt_ids[i + 1], e)
-                                  for i, e in enumerate(self.completions[0].seq.prompt_logprobs[1:])]
+            entries = self.completions[0].seq.prompt_logprobs[1:]
+            prompt_lp = [None] + self._positions(self.prompt_ids[1:1 + len(entries)], entries)
             self.sent_prompt_logprobs = True
         if delta and not outs and not finished:
             return None
@@ -147,18 +147,20 @@ class RequestState:
         c.sent_logprobs = len(lps) if lps is not None else 0
         logprobs = None
         if lps is not None:
-            logprobs = [self._position(ids[start_lps + i], e) for i, e in enumerate(lps[start_lps:])]
+            logprobs = self._positions(ids[start_lps:len(lps)], lps[start_lps:])
         return CompletionOutput(
             index=seq.index, text=text[start_chars:visible], token_ids=ids[start_tokens:],
             cumulative_logprob=seq.cumulative_logprob if lps is not None else None, logprobs=logprobs,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
-    def _position(self, token_id: int, entry) -> dict[int, Logprob]:
-        """{token id: Logprob} for one position: the top-N (ranks 1..N) and the chosen token."""
-        logprob, rank, top_ids, top_lps = entry          # top_ids, top_lps: lists, best first
-        text = self.token_text
-        out = {token_id: Logprob(logprob, rank, text(token_id))}
-        for r, (t, v) in enumerate(zip(top_ids, top_lps), 1):
-            if t not in out:
-                out[t] = Logprob(v, r, text(t))
+    def _positions(self, ids: list[int], entries: list) -> list[dict[int, Logprob]]:
+        """{token id: Logprob} for each position: the chosen token, then the top-N (ranks 1..N) not already in."""
+        text = self.token_texts([t for token_id, e in zip(ids, entries) for t in (token_id, *e[2])])
+        out = []
+        for token_id, (logprob, rank, top_ids, top_lps) in zip(ids, entries):
+            position = {token_id: Logprob(logprob, rank, text[token_id])}
+            for r, (t, v) in enumerate(zip(top_ids, top_lps), 1):
+                if t not in position:
+                    position[t] = Logprob(v, r, text[t])
+            out.append(position)
         return out

@@ -6,10 +6,21 @@ import numpy as np
 import pytest
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.sampler import Sampler, argmax_rows, uniform_noise, uniform_noise_np
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence
+
+
+@pytest.fixture(autouse=True, params=["C", "numpy/torch"])
+def sampler_path(request, monkeypatch):
+    """Every test here runs on both samplers: the C pass the CPU takes and the numpy/torch code of other devices."""
+    if request.param != "C":
+        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    yield request.param
+    cpu_kernels.load.cache_clear()
 
 
 def batch_of(params_list, prompts=None, outputs=None, seeds=None, index=None) -> SamplingBatch:

@@ -1,5 +1,6 @@
-"""The sampler's C passes on CPU against their references: logprobs vs torch's log_softmax, the top-k draw vs the
-numpy draw of sampler.py (same noise, same masks), the penalties vs float32 numpy arithmetic."""
+"""The sampler's C pass on CPU (csrc/sampler.c) against its references: logprobs vs torch's log_softmax, and whole
+steps (penalties, suppression, greedy rows, top-k / top-p / min-p draws, logprobs, shared logits rows) vs the
+numpy/torch sampler every other device runs, which draws with the same counter-based noise."""
 import shutil
 
 import numpy as np
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.sampler import _draw_candidates
-from nanovllm_tp.scheduler.rows import ROW_DTYPE
+from nanovllm_tp.layers.sampler import Sampler
+from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.scheduler.rows import ROW_DTYPE, SamplingBatch, rows_of
+from nanovllm_tp.scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -47,48 +50,72 @@ def test_row_logprobs_match_log_softmax(rows, cols, top_n):
         np.testing.assert_allclose(top_lps, best.values.numpy(), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("cols", [50, 2003, 49152])
-def test_draw_top_k_equals_the_numpy_draw(cols):
-    rng = np.random.default_rng(cols)
-    n = 300
-    logits = torch.from_numpy(rng.standard_normal((n, cols)).astype(np.float32) * 3)
-    rows = knobs(n, rng)
-    rows["top_k"] = np.minimum(rows["top_k"], cols)
-    logits[0, :] = float("-inf")                 # a row with 3 tokens left (suppression), k above that
-    logits[0, [4, 9, 17]] = torch.tensor([1.0, 2.0, 0.5])
-    rows[0]["top_k"], rows[0]["top_p"], rows[0]["min_p"] = min(40, cols), 1.0, 0.0
-    counter = rng.integers(0, 5000, n)
-    got = cpu_kernels.load().draw_top_k(logits, np.arange(n), rows, counter)
-    want = np.empty(n, np.int64)
-    for k in np.unique(rows["top_k"]):            # the numpy draw takes one k per call
-        sel = np.flatnonzero(rows["top_k"] == k)
-        vals, ids = logits[torch.from_numpy(sel)].topk(int(k), dim=-1)
-        scaled = vals.numpy() / rows["temperature"][sel][:, None]
-        want[sel] = _draw_candidates(scaled, ids.numpy(), rows[sel], counter[sel])
-    assert got.tolist() == want.tolist()
-    assert got[0] in (4, 9, 17)
-    assert len(set(got.tolist())) > min(n, cols) // 4, "the draws vary with seed and knobs"
+def random_step(rng: np.random.Generator, entries: int, vocab: int, shared: bool):
+    """A step of entries with every knob mixed in, sequences with histories, and (shared) n > 1 siblings reading
+    one logits row."""
+    seqs = []
+    for i in range(entries):
+        greedy = rng.random() < 0.25
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(rng.uniform(0.1, 1.5)),
+            top_k=int(rng.choice([0, 0, 1, 5, 50, vocab, vocab + 3])), top_p=float(rng.choice([1.0, 0.95, 0.6, 0.1])),
+            min_p=float(rng.choice([0.0, 0.0, 0.05, 0.5])), repetition_penalty=float(rng.choice([1.0, 1.3, 0.8])),
+            presence_penalty=float(rng.choice([0.0, 0.7, -0.3])), frequency_penalty=float(rng.choice([0.0, 0.4])),
+            min_tokens=int(rng.choice([0, 0, 30])), logprobs=int(rng.choice([0, 3, 20])) if rng.random() < 0.6
+            else None, stop_token_ids=[int(rng.integers(0, vocab))] if rng.random() < 0.3 else None,
+            ignore_eos=bool(rng.random() < 0.3), max_tokens=100)
+        seq = Sequence(i, rng.integers(0, vocab, int(rng.integers(1, 40))).tolist(), params, seed=int(rng.integers(1 << 40)))
+        seq.token_ids += rng.integers(0, vocab, int(rng.integers(0, 60))).tolist()
+        seqs.append(seq)
+    index = np.array([s.num_completion_tokens for s in seqs], np.int64)
+    rows = len(seqs) // 2 if shared else len(seqs)
+    logits_index = rng.integers(0, rows, len(seqs)) if shared else None
+    return SamplingBatch(seqs, rows_of(seqs), index, logits_index), rows
 
 
-def test_draw_top_k_reads_the_rows_it_is_given():
-    x = torch.full((4, 30), -5.0)
-    x[2, 7] = 10.0                                 # row 2's clear winner
-    rows = np.zeros(3, ROW_DTYPE)
-    rows["temperature"], rows["top_k"], rows["top_p"], rows["seed"] = 1.0, 5, 1.0, [1, 2, 3]
-    assert cpu_kernels.load().draw_top_k(x, np.array([2, 2, 2]), rows, np.array([0, 1, 2])).tolist() == [7, 7, 7]
+@pytest.fixture
+def reference_path(monkeypatch):
+    """Runs fn with the C sampler, then with the kernels off (the numpy/torch sampler)."""
+    def run(fn):
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+        fast = fn()
+        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        try:
+            return fast, fn()
+        finally:
+            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
+            cpu_kernels.load.cache_clear()
+    return run
 
 
-def test_apply_penalties_round_as_float32_numpy():
-    rng = np.random.default_rng(3)
-    rows = knobs(6, rng)
-    x = torch.from_numpy(rng.standard_normal((6, 500)).astype(np.float32) * 5)
-    entry = np.repeat(np.arange(6), 40)
-    token = np.concatenate([rng.choice(500, 40, replace=False) for _ in range(6)])
-    count = rng.integers(0, 4, len(entry)).astype(np.float32)
-    want = x.numpy().copy()
-    v, rep = want[entry, token], rows["repetition_penalty"][entry]
-    v = np.where(v > 0, v / rep, v * rep)
-    v -= rows["frequency_penalty"][entry] * count + rows["presence_penalty"][entry] * (count > 0)
-    want[entry, token] = v
-    cpu_kernels.load().apply_penalties(x, entry, token, count, rows)
-    np.testing.assert_array_equal(x.numpy(), want)
+@pytest.mark.parametrize("vocab,shared", [(40, False), (2003, True), (49152, False)])   # 49152: threaded
+def test_sampler_step_equals_the_reference_sampler(reference_path, vocab, shared):
+    rng = np.random.default_rng(vocab)
+    batch, rows = random_step(rng, 120 if vocab < 10000 else 24, vocab, shared)
+    logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32) * 4)
+    before = logits.clone()
+    sampler = Sampler(eos_token_ids=[int(rng.integers(0, vocab))])
+    (tokens, lp), (want, want_lp) = reference_path(lambda: sampler(logits, batch))
+    assert torch.equal(logits, before), "the logits are read, never written"
+    assert tokens == want
+    np.testing.assert_allclose(lp.logprob, want_lp.logprob, rtol=1e-5, atol=2e-5)
+    assert lp.rank.tolist() == want_lp.rank.tolist()
+    assert lp.top_ids.tolist() == want_lp.top_ids.tolist()
+    np.testing.assert_allclose(lp.top_logprobs, want_lp.top_logprobs, rtol=1e-5, atol=2e-5)
+    hot = batch.rows["temperature"] > 0
+    assert len({t for t, h in zip(tokens, hot) if h}) > hot.sum() // 3, "draws vary with seeds and knobs"
+
+
+def test_suppressed_tokens_are_never_drawn_even_when_nearly_all_are():
+    vocab = 64
+    eos = list(range(60))             # all but 4 tokens are EOS ids, and every row is still under min_tokens
+    logits = torch.zeros(1, vocab)
+    logits[0, :60] = 10.0
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, min_tokens=5, seed=s)
+              for k in (0, 10) for p in (1.0, 0.5) for s in range(50)]
+    seqs = [Sequence(i, [1, 2], p, seed=p.seed) for i, p in enumerate(params)]
+    batch = SamplingBatch(seqs, rows_of(seqs), np.zeros(len(seqs), np.int64), np.zeros(len(seqs), np.int64))
+    tokens, _ = Sampler(eos_token_ids=eos)(logits, batch)
+    assert set(tokens) <= {60, 61, 62, 63} and len(set(tokens)) > 1

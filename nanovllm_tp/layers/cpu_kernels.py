@@ -1,5 +1,6 @@
 """C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
-add fused in, RoPE and SiLU-and-mul; and the sampler's per-row top-k, logprobs and top-k draw (fp32).
+add fused in, RoPE and SiLU-and-mul; and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k,
+logprobs, and one pass per entry from penalties to the drawn token.
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 log = logging.getLogger("nanovllm_tp")
-SOURCE = importlib.resources.files("nanovllm_tp.layers") / "csrc" / "cpu_kernels.c"
+SOURCES = [importlib.resources.files("nanovllm_tp.layers") / "csrc" / name for name in ("cpu_kernels.c", "sampler.c")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
@@ -33,8 +34,8 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "topk_rows": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
-    "draw_top_k": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
-    "apply_penalties": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _int,
+                           _ptr, _ptr, _ptr, _ptr]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -54,19 +55,21 @@ def _cpu_signature() -> str:
 
 
 def build_library(compiler: str) -> pathlib.Path:
-    """Compile the kernels unless a build for this source, compiler, flags and CPU exists; return its path."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(),
+    """Compile the kernels unless a build for these sources, compiler, flags and CPU exists; return its path."""
+    sources = {src.name: src.read_bytes() for src in SOURCES}
+    key = hashlib.sha256(b"\0".join([*sources.values(), compiler.encode(), " ".join(CFLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = pathlib.Path(tmp) / "cpu_kernels.c"
-        src.write_bytes(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(str(pathlib.Path(tmp) / name))
+            pathlib.Path(paths[-1]).write_bytes(text)
         built = pathlib.Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), str(src), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), *paths, "-lm"], capture_output=True,
                                 text=True, timeout=120)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -161,29 +164,29 @@ class CpuKernels:
             raise MemoryError("the CPU logprobs kernel could not allocate its scratch")
         return logprob, rank, top_ids, top_lps
 
-    def draw_top_k(self, x, row_of: np.ndarray, knobs: np.ndarray, counter: np.ndarray) -> np.ndarray:
-        """One token per entry, drawn among the top_k best logits of x[row_of[e]] (as sampler._draw_candidates);
-        knobs: the entries' ROW_DTYPE records (top_k, temperature, min_p, top_p, seed)."""
+    def sample(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, counter: np.ndarray,
+               mod_start: np.ndarray, mod_token: np.ndarray, mod_count: np.ndarray, min_temperature: float,
+               top_n: int):
+        """One token per entry, and the logprobs of the entries that want them: see sample_rows in sampler.c.
+        records: the entries' records (contiguous), offsets: int64 byte offsets of their fields in its order."""
         x = _rows_contiguous(x)
-        arrays = [np.ascontiguousarray(a, t) for a, t in (
-            (row_of, np.int64), (knobs["top_k"], np.int32), (knobs["temperature"], np.float32),
-            (knobs["min_p"], np.float32), (knobs["top_p"], np.float32), (knobs["seed"], np.int64),
-            (counter, np.int64))]
-        out = np.empty(len(row_of), np.int64)
-        if self._draw_top_k(x.data_ptr(), len(row_of), x.shape[1], x.stride(0), *(a.ctypes.data for a in arrays),
-                            out.ctypes.data):
-            raise MemoryError("the CPU top-k draw could not allocate its scratch")
-        return out
-
-    def apply_penalties(self, x, entry: np.ndarray, token: np.ndarray, count: np.ndarray, knobs: np.ndarray):
-        """In place on x ([entries, vocab] fp32, rows contiguous): the penalties at the (entry, token) pairs
-        (tokens < vocab), with their output counts; knobs: every entry's ROW_DTYPE record."""
-        if x.stride(-1) != 1:
-            raise ValueError("apply_penalties writes in place: x's rows must be contiguous")
-        arrays = [np.ascontiguousarray(a, t) for a, t in (
-            (entry, np.int64), (token, np.int64), (count, np.float32), (knobs["repetition_penalty"], np.float32),
-            (knobs["frequency_penalty"], np.float32), (knobs["presence_penalty"], np.float32))]
-        self._apply_penalties(x.data_ptr(), x.stride(0), len(entry), *(a.ctypes.data for a in arrays))
+        n = len(row_of)
+        with_lp = int((records["logprobs"] >= 0).sum())
+        tokens = np.empty(n, np.int64)
+        logprob, rank = np.empty(with_lp, np.float32), np.empty(with_lp, np.int64)
+        top_lps, top_ids = np.empty((with_lp, top_n), np.float32), np.empty((with_lp, top_n), np.int64)
+        arrays = [np.ascontiguousarray(a, t) for a, t in ((row_of, np.int64), (counter, np.int64),
+                  (mod_start, np.int64), (mod_token, np.int64), (mod_count, np.float32))]
+        row_of, counter, mod_start, mod_token, mod_count = arrays
+        if not records.flags.c_contiguous:
+            raise ValueError("sample: the records must be contiguous")
+        if self._sample_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
+                             records.itemsize, offsets.ctypes.data, counter.ctypes.data, mod_start.ctypes.data,
+                             mod_token.ctypes.data, mod_count.ctypes.data, min_temperature, tokens.ctypes.data,
+                             top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data,
+                             top_ids.ctypes.data):
+            raise MemoryError("the CPU sampler could not allocate its scratch")
+        return tokens, (logprob, rank, top_ids, top_lps)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

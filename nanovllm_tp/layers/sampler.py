@@ -1,5 +1,8 @@
 """Rank 0's sampler, batched over a step's rows, reproducible per request.
 
+On CPU (fp32 logits, C kernels built) all of it is one C pass per entry (csrc/sampler.c); the numpy/torch
+code here is its reference and the path everywhere else.
+
 Order of operations (vLLM's): raw logprobs are taken first; then min_tokens suppression, penalties
 (repetition over prompt + output, presence/frequency over output), temperature, min-p, top-k, top-p, and a
 draw. Each op runs on the rows that need it only; an all-greedy plain batch is one argmax.
@@ -15,7 +18,7 @@ import torch
 
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.sampling_params import MIN_TEMPERATURE
-from nanovllm_tp.scheduler.rows import SamplingBatch
+from nanovllm_tp.scheduler.rows import ROW_DTYPE, SamplingBatch
 
 _MASK64 = (1 << 64) - 1
 
@@ -115,6 +118,15 @@ def token_logprobs(logits: torch.Tensor, rows: np.ndarray, chosen: np.ndarray, t
     return TokenLogprobs((picked - lse)[:, 0].cpu().numpy(), rank.cpu().numpy(), top_ids, top_lps)
 
 
+# The record fields sampler.c reads, in its order, with the types it reads them as
+_C_FIELDS = [("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int32), ("min_p", np.float32),
+             ("seed", np.int64), ("logprobs", np.int32), ("repetition_penalty", np.float32),
+             ("frequency_penalty", np.float32), ("presence_penalty", np.float32)]
+if any(ROW_DTYPE.fields[name][0] != np.dtype(t) for name, t in _C_FIELDS):
+    raise ImportError("ROW_DTYPE changed a field sampler.c reads: update _C_FIELDS and sampler.c together")
+_ROW_FIELDS = np.array([ROW_DTYPE.fields[name][1] for name, _ in _C_FIELDS], np.int64)
+
+
 def _np(x: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.array(x, copy=True)).to(device)   # fields of a record array are strided
 
@@ -126,9 +138,12 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], TokenLogprobs | None]:
         """One token per entry of the batch, and the logprobs of the entries that asked for them."""
+        logits = logits.float()
+        kernels = cpu_kernels.for_tensor(logits)
+        if kernels is not None:
+            return self._sample_cpu(kernels, logits, batch)
         if batch.logits_index is not None:
             logits = logits[_np(batch.logits_index, logits.device)]
-        logits = logits.float()
         rows, raw = batch.rows, logits     # logprobs are the model's, as vLLM's: suppression and penalties copy
         want_lp = np.flatnonzero(rows["logprobs"] >= 0)
         logits = self._suppress(logits, batch)
@@ -141,6 +156,32 @@ class Sampler:
         if len(want_lp):
             lp = token_logprobs(raw, want_lp, tokens[want_lp], int(rows["logprobs"][want_lp].max()))
         return tokens.tolist(), lp
+
+    def _sample_cpu(self, kernels, logits: torch.Tensor, batch: SamplingBatch):
+        """The same steps as the torch code below, one C pass per entry (csrc/sampler.c); the penalties' and the
+        suppressed tokens are handed over as one list per entry. An all-greedy plain batch is one argmax."""
+        rows, n, vocab = batch.rows, len(batch), logits.shape[1]
+        row_of = np.arange(n) if batch.logits_index is None else batch.logits_index
+        need = np.flatnonzero((rows["repetition_penalty"] != 1) | (rows["presence_penalty"] != 0)
+                              | (rows["frequency_penalty"] != 0))
+        entry, token, count = batch.penalty_tokens(need)
+        s_entry, s_token = batch.suppressed(self.eos)
+        top_n = int(rows["logprobs"].max(initial=-1))
+        if not len(entry) and not len(s_entry) and top_n < 0 and not (rows["temperature"] >= MIN_TEMPERATURE).any():
+            return np.argmax(logits.numpy(), axis=-1)[row_of].tolist(), None
+        if len(s_entry):
+            entry, token = np.concatenate([entry, s_entry]), np.concatenate([token, s_token])
+            count = np.concatenate([count, np.full(len(s_entry), -1, np.float32)])
+            order = np.argsort(entry, kind="stable")
+            entry, token, count = entry[order], token[order], count[order]
+        keep = token < vocab
+        if not keep.all():
+            entry, token, count = entry[keep], token[keep], count[keep]
+        start = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(entry, minlength=n), out=start[1:])
+        tokens, lp = kernels.sample(logits, row_of, np.ascontiguousarray(rows), _ROW_FIELDS, batch.sample_index,
+                                    start, token, count, MIN_TEMPERATURE, max(top_n, 0))
+        return tokens.tolist(), (TokenLogprobs(*lp) if top_n >= 0 else None)
 
     def _suppress(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         entries, ids = batch.suppressed(self.eos)
@@ -164,10 +205,6 @@ class Sampler:
         if not keep.all():
             r, t, counts = r[keep], t[keep], counts[keep]
         logits = logits.clone()
-        kernels = cpu_kernels.for_tensor(logits)
-        if kernels is not None:
-            kernels.apply_penalties(logits, r, t, counts, rows)
-            return logits
         flat = logits.view(-1)
         where = r * vocab + t
         if logits.is_cpu:        # numpy's gather and scatter: several times cheaper than torch indexing here
@@ -187,18 +224,14 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature. Rows with a
-        top-k draw among their k best candidates (one C pass per row on CPU, else numpy on the host); the
-        others over the whole vocabulary (torch, on the logits' device)."""
+        top-k draw among their k best candidates (small: numpy on the host); the others over the whole
+        vocabulary (torch, on the logits' device)."""
         rows, dev, vocab = batch.rows[hot], logits.device, logits.shape[1]
         index = batch.sample_index[hot]
         out = torch.empty(len(hot), dtype=torch.int64)
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
-        kernels = cpu_kernels.for_tensor(logits)
-        if len(group) and kernels is not None:
-            out[torch.from_numpy(group)] = torch.from_numpy(
-                kernels.draw_top_k(logits, hot[group], rows[group], index[group]))
-        elif len(group):     # a temperature keeps the order: the k best logits are the k best scaled ones
+        if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
             vals, ids = top_k(logits[_np(hot[group], dev)], int(rows["top_k"][group].max()))
             scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(

@@ -276,30 +276,3 @@ def test_engine_uses_the_kernels_and_matches_with_them_off(tiny_model_dir, both_
             top = ref_logprobs[same][ref_tokens[same]].logprob
             assert tokens[same] in ref_logprobs[same], "the flipped choice is the reference's runner-up"
             assert top - ref_logprobs[same][tokens[same]].logprob < margin, "a near tie in the reference"
-
-
-@needs_compiler
-@pytest.mark.parametrize("k", [1, 5, 50, 300])
-@pytest.mark.parametrize("rows,cols", [(1, 300), (7, 2003), (64, 49152)])     # 64 x 49152: the threaded path
-def test_topk_matches_torch(rows, cols, k):
-    g = torch.Generator().manual_seed(rows * cols + k)
-    x = torch.randn(rows, cols + 3, generator=g)[:, 3:]           # a row stride that is not the width
-    x[0, ::7] = float("-inf")                                      # masked logits, as the sampler sees them
-    x[-1, : cols // 2] = float("-inf")
-    k = min(k, cols)
-    vals, ids = cpu_kernels.load().topk(x, k)
-    want = x.topk(k, dim=-1)
-    torch.testing.assert_close(vals, want.values, rtol=0, atol=0)
-    assert torch.equal(x.gather(1, ids), vals)                    # the ids point at those values
-    assert all(len(set(r)) == k for r in ids.tolist())             # no column twice
-
-
-@needs_compiler
-def test_topk_ties_take_the_lower_column_first():
-    x = torch.zeros(3, 100)
-    x[1, 40:60] = 1.0
-    x[2] = float("-inf")                                           # a row of nothing but -inf
-    vals, ids = cpu_kernels.load().topk(x, 8)
-    assert ids[0].tolist() == list(range(8))
-    assert ids[1].tolist() == list(range(40, 48)) and vals[1].tolist() == [1.0] * 8
-    assert ids[2].tolist() == list(range(8)) and vals[2].isneginf().all()

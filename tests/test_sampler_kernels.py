@@ -50,6 +50,31 @@ def test_row_logprobs_match_log_softmax(rows, cols, top_n):
         np.testing.assert_allclose(top_lps, best.values.numpy(), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("k", [1, 5, 50, 300])
+@pytest.mark.parametrize("rows,cols", [(1, 300), (7, 2003), (64, 49152)])     # 64 x 49152: the threaded path
+def test_top_n_matches_torch_topk(rows, cols, k):
+    g = torch.Generator().manual_seed(rows * cols + k)
+    x = torch.randn(rows, cols + 3, generator=g)[:, 3:]           # a row stride that is not the width
+    x[0, ::7] = float("-inf")                                      # suppressed logits
+    x[-1, : cols // 2] = float("-inf")
+    k = min(k, cols)
+    _, _, ids, _ = cpu_kernels.load().row_logprobs(x, np.arange(rows), np.zeros(rows, np.int64), k)
+    want = x.topk(k, dim=-1)
+    assert torch.equal(x.gather(1, torch.from_numpy(ids)), want.values)
+    assert all(len(set(r)) == k for r in ids.tolist())             # no column twice
+
+
+def test_top_n_ties_take_the_lower_column_first():
+    x = torch.zeros(3, 100)
+    x[1, 40:60] = 1.0
+    x[2] = float("-inf")                                           # a row of nothing but -inf
+    x[2, 99] = 0.0
+    _, _, ids, _ = cpu_kernels.load().row_logprobs(x, np.arange(3), np.zeros(3, np.int64), 8)
+    assert ids[0].tolist() == list(range(8))
+    assert ids[1].tolist() == list(range(40, 48))
+    assert ids[2].tolist() == [99, *range(7)]
+
+
 def random_step(rng: np.random.Generator, entries: int, vocab: int, shared: bool):
     """A step of entries with every knob mixed in, sequences with histories, and (shared) n > 1 siblings reading
     one logits row."""

@@ -32,7 +32,6 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
-    "topk_rows": (_int, [_ptr, _i64, _i64, _i64, _int, _ptr, _ptr]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _int,
                            _ptr, _ptr, _ptr, _ptr]),
@@ -140,16 +139,6 @@ class CpuKernels:
         out = torch.empty(x.shape[:-1] + (width,), dtype=x.dtype)
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
-
-    def topk(self, x, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's k largest values of x ([rows, cols] fp32, 0 < k <= cols), best first (ties: lower column
-        first), and their columns."""
-        x = _rows_contiguous(x)
-        rows, cols = x.shape
-        vals, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
-        if self._topk_rows(x.data_ptr(), rows, cols, x.stride(0), k, vals.data_ptr(), ids.data_ptr()):
-            raise MemoryError("the CPU top-k kernel could not allocate its scratch")
-        return vals, ids
 
     def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):
         """For each entry, row row_of[e] of x ([rows, vocab] fp32): the logprob and rank of column chosen[e], and

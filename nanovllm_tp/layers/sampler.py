@@ -80,15 +80,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k largest values, best first, and their ids. On CPU (fp32) the C kernel: block maxima give a
-    threshold, and only values past it are ranked; several times cheaper than torch.topk at a sampler's shapes."""
-    kernels = cpu_kernels.for_tensor(x) if x.dtype is torch.float32 else None
-    if kernels is None:
-        return x.topk(k, dim=-1)
-    return kernels.topk(x, k)
-
-
 @dataclass(slots=True)
 class TokenLogprobs:
     """Logprobs of some positions: the chosen token's logprob and rank (1 = most likely) and the top-N."""
@@ -111,7 +102,7 @@ def token_logprobs(logits: torch.Tensor, rows: np.ndarray, chosen: np.ndarray, t
     picked = logits.gather(1, _np(chosen, dev)[:, None])
     rank = (logits > picked).sum(dim=1) + 1
     if top_n:
-        vals, ids = top_k(logits, top_n)
+        vals, ids = logits.topk(top_n, dim=-1)
         top_ids, top_lps = ids.cpu().numpy(), (vals - lse).cpu().numpy()
     else:
         top_ids, top_lps = np.zeros((len(chosen), 0), np.int64), np.zeros((len(chosen), 0), np.float32)
@@ -232,7 +223,7 @@ class Sampler:
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
         if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
-            vals, ids = top_k(logits[_np(hot[group], dev)], int(rows["top_k"][group].max()))
+            vals, ids = logits[_np(hot[group], dev)].topk(int(rows["top_k"][group].max()), dim=-1)
             scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(
                 _draw_candidates(scaled, ids.cpu().numpy(), rows[group], index[group]))

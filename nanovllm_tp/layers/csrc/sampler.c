@@ -17,13 +17,11 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* ---------------------------------------------------------------- top-k per row
- *   x [rows, cols] fp32 (row stride `stride`) -> vals, ids [rows, k]: each row's k largest, best first; of
- * equal values the lower column comes first. Values are compared as integer keys that order floats exactly, -inf
- * (a masked logit) included, whatever -ffast-math assumes.
- * Per row: the maximum of each block of 16 columns; the k-th largest of those maxima is a threshold that at least
- * k values reach (one per such block), so only blocks whose maximum reaches it are read again, and only values
- * reaching it are inserted into the sorted list of the best k so far (about 1-2 k insertions on logits).
- * Returns -1 if the row's scratch cannot be allocated.
+ * A row's k largest values (k <= cols), best first; of equal values the lower column comes first. Values are
+ * compared as integer keys that order floats exactly, -inf (a suppressed logit) included.
+ * The maximum of each block of 16 columns; the k-th largest of those maxima is a threshold that at least k values
+ * reach (one per such block), so only blocks whose maximum reaches it are read again, and only values reaching it
+ * are inserted into the sorted list of the best k so far (about 1-2 k insertions on logits).
  */
 #define TOPK_BLOCK 16
 
@@ -110,30 +108,6 @@ static topk_entry *topk_scratch(int64_t cols, int k, uint32_t **maxima)
     free(best);
     return NULL;
 }
-
-int topk_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int k, float *vals, int64_t *ids)
-{
-    int failed = 0;
-    #pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS) schedule(static) reduction(|:failed)
-    for (int64_t r = 0; r < rows; r++) {
-        uint32_t *maxima;
-        topk_entry *best = topk_scratch(cols, k, &maxima);
-        if (!best) {
-            failed = 1;
-            continue;
-        }
-        const float *row = x + r * stride;
-        topk_row(row, cols, k, maxima, best);
-        for (int i = 0; i < k; i++) {
-            vals[r * k + i] = row[best[i].col];
-            ids[r * k + i] = best[i].col;
-        }
-        free(maxima);
-        free(best);
-    }
-    return failed ? -1 : 0;
-}
-
 
 /* ---------------------------------------------------------------- helpers
  */

@@ -79,14 +79,17 @@ class SamplingBatch:
         """(entry, token id, times in the output) for each distinct token, prompt or output, of the given
         entries' sequences."""
         ids, counts, sizes = [], [], []
+        seqs = self.seqs
         for e in entries.tolist():
-            seq = self.seqs[e]
-            if seq.seen is None:
-                seq.seen = SeenTokens()
-            i, c = seq.seen.update(seq.token_ids, seq.num_prompt_tokens)
-            ids.append(i)
-            counts.append(c)
-            sizes.append(len(i))
+            seq = seqs[e]
+            seen = seq.seen
+            if seen is None:
+                seen = seq.seen = SeenTokens()
+            if seen.upto != len(seq.token_ids):
+                seen.update(seq.token_ids, seq.num_prompt_tokens)
+            ids.append(seen.ids[:seen.size])
+            counts.append(seen.out_counts[:seen.size])
+            sizes.append(seen.size)
         if not sizes:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
         return np.repeat(entries, sizes), np.concatenate(ids), np.concatenate(counts)

@@ -140,6 +140,33 @@ INLINE double gumbel(uint64_t row_key, int64_t id)
     return -log(-log(((double)bits + 0.5) * (1.0 / 9007199254740992.0)));
 }
 
+/* the largest key of a row (a vectorised reduction) */
+static uint32_t max_key(const float *row, int64_t cols)
+{
+    uint32_t top = 0;
+    for (int64_t c = 0; c < cols; c++) {
+        const uint32_t key = order_key(row[c]);
+        top = key > top ? key : top;
+    }
+    return top;
+}
+
+/* the first column holding the row's largest value: the maximum, then the first block of 64 holding it (each
+ * block's test a vectorised reduction), then its place in the block */
+static int64_t argmax_row(const float *row, int64_t cols)
+{
+    const uint32_t top = max_key(row, cols);
+    for (int64_t b = 0; b < cols; b += 64) {
+        const int64_t end = b + 64 < cols ? b + 64 : cols;
+        int hit = 0;
+        for (int64_t c = b; c < end; c++) hit |= order_key(row[c]) == top;
+        if (hit)
+            for (int64_t c = b; c < end; c++)
+                if (order_key(row[c]) == top) return c;
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- logprobs
  * One row's logsumexp-normalised figures at column `chosen`: logprob, rank (1 + the columns with a larger logit)
  * and, with top_n > 0, its top_n best columns and their logprobs. Returns -1 if scratch fails.
@@ -147,12 +174,7 @@ INLINE double gumbel(uint64_t row_key, int64_t id)
 static int logprob_row(const float *row, int64_t cols, int64_t chosen, int top_n, float *logprob, int64_t *rank,
                        float *top_logprobs, int64_t *top_ids)
 {
-    uint32_t top = 0;
-    for (int64_t c = 0; c < cols; c++) {
-        const uint32_t key = order_key(row[c]);
-        top = key > top ? key : top;
-    }
-    const float m = key_value(top), picked = row[chosen];
+    const float m = key_value(max_key(row, cols)), picked = row[chosen];
     float sum = 0.0f;
     int64_t above = 0;
     for (int64_t c = 0; c < cols; c++) {
@@ -234,20 +256,6 @@ static void modify(float *row, const int64_t *token, const float *count, int64_t
         if (count[i] < 0.0f) row[token[i]] = -INFINITY;
 }
 
-static int64_t argmax_row(const float *row, int64_t cols)
-{
-    uint32_t best = 0;
-    int64_t at = 0;
-    for (int64_t c = 0; c < cols; c++) {
-        const uint32_t key = order_key(row[c]);
-        if (key > best) {
-            best = key;
-            at = c;
-        }
-    }
-    return at;
-}
-
 /* How many of n sorted scaled candidates (best first) min-p and top-p keep (at least one); total: the softmax
  * mass, relative to vals[0], of everything min-p keeps (over the candidates themselves when < 0). */
 static int keep_prefix(const float *vals, int n, const knobs_t *k, float total)
@@ -308,7 +316,7 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     const uint64_t row_key = splitmix64(splitmix64((uint64_t)k->seed) ^ (uint64_t)counter);
     const int limited = k->top_k > 0 && k->top_k < cols;
     if (!limited && k->top_p >= 1.0f) {            /* every token that min-p keeps is a candidate */
-        const float top = div_exact(key_value(order_key(row[argmax_row(row, cols)])), k->temperature);
+        const float top = div_exact(key_value(max_key(row, cols)), k->temperature);
         const float floor = k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
         double best = 0.0;
         int64_t pick = -1;
@@ -327,7 +335,7 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     float total = -1.0f;
     int want = limited ? k->top_k : (cols < 64 ? (int)cols : 64);
     if (!limited) {                                /* top-p over the vocabulary: its mass, after min-p */
-        const float top = div_exact(key_value(order_key(row[argmax_row(row, cols)])), k->temperature);
+        const float top = div_exact(key_value(max_key(row, cols)), k->temperature);
         const float floor = k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
         total = 0.0f;
         for (int64_t c = 0; c < cols; c++) {

@@ -26,6 +26,7 @@ class LLMEngine:
         self.device, self.dtype = resolve_device_and_dtype(config)
         backend = resolve_attention_backend(config, self.device, self.dtype)
         self._trace = trace.start(config, rank=0)
+        exit_on_sigterm()      # from here on: a SIGTERM while the workers start still removes what they share
         try:
             if config.tensor_parallel_size > 1 and not _under_torchrun():
                 from nanovllm_tp.distributed.launch import SpawnRendezvous, spawn_workers
@@ -51,7 +52,6 @@ class LLMEngine:
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
         _live_engines.add(self)
-        exit_on_sigterm()
         log.info("engine ready: %s", self.runner.describe())
 
     def _open_channel(self) -> None:
@@ -88,7 +88,9 @@ class LLMEngine:
                 "num_kv_blocks": self.runner.num_kv_blocks,
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
-                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens}
+                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
+                "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "kv_cache_usage": sched.block_manager.usage()}
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""

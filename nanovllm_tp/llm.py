@@ -258,9 +258,10 @@ class LLM:
         return cache
 
     def stats(self) -> dict:
-        """Facts about the running engine and lifetime counters: device, dtype, tensor_parallel_size,
-        attention_backend, kv_block_size, num_kv_blocks, cuda_graph_batch_sizes (None when eager), num_steps,
-        num_preemptions, prefix_cache_hit_tokens. RuntimeError once closed."""
+        """Facts about the running engine, lifetime counters and its load now: device, dtype,
+        tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, cuda_graph_batch_sizes (None when
+        eager), num_steps, num_preemptions, prefix_cache_hit_tokens, num_running and num_waiting (sequences),
+        kv_cache_usage (the fraction of KV blocks in use). RuntimeError once closed."""
         return self.engine.stats()
 
     def close(self) -> None:

@@ -48,6 +48,10 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def usage(self) -> float:
+        """The fraction of blocks in use (held by a sequence)."""
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks
+
     @staticmethod
     def chain_hash(prefix_hash: int | None, token_ids: tuple[int, ...]) -> int:
         return hash((prefix_hash, token_ids))

@@ -6,6 +6,7 @@ import os
 import pathlib
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -90,7 +91,9 @@ def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
 
 
 def test_stopping_the_check_stops_its_parts(tmp_path):
-    """SIGTERM to the check while its TP=2 part runs an engine: it exits, and takes the part and its worker along."""
+    """SIGTERM to the check while its TP=2 part runs an engine: it exits, and takes the part and its worker along,
+    and the workers' rendezvous directory too."""
+    stores = set(pathlib.Path(tempfile.gettempdir()).glob("nvtp_store_*"))
     with marked_run(tmp_path, "--skip", "pytest,exact,tput", stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL) as (proc, marker):
         deadline = time.monotonic() + 120
@@ -99,6 +102,7 @@ def test_stopping_the_check_stops_its_parts(tmp_path):
         assert processes_with(marker, "nanovllm_tp.workers"), "the TP=2 part never started its worker"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("nvtp_store_*")) <= stores
 
 
 def test_compare_tokens_reports_every_difference():
@@ -148,12 +152,22 @@ def test_stats_reports_the_engine_and_its_counters(tiny_model_dir):
         for _ in range(2):
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         stats = llm.stats()
+        assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        rid = llm.add_request(list(range(50, 90)), SamplingParams(max_tokens=8))
+        load = [(s["num_running"], s["num_waiting"], s["kv_cache_usage"]) for s in [llm.stats()]]
+        llm.step()
+        load.append((llm.stats()["num_running"], llm.stats()["num_waiting"], llm.stats()["kv_cache_usage"]))
+        llm.abort_request(rid)
+        load.append((llm.stats()["num_running"], llm.stats()["num_waiting"], llm.stats()["kv_cache_usage"]))
     finally:
         llm.close()
     assert stats["device"] == "cpu" and stats["dtype"] == "float32" and stats["tensor_parallel_size"] == 1
     assert stats["attention_backend"] == "cpu" and stats["kv_block_size"] == 16 and stats["num_kv_blocks"] > 0
     assert stats["cuda_graph_batch_sizes"] is None and stats["num_preemptions"] == 0
     assert stats["prefix_cache_hit_tokens"] == 32 and stats["num_steps"] >= 4     # two full blocks of 39 tokens
+    blocks = stats["num_kv_blocks"]
+    assert load[0][:2] == (0, 1) and load[1][:2] == (1, 0) and load[2][:2] == (0, 0)
+    assert load[1][2] == pytest.approx(3 / blocks) and load[2][2] <= load[1][2]    # 41 tokens: 3 blocks of 16
     with pytest.raises(RuntimeError, match="closed"):
         llm.stats()
 

@@ -45,6 +45,18 @@ def test_worker_exception_reaches_caller(tiny_model_dir, monkeypatch):
     assert not llm.engine.has_unfinished()
 
 
+def test_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.join(HERE, "tp_scripts", "fault_injection") + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("NVTP_TEST_EXIT_AT_START", "1")
+    before = set(os.listdir("/dev/shm"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 7 while starting"):
+        LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
+    assert time.monotonic() - t0 < 30, "rank 0 waited for the process group's timeout"
+    assert set(os.listdir("/dev/shm")) <= before
+
+
 def test_sigkill_worker_mid_generation(tiny_model_dir):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
     worker = llm.engine.children[0].pid

@@ -47,6 +47,7 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
                     node_rank=int(os.environ.get("GROUP_RANK", 0)), host=rank0_host())
     if spawn is not None:
         info.store, info.secret = spawn.store, spawn.secret
+        spawn.wait_for_workers()
     elif info.mode == "spawn":
         join_spawned(info)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

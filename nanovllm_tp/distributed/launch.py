@@ -12,7 +12,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass, fields
+import time
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,7 @@ SPAWN_ENV = "NANOVLLM_TP_SPAWNED"          # set in the environment of workers t
 SPAWN_STORE_ENV = "NANOVLLM_TP_STORE_DIR"  # spawned workers: the private directory holding the FileStore
 SPAWN_SECRET_ENV = "NANOVLLM_TP_SPAWN_SECRET"  # spawned workers: this engine's fresh secret
 STORE_TIMEOUT = timedelta(seconds=120)
+_READY_KEY = "spawned_rank_{}_ready"      # set by a spawned worker once it runs (rank 0 watches for it)
 _cpu_group = None
 
 
@@ -47,12 +49,29 @@ class SpawnRendezvous:
     directory: str
     store: object
     secret: bytes | None
+    children: list = field(default_factory=list)    # ranks 1..N-1, once spawn_workers started them
 
     @classmethod
     def create(cls, world_size: int) -> "SpawnRendezvous":
         directory = tempfile.mkdtemp(prefix="nvtp_store_")      # mode 0700
         return cls(directory, file_store(directory, world_size),
                    None if trust.insecure() else trust.new_secret())
+
+    def wait_for_workers(self) -> None:
+        """Rank 0, before the process group: every spawned rank has reached the store, or this raises as soon as
+        one has exited (an import error, a bad environment) instead of waiting out the group's timeout."""
+        pending = dict(enumerate(self.children, start=1))
+        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+        while pending:
+            for rank, child in list(pending.items()):
+                if self.store.check([_READY_KEY.format(rank)]):
+                    del pending[rank]
+                elif child.poll() is not None:
+                    raise RuntimeError(f"worker rank {rank} exited with code {child.returncode} while starting "
+                                       "(its own error is printed above)")
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"worker ranks {sorted(pending)} did not start within {STORE_TIMEOUT}")
+            time.sleep(0.02)
 
     def env(self) -> dict:
         out = {SPAWN_STORE_ENV: self.directory}
@@ -74,6 +93,7 @@ def join_spawned(info: DistInfo) -> None:
     """A spawned worker takes its store and secret from its environment (and out of it, for its children)."""
     directory = os.environ.pop(SPAWN_STORE_ENV)
     info.store = file_store(directory, info.world_size)
+    info.store.set(_READY_KEY.format(info.rank), b"1")
     atexit.register(_remove_if_orphaned, directory, os.getppid())
     secret = os.environ.pop(SPAWN_SECRET_ENV, None)
     info.secret = None if secret is None else secret.encode()
@@ -191,6 +211,7 @@ def spawn_workers(config, world_size: int, rendezvous: SpawnRendezvous) -> list[
         env[SPAWN_ENV] = "1"
         children.append(subprocess.Popen(
             [sys.executable, "-m", "nanovllm_tp.workers.worker", "--config", config_to_json(config)], env=env))
+    rendezvous.children = children
     return children
 
 

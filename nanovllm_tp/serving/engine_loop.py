@@ -23,10 +23,10 @@ IDLE_POLL_MS = 200
 
 
 def scheduler_stats(llm) -> dict:
-    s = llm.engine.scheduler
-    bm = s.block_manager
-    return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
-            "kv_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks}
+    """The figures /metrics shows, from LLM.stats()."""
+    s = llm.stats()
+    return {"running": s["num_running"], "waiting": s["num_waiting"], "preemptions": s["num_preemptions"],
+            "kv_usage": s["kv_cache_usage"]}
 
 
 class EngineLoop:

@@ -1,6 +1,12 @@
 """Loaded at start-up by worker processes of the fault tests (via PYTHONPATH): makes one rank's forward
-raise at a chosen step, so the test can check that the worker's error text reaches rank 0."""
+raise at a chosen step, so the test can check that the worker's error text reaches rank 0; or makes a spawned
+rank exit before it joins anything, as a worker that cannot import the package would."""
 import os
+import sys
+
+if os.environ.get("NVTP_TEST_EXIT_AT_START") == os.environ.get("RANK") and os.environ.get("NANOVLLM_TP_SPAWNED"):
+    print("injected start-up failure", file=sys.stderr, flush=True)
+    os._exit(7)
 
 if os.environ.get("NVTP_TEST_FAIL_RANK") and os.environ.get("NVTP_TEST_FAIL_RANK") == os.environ.get("RANK"):
     from nanovllm_tp.workers import model_runner

@@ -103,9 +103,9 @@ def add_workload_args(parser: argparse.ArgumentParser, *, num_requests=64, promp
 
 
 def apply_threads(args) -> None:
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
         if args.threads < 1:
-            raise SystemExit("--threads must be >= 1")
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         import torch
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)

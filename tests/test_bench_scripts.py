@@ -141,3 +141,9 @@ def test_broadcast_latency_micro_benchmark_runs_and_cleans_up():
     assert 0 < result["median_us"] <= result["p99_us"]
     after = {n for n in os.listdir("/dev/shm") if n.startswith(f"nvtp_bench_{os.getpid()}_")}
     assert after == before
+
+
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_thread_counts_below_one_are_refused(threads):
+    with pytest.raises(SystemExit, match="--threads must be >= 1"):
+        bench.main([*TINY, "--threads", threads, "--quiet"])

@@ -14,8 +14,9 @@ import numpy as np
 
 from nanovllm_tp.scheduler.block_manager import BlockManager
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
-from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan, slot_mapping
-from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes, rows_of
+from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan
+from nanovllm_tp.scheduler.prefill_step import prefill_step
+from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 
 _REASONS = {LENGTH: "length"}    # every other finish code is "stop"
@@ -101,7 +102,8 @@ class Scheduler:
                 self.scheduled, self.scheduled_kind = seqs, MIXED if decodes else PREFILL
                 self.num_mixed_steps += bool(decodes)
                 self.step_id += 1
-                plan = self._build_prefill_plan(seqs, self.scheduled_kind)
+                plan, self.prompt_chunks, self.sampling = prefill_step(
+                    seqs, self.scheduled_kind, self.step_id, self.block_size, self._take_copies())
                 self.num_computed_tokens += plan.num_tokens
                 return plan
         batch = self.decode_batch
@@ -204,50 +206,6 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self._requeue_front(seq)
         self.num_preemptions += 1
-
-    def _build_prefill_plan(self, seqs: list[Sequence], kind: int) -> StepPlan:
-        """Pure decode plans come from DecodeBatch; this builds the others: prompt chunks over cached prefixes,
-        and in mixed steps decode rows too (one new token over num_tokens - 1 cached)."""
-        bs = self.block_size
-        rows = len(seqs)
-        q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
-        starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = np.full((rows, width), -1, np.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, :len(s.block_table)] = s.block_table
-        input_ids = np.fromiter((t for s in seqs for t in
-                                 s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
-                                np.int64, int(q_lens.sum()))
-        row_of_token = np.repeat(np.arange(rows), q_lens)
-        cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-        positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
-        slots = slot_mapping(block_tables, row_of_token, positions, bs)
-        all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
-        logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
-        self.prompt_chunks = [(s, int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))
-                              for i, s in enumerate(seqs) if all_logits[i]]
-        self.sampling = self._prefill_sampling(seqs, logits_end - 1)
-        return StepPlan(
-            step_id=self.step_id, kind=kind, input_ids=input_ids, positions=positions,
-            slot_mapping=slots, cu_seqlens_q=cu_seqlens_q,
-            context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
-            prompt_logits=all_logits if all_logits.any() else None, block_copies=self._take_copies(),
-        )
-
-    @staticmethod
-    def _prefill_sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:
-        """Rows whose prompt is complete after this step sample a token (a middle chunk does not); a prompt
-        with unstarted siblings samples theirs from the same logits."""
-        entries, logits_index = [], []
-        for i, seq in enumerate(seqs):
-            if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
-                continue
-            for s in (seq, *seq.forks):
-                entries.append(s)
-                logits_index.append(last_logits[i])
-        index = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
-        return SamplingBatch(entries, rows_of(entries), index, np.asarray(logits_index, np.int64))
 
     def postprocess(self, token_ids: list[int]) -> list[Sequence]:
         """Apply the sampled tokens, one per entry of self.sampling; return the sequences that got a token

@@ -24,7 +24,6 @@ def sampler_path(request, monkeypatch):
 
 
 def batch_of(params_list, prompts=None, outputs=None, seeds=None, index=None) -> SamplingBatch:
-    n = len(params_list)
     seqs = []
     for i, p in enumerate(params_list):
         s = Sequence(i, (prompts[i] if prompts else [0]), p, seed=seeds[i] if seeds is not None else i)

@@ -3,7 +3,6 @@ SamplingParams only, whatever its neighbours ask for, and sampled frequencies fo
 of transformers' logits at each row's own temperature."""
 import collections
 
-import pytest
 import torch
 
 from nanovllm_tp import LLM, SamplingParams

@@ -1,0 +1,49 @@
+"""The plan of a step that is not pure decode: prompt chunks over cached prefixes, and in mixed steps decode
+rows too (one new token over num_tokens - 1 cached). Pure decode plans come from DecodeBatch."""
+import numpy as np
+
+from nanovllm_tp.scheduler.plan import StepPlan, slot_mapping
+from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
+from nanovllm_tp.scheduler.sequence import Sequence
+
+
+def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int, block_copies: np.ndarray | None):
+    """(plan, prompt_chunks, sampling) for the scheduled rows. prompt_chunks: (sequence, its first logits row,
+    first position, tokens) of the rows whose every token gets logits (prompt logprobs)."""
+    rows = len(seqs)
+    q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
+    starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = np.full((rows, width), -1, np.int32)
+    for i, s in enumerate(seqs):
+        block_tables[i, :len(s.block_table)] = s.block_table
+    input_ids = np.fromiter((t for s in seqs for t in
+                             s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
+                            np.int64, int(q_lens.sum()))
+    row_of_token = np.repeat(np.arange(rows), q_lens)
+    cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+    positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
+    slots = slot_mapping(block_tables, row_of_token, positions, block_size)
+    all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
+    logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
+    prompt_chunks = [(s, int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))
+                     for i, s in enumerate(seqs) if all_logits[i]]
+    plan = StepPlan(
+        step_id=step_id, kind=kind, input_ids=input_ids, positions=positions, slot_mapping=slots,
+        cu_seqlens_q=cu_seqlens_q, context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
+        prompt_logits=all_logits if all_logits.any() else None, block_copies=block_copies)
+    return plan, prompt_chunks, _sampling(seqs, logits_end - 1)
+
+
+def _sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:
+    """Rows whose prompt is complete after this step sample a token (a middle chunk does not); a prompt with
+    unstarted siblings samples theirs from the same logits."""
+    entries, logits_index = [], []
+    for i, seq in enumerate(seqs):
+        if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+            continue
+        for s in (seq, *seq.forks):
+            entries.append(s)
+            logits_index.append(last_logits[i])
+    index = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
+    return SamplingBatch(entries, rows_of(entries), index, np.asarray(logits_index, np.int64))

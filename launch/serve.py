@@ -11,6 +11,7 @@ Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the ser
 (open requests are not drained).
 """
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -41,27 +42,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def reserve_a_core(args) -> None:
+def reserve_a_core(args) -> int | None:
     """On CPU, the engine's OpenMP threads stall whenever one of them waits for a core (every parallel region
-    waits for its slowest thread), so the HTTP process gets a core of its own unless told otherwise."""
+    waits for its slowest thread), so the HTTP process gets a core of its own unless told otherwise: the engine
+    runs on the others (this process and the workers it spawns are bound to them) and one thread per core.
+    Returns the reserved core, or None (a GPU, --threads or OMP_NUM_THREADS given, a single core)."""
     import torch
+    reserved = None
     if args.threads is None:
         on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
         if os.environ.get("OMP_NUM_THREADS") or not on_cpu:
-            return
-        args.threads = max(1, ((os.cpu_count() or 1) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
+            return None
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(cores) > 1:
+            reserved = cores[-1]
+            bind(os.getpid(), set(cores[:-1]))
+        args.threads = max(1, ((len(cores) or os.cpu_count() or 1) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
     apply_threads(args)                  # this process, and OMP_NUM_THREADS for the spawned ranks
+    return reserved
 
 
-def start_front(args, commands: str, outputs: str) -> subprocess.Popen:
-    """The HTTP process: it imports and connects while the engine loads, and serves once told what."""
+def bind(pid: int, cores: set[int]) -> None:
+    """Every thread of process pid to these cores (threads it starts later inherit the binding)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+def start_front(args, commands: str, outputs: str, core: int | None) -> subprocess.Popen:
+    """The HTTP process (on the reserved core, if any): it imports and connects while the engine loads, and
+    serves once told what."""
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
     if args.api_key:
         env["NANOVLLM_TP_API_KEY"] = args.api_key
-    return subprocess.Popen(
+    front = subprocess.Popen(
         [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
          "--name", args.served_model_name or args.model or "tiny", "--host", args.host, "--port", str(args.port),
          "--max-waiting-requests", str(args.max_waiting_requests), "--log-level", args.log_level], env=env)
+    if core is not None:
+        bind(front.pid, {core})
+    return front
 
 
 def main(argv=None) -> None:
@@ -70,7 +90,7 @@ def main(argv=None) -> None:
         raise SystemExit("--max-waiting-requests must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise SystemExit("--threads must be >= 1")
-    reserve_a_core(args)
+    reserved = reserve_a_core(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if int(os.environ.get("RANK", "0")) != 0:
         build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0
@@ -80,7 +100,7 @@ def main(argv=None) -> None:
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
     stop, front, llm, loop = [], None, None, None
     try:
-        front = start_front(args, commands, outputs)
+        front = start_front(args, commands, outputs, reserved)
         llm = build_llm(args)
         for sig in (signal.SIGTERM, signal.SIGINT):     # from now on, stop between two steps, not inside one
             signal.signal(sig, lambda signum, frame: stop.append(signum))

@@ -330,3 +330,21 @@ def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_
         os.kill(proc.pid, signal.SIGTERM)
         assert wait_gone(pids, 30) is not None
         assert not [d for p in pids for d in rundirs(p)]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_on_cpu_the_http_process_has_a_core_of_its_own(tiny_model_dir, monkeypatch):
+    """Without --threads or OMP_NUM_THREADS the engine (every thread of it) runs on all cores but the last, and
+    the HTTP process on that one."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    port, ctx = start_server(tiny_model_dir)
+    with ctx as proc:
+        wait_ready(port, proc)
+        text = client(port).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4).choices[0].text
+        assert text
+        front = _frontend(proc.pid)
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{front}/task")} == {
+            frozenset(cores[-1:])}
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{proc.pid}/task")} == {
+            frozenset(cores[:-1])}

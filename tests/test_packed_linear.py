@@ -26,11 +26,11 @@ def test_packed_matmul_matches_a_float64_reference(rows, dtype):
 
 
 @needs_bf16
-def test_bf16_linear_weights_are_packed_and_fp32_only_on_request(tiny_model_dir, monkeypatch):
+def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
     from nanovllm_tp.layers.linear import LinearBase
-    for dtype, mode, want in [("bfloat16", "1", True), ("float32", "1", False), ("float32", "all", True),
-                              ("bfloat16", "0", False)]:
+    for dtype, mode, want in [("bfloat16", "1", True), ("float32", "1", True), ("float32", "all", True),
+                              ("float32", "bf16", False), ("bfloat16", "bf16", True), ("bfloat16", "0", False)]:
         monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode)
         llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
         try:
@@ -69,3 +69,10 @@ def test_bf16_engine_logprobs_follow_transformers_fp32(tiny_model_dir, hf_model)
             agree += int(row.argmax()) == t
             total += 1
     assert agree >= 0.9 * total
+
+
+def test_an_unknown_packing_mode_is_refused(tiny_model_dir, monkeypatch):
+    from nanovllm_tp import LLM
+    monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", "fp32")
+    with pytest.raises(ValueError, match="NANOVLLM_TP_PACKED_LINEAR must be one of"):
+        LLM(tiny_model_dir, kv_cache_memory=16 << 20)

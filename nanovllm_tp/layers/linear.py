@@ -3,10 +3,11 @@
 Loaders receive either a tensor or a lazy safetensors slice; both support shape lookup (via `shape_of`) and
 `[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
 
-On CPU, once loaded, bf16 weights are repacked into oneDNN's blocked layout (`pack_cpu_weights`): F.linear
-reorders the weight on every call, a packed weight is read as it is, which makes decode matmuls 1.2-2x faster.
-NANOVLLM_TP_PACKED_LINEAR=0 keeps F.linear; =all packs fp32 weights too (faster again, but fp32 sums then come
-in oneDNN's order rather than the BLAS's that transformers uses, so rare near-ties can tip a greedy token).
+On CPU, once loaded, bf16 and fp32 weights are repacked into oneDNN's blocked layout (`pack_cpu_weights`):
+F.linear reorders the weight on every call, a packed weight is read as it is, which makes decode matmuls 1.2-2x
+faster. fp32 sums then come in oneDNN's order (vLLM's CPU build uses the same) rather than the BLAS order
+transformers uses, so a greedy token can flip at a near tie. NANOVLLM_TP_PACKED_LINEAR=bf16 packs bf16 weights
+only (fp32 in the BLAS order), =0 keeps F.linear everywhere.
 """
 import os
 
@@ -43,12 +44,17 @@ def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
 PACK_BATCH_HINT = 32     # the row count oneDNN picks the packed layout for (a decode batch); any count works
 
 
+PACKED_MODES = ("1", "all", "bf16", "0")   # NANOVLLM_TP_PACKED_LINEAR: bf16 and fp32 (the default; "all" too), bf16, none
+
+
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     mode = os.environ.get("NANOVLLM_TP_PACKED_LINEAR", "1")
+    if mode not in PACKED_MODES:
+        raise ValueError(f"NANOVLLM_TP_PACKED_LINEAR must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
     if mode == "0" or not torch.backends.mkldnn.is_available():
         return ()
     bf16 = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
-    return bf16 + ((torch.float32,) if mode == "all" else ())
+    return bf16 + ((torch.float32,) if mode != "bf16" else ())
 
 
 def pack_cpu_weights(model: nn.Module) -> int:

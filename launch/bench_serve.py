@@ -109,7 +109,10 @@ async def one_request(session, args, prompt, max_tokens: int, arrived: float, st
 async def run_server_point(args, workload: bc.Workload, prompts, point: dict) -> dict:
     """The client is aiohttp (its HTTP parser is C): on a small machine the client shares the server's cores, and
     every cycle it spends is taken from the engine."""
-    import aiohttp
+    try:
+        import aiohttp
+    except ImportError:
+        raise SystemExit("bench_serve's client needs aiohttp: pip install 'nanovllm-tp[bench]' (or aiohttp)") from None
     n = workload.num_requests
     offsets = arrival_offsets(n, point["request_rate"], args.seed) if point["mode"] == "poisson" else [0.0] * n
     cap = asyncio.Semaphore(point["concurrency"] or n)

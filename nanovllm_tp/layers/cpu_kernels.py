@@ -105,14 +105,19 @@ class CpuKernels:
     def rms_norm(self, x, weight, eps: float, residual=None):
         """x [..., size] (rows may be strided, e.g. heads sliced out of a fused projection). With residual
         ([tokens, size], contiguous) the sum x + residual is written into residual and normalised."""
-        size = x.shape[-1]
-        if x.is_contiguous() and weight.dtype is x.dtype and (residual is None or residual.is_contiguous()):
-            out = torch.empty_like(x)          # the common case in few torch calls: each costs about a microsecond
-            rows = x.numel() // size
-            self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                           out.data_ptr(), rows, 1, size, size, size, eps, _bf16(x))
-            return out if residual is None else (out, residual)
-        shape = x.shape
+        shape, size = x.shape, x.shape[-1]
+        if weight.dtype is x.dtype:            # the usual cases in few torch calls: each costs about a microsecond
+            st = x.stride()
+            if residual is None and len(st) == 3 and st[2] == 1 and st[1] == size:   # heads of a fused projection
+                out = torch.empty(shape, dtype=x.dtype)
+                self._rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), shape[0], shape[1], st[0],
+                               shape[1] * size, size, eps, _bf16(x))
+                return out
+            if x.is_contiguous() and (residual is None or residual.is_contiguous()):
+                out = torch.empty_like(x)
+                self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                               out.data_ptr(), x.numel() // size, 1, size, size, size, eps, _bf16(x))
+                return out if residual is None else (out, residual)
         if residual is not None:
             x, residual = x.contiguous(), residual.contiguous()
         if x.stride(-1) != 1 or x.dim() not in (2, 3) or (x.dim() == 3 and x.stride(1) != size):

@@ -44,22 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def reserve_a_core(args) -> int | None:
     """On CPU, the engine's OpenMP threads stall whenever one of them waits for a core (every parallel region
-    waits for its slowest thread), so the HTTP process gets a core of its own unless told otherwise: the engine
-    runs on the others (this process and the workers it spawns are bound to them) and one thread per core.
-    Returns the reserved core, or None (a GPU, --threads or OMP_NUM_THREADS given, a single core)."""
+    waits for its slowest thread), so the HTTP process gets a core of its own: by default the engine runs one
+    thread per core on all cores but one. Whenever the engine's threads (--threads, else OMP_NUM_THREADS, else
+    that default) leave a core free, this process and the workers it spawns are bound to the others and the HTTP
+    process to the last one. Returns that core, or None (a GPU, no core to spare)."""
     import torch
-    reserved = None
-    if args.threads is None:
-        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-        if os.environ.get("OMP_NUM_THREADS") or not on_cpu:
-            return None
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if len(cores) > 1:
-            reserved = cores[-1]
-            bind(os.getpid(), set(cores[:-1]))
-        args.threads = max(1, ((len(cores) or os.cpu_count() or 1) - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp))
+    if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
+        args.threads = max(1, ((len(cores) or os.cpu_count() or 1) - 1) // ranks)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS for the spawned ranks
-    return reserved
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    threads = args.threads or (int(omp) if omp.isdigit() else 0)
+    if not on_cpu or len(cores) < 2 or not 0 < threads * ranks < len(cores):
+        return None
+    bind(os.getpid(), set(cores[:-1]))
+    return cores[-1]
 
 
 def bind(pid: int, cores: set[int]) -> None:

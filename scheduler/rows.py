@@ -75,9 +75,12 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def penalty_tokens(self, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(entry, token id, times in the output) for each distinct token, prompt or output, of the given
-        entries' sequences."""
+    def penalty_tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(entry, token id, times in the output) for each distinct token, prompt or output, of the sequences of
+        the entries with a penalty (repetition, presence or frequency), in entry order."""
+        rows = self.rows
+        entries = np.flatnonzero((rows["repetition_penalty"] != 1) | (rows["presence_penalty"] != 0)
+                                 | (rows["frequency_penalty"] != 0))
         ids, counts, sizes = [], [], []
         seqs = self.seqs
         for e in entries.tolist():

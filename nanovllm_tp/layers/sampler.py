@@ -153,9 +153,7 @@ class Sampler:
         suppressed tokens are handed over as one list per entry. An all-greedy plain batch is one argmax."""
         rows, n, vocab = batch.rows, len(batch), logits.shape[1]
         row_of = np.arange(n) if batch.logits_index is None else batch.logits_index
-        need = np.flatnonzero((rows["repetition_penalty"] != 1) | (rows["presence_penalty"] != 0)
-                              | (rows["frequency_penalty"] != 0))
-        entry, token, count = batch.penalty_tokens(need)
+        entry, token, count = batch.penalty_tokens()
         s_entry, s_token = batch.suppressed(self.eos)
         top_n = int(rows["logprobs"].max(initial=-1))
         if not len(entry) and not len(s_entry) and top_n < 0 and not (rows["temperature"] >= MIN_TEMPERATURE).any():
@@ -186,12 +184,10 @@ class Sampler:
         """Repetition penalty on every token a row has seen, presence/frequency on its output tokens; computed
         on the (row, token) pairs that occur, not on [rows, vocab]."""
         rows = batch.rows
-        need = np.flatnonzero((rows["repetition_penalty"] != 1) | (rows["presence_penalty"] != 0)
-                              | (rows["frequency_penalty"] != 0))
-        if not len(need):
+        r, t, counts = batch.penalty_tokens()
+        if not len(r):
             return logits
         vocab, dev = logits.shape[1], logits.device
-        r, t, counts = batch.penalty_tokens(need)
         keep = t < vocab
         if not keep.all():
             r, t, counts = r[keep], t[keep], counts[keep]

@@ -24,3 +24,24 @@ def tiny_llm(tiny_model_dir):
     """A shared TP=1 engine for tests that only need one; tests that change knobs build their own."""
     from nanovllm_tp import LLM
     return LLM(tiny_model_dir, kvcache_block_size=16, kv_cache_memory=64 << 20)
+
+
+@pytest.fixture
+def both_paths(monkeypatch):
+    """Runs fn once with the C kernels and once with them switched off (the torch/numpy code every other device
+    runs): (fast, reference)."""
+    def run(fn):
+        from nanovllm_tp.layers import cpu_kernels
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+        fast = fn()
+        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        try:
+            assert cpu_kernels.load() is None
+            reference = fn()
+        finally:
+            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
+            cpu_kernels.load.cache_clear()
+        return fast, reference
+    return run

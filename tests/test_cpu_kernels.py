@@ -140,25 +140,6 @@ def test_other_dtypes_use_the_torch_path():
 
 # ---------------------------------------------------------------- layer kernels vs the layers' torch code
 
-@pytest.fixture
-def both_paths(monkeypatch):
-    """Runs fn once with the C kernels and once with them switched off (the torch code every other device runs)."""
-    def run(fn):
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
-        fast = fn()
-        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
-        cpu_kernels.load.cache_clear()
-        try:
-            assert cpu_kernels.load() is None
-            reference = fn()
-        finally:
-            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
-            cpu_kernels.load.cache_clear()
-        return fast, reference
-    return run
-
-
 @needs_compiler
 @pytest.mark.parametrize("tokens", [1, 7, 700])        # 700 x 128 crosses the kernels' threading threshold
 @pytest.mark.parametrize("dtype", DTYPES)

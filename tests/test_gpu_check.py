@@ -153,12 +153,17 @@ def test_stats_reports_the_engine_and_its_counters(tiny_model_dir):
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         stats = llm.stats()
         assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+
+        def now():
+            s = llm.stats()
+            return s["num_running"], s["num_waiting"], s["kv_cache_usage"]
+
         rid = llm.add_request(list(range(50, 90)), SamplingParams(max_tokens=8))
-        load = [(s["num_running"], s["num_waiting"], s["kv_cache_usage"]) for s in [llm.stats()]]
+        load = [now()]
         llm.step()
-        load.append((llm.stats()["num_running"], llm.stats()["num_waiting"], llm.stats()["kv_cache_usage"]))
+        load.append(now())
         llm.abort_request(rid)
-        load.append((llm.stats()["num_running"], llm.stats()["num_waiting"], llm.stats()["kv_cache_usage"]))
+        load.append(now())
     finally:
         llm.close()
     assert stats["device"] == "cpu" and stats["dtype"] == "float32" and stats["tensor_parallel_size"] == 1

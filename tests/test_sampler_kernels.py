@@ -98,31 +98,14 @@ def random_step(rng: np.random.Generator, entries: int, vocab: int, shared: bool
     return SamplingBatch(seqs, rows_of(seqs), index, logits_index), rows
 
 
-@pytest.fixture
-def reference_path(monkeypatch):
-    """Runs fn with the C sampler, then with the kernels off (the numpy/torch sampler)."""
-    def run(fn):
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
-        fast = fn()
-        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
-        cpu_kernels.load.cache_clear()
-        try:
-            return fast, fn()
-        finally:
-            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
-            cpu_kernels.load.cache_clear()
-    return run
-
-
 @pytest.mark.parametrize("vocab,shared", [(40, False), (2003, True), (49152, False)])   # 49152: threaded
-def test_sampler_step_equals_the_reference_sampler(reference_path, vocab, shared):
+def test_sampler_step_equals_the_reference_sampler(both_paths, vocab, shared):
     rng = np.random.default_rng(vocab)
     batch, rows = random_step(rng, 120 if vocab < 10000 else 24, vocab, shared)
     logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32) * 4)
     before = logits.clone()
     sampler = Sampler(eos_token_ids=[int(rng.integers(0, vocab))])
-    (tokens, lp), (want, want_lp) = reference_path(lambda: sampler(logits, batch))
+    (tokens, lp), (want, want_lp) = both_paths(lambda: sampler(logits, batch))
     assert torch.equal(logits, before), "the logits are read, never written"
     assert tokens == want
     np.testing.assert_allclose(lp.logprob, want_lp.logprob, rtol=1e-5, atol=2e-5)

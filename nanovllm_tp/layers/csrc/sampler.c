@@ -315,9 +315,10 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
 {
     const uint64_t row_key = splitmix64(splitmix64((uint64_t)k->seed) ^ (uint64_t)counter);
     const int limited = k->top_k > 0 && k->top_k < cols;
+    /* over the vocabulary: the largest scaled logit, and min-p's floor below it */
+    const float top = limited ? 0.0f : div_exact(key_value(max_key(row, cols)), k->temperature);
+    const float floor = !limited && k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
     if (!limited && k->top_p >= 1.0f) {            /* every token that min-p keeps is a candidate */
-        const float top = div_exact(key_value(max_key(row, cols)), k->temperature);
-        const float floor = k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
         double best = 0.0;
         int64_t pick = -1;
         for (int64_t c = 0; c < cols; c++) {
@@ -335,8 +336,6 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     float total = -1.0f;
     int want = limited ? k->top_k : (cols < 64 ? (int)cols : 64);
     if (!limited) {                                /* top-p over the vocabulary: its mass, after min-p */
-        const float top = div_exact(key_value(max_key(row, cols)), k->temperature);
-        const float floor = k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
         total = 0.0f;
         for (int64_t c = 0; c < cols; c++) {
             const float s = div_exact(row[c], k->temperature);

@@ -1,13 +1,45 @@
-"""Linear layers through oneDNN-packed weights on CPU: the matmul against a float64 reference at decode and
-prefill row counts, which weights get packed, and a bf16 engine's logprobs against transformers in fp32."""
+"""Linear layers through packed weights on CPU (oneDNN's layout, and csrc/linear_bf16.c's for bf16): the matmul
+against a float64 reference at decode and prefill row counts, which weights get packed how, and a bf16 engine's
+logprobs against transformers in fp32."""
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.layers.linear import matmul, pack_cpu_weights, packable_dtypes
+from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.linear import BlockedBf16, matmul, pack_cpu_weights, pack_weight, packable_dtypes
 
 needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 on this CPU")
+needs_bf16_kernel = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.load().has_linear_bf16),
+                                       reason="the C kernels are not built with AVX-512 BF16 here")
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 48, 50, 301])
+@pytest.mark.parametrize("out_features,in_features", [(1, 2), (17, 6), (50, 96), (160, 578), (600, 64)])
+def test_bf16_kernel_rounds_the_exact_product_once(rows, out_features, in_features):
+    """Every output of csrc/linear_bf16.c is the float64 product (+ bias) rounded once to bf16, up to fp32
+    accumulation: odd row chunks and groups, a last block of fewer than 16 outputs, k of one pair, strided and
+    3-d activations. The same outputs come from one thread as from two (no output depends on the split)."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, 3, in_features, generator=g).bfloat16()[:, 1]
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    packed = pack_weight(w)
+    assert isinstance(packed, BlockedBf16) and (packed.out_features, packed.in_features) == tuple(w.shape)
+    for bias in (None, b):
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        bound = want.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -16
+        got = matmul(x, w, packed, bias)
+        assert got.dtype is torch.bfloat16 and got.shape == want.shape
+        assert ((got.double() - want).abs() <= bound).all()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(matmul(x, w, packed, bias), got)
+        finally:
+            torch.set_num_threads(threads)
+    assert matmul(x.reshape(rows, 1, in_features), w, packed).shape == (rows, 1, out_features)
 
 
 @needs_bf16
@@ -29,15 +61,18 @@ def test_packed_matmul_matches_a_float64_reference(rows, dtype):
 def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
     from nanovllm_tp.layers.linear import LinearBase
-    for dtype, mode, want in [("bfloat16", "1", True), ("float32", "1", True), ("float32", "all", True),
-                              ("float32", "bf16", False), ("bfloat16", "bf16", True), ("bfloat16", "0", False)]:
+    ours = BlockedBf16 if cpu_kernels.load() and cpu_kernels.load().has_linear_bf16 else torch.Tensor
+    for dtype, mode, want in [("bfloat16", "1", ours), ("float32", "1", torch.Tensor),
+                              ("float32", "all", torch.Tensor), ("float32", "bf16", None),
+                              ("bfloat16", "bf16", ours), ("bfloat16", "onednn", torch.Tensor),
+                              ("float32", "onednn", torch.Tensor), ("bfloat16", "0", None)]:
         monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode)
         llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
         try:
             model = llm.engine.runner.model
             linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-            assert all((m.packed is not None) == want for m in linears), (dtype, mode)
-            assert all((m.weight.numel() == 0) == want for m in linears)
+            assert all(isinstance(m.packed, want) if want else m.packed is None for m in linears), (dtype, mode)
+            assert all((m.weight.numel() == 0) == bool(want) for m in linears)
             assert pack_cpu_weights(torch.nn.Linear(2, 2)) == 0     # layers without a packed slot: untouched
         finally:
             llm.close()

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 log = logging.getLogger("nanovllm_tp")
-SOURCES = [importlib.resources.files("nanovllm_tp.layers") / "csrc" / name for name in ("cpu_kernels.c", "sampler.c")]
+SOURCES = [importlib.resources.files("nanovllm_tp.layers") / "csrc" / name for name in ("cpu_kernels.c", "sampler.c",
+                                                                                       "linear_bf16.c")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
@@ -32,6 +33,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "linear_bf16_available": (_int, []),
+    "pack_bf16_weight": (None, [_ptr, _ptr, _i64, _i64]),
+    "linear_bf16": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _int,
                            _ptr, _ptr, _ptr, _ptr]),
@@ -86,6 +90,27 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, "_" + name, fn)
+        self.has_linear_bf16 = bool(self._linear_bf16_available())   # built with AVX-512 BF16
+
+    def pack_bf16_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w [n, k] bf16 (k even) in linear_bf16's layout, flat: 16-row blocks of k/2 (16 x 2) tiles."""
+        n, k = w.shape
+        w = w.detach().contiguous()
+        packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+        self._pack_bf16_weight(w.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+        """x [m, k] @ w.T (+ bias) for a weight packed by pack_bf16_weight; bf16 in and out."""
+        if x.dtype is not torch.bfloat16:
+            raise TypeError(f"linear_bf16 takes bf16 activations, not {x.dtype}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        self._linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                          x.shape[0], n, x.shape[1])
+        return out
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
         rows, heads, dim = q.shape

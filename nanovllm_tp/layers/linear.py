@@ -3,19 +3,23 @@
 Loaders receive either a tensor or a lazy safetensors slice; both support shape lookup (via `shape_of`) and
 `[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
 
-On CPU, once loaded, bf16 and fp32 weights are repacked into oneDNN's blocked layout (`pack_cpu_weights`):
-F.linear reorders the weight on every call, a packed weight is read as it is, which makes decode matmuls 1.2-2x
-faster. fp32 sums then come in oneDNN's order (vLLM's CPU build uses the same) rather than the BLAS order
-transformers uses, so a greedy token can flip at a near tie. NANOVLLM_TP_PACKED_LINEAR=bf16 packs bf16 weights
-only (fp32 in the BLAS order), =0 keeps F.linear everywhere.
+On CPU, once loaded, weights are repacked for the matmul that reads them (`pack_cpu_weights`): bf16 weights into
+the layout of the C kernel csrc/linear_bf16.c (AVX-512 BF16; 1.2-1.6x oneDNN at decode row counts, level with it
+at prefill), fp32 weights, and bf16 ones where that kernel is unavailable, into oneDNN's blocked layout
+(F.linear reorders the weight on every call, a packed weight is read as it is). fp32 sums then come in oneDNN's
+order (vLLM's CPU build uses the same) rather than the BLAS order transformers uses, so a greedy token can flip at
+a near tie. NANOVLLM_TP_PACKED_LINEAR picks: 1 (the default; "all" too) as above, bf16 packs bf16 weights only
+(fp32 in the BLAS order), onednn packs both dtypes for oneDNN, 0 keeps F.linear everywhere.
 """
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from nanovllm_tp.layers import cpu_kernels
 
 
 def shape_of(loaded) -> tuple[int, ...]:
@@ -42,29 +46,55 @@ def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
 
 
 PACK_BATCH_HINT = 32     # the row count oneDNN picks the packed layout for (a decode batch); any count works
+PACKED_MODES = ("1", "all", "bf16", "onednn", "0")   # NANOVLLM_TP_PACKED_LINEAR, see the module's docstring
 
 
-PACKED_MODES = ("1", "all", "bf16", "0")   # NANOVLLM_TP_PACKED_LINEAR: bf16 and fp32 (the default; "all" too), bf16, none
+@dataclass(slots=True)
+class BlockedBf16:
+    """A bf16 weight packed for csrc/linear_bf16.c, and its logical shape."""
+    data: torch.Tensor
+    out_features: int
+    in_features: int
 
 
-def packable_dtypes() -> tuple[torch.dtype, ...]:
+def packed_linear_mode() -> str:
     mode = os.environ.get("NANOVLLM_TP_PACKED_LINEAR", "1")
     if mode not in PACKED_MODES:
         raise ValueError(f"NANOVLLM_TP_PACKED_LINEAR must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
+    return mode
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs under the current mode."""
+    mode = packed_linear_mode()
     if mode == "0" or not torch.backends.mkldnn.is_available():
         return ()
     bf16 = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
     return bf16 + ((torch.float32,) if mode != "bf16" else ())
 
 
+def pack_weight(w: torch.Tensor):
+    """The packed form `matmul` reads for a CPU weight [out, in], or None (F.linear on the weight as it is)."""
+    mode = packed_linear_mode()
+    if mode == "0" or w.device.type != "cpu":
+        return None
+    if w.dtype is torch.bfloat16 and mode != "onednn" and w.shape[1] % 2 == 0:
+        kernels = cpu_kernels.load()
+        if kernels is not None and kernels.has_linear_bf16:
+            return BlockedBf16(kernels.pack_bf16_weight(w), *w.shape)
+    if w.dtype in packable_dtypes():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+    return None
+
+
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head) for oneDNN, where
-    its dtype allows; the dense copy of a linear layer's weight is freed. Returns how many were packed."""
-    dtypes, count = packable_dtypes(), 0
+    """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head) where `pack_weight`
+    has a form for it; the dense copy of a linear layer's weight is freed. Returns how many were packed."""
+    count = 0
     for m in model.modules():
-        if not hasattr(m, "packed") or m.weight.device.type != "cpu" or m.weight.dtype not in dtypes:
+        if not hasattr(m, "packed") or (packed := pack_weight(m.weight)) is None:
             continue
-        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT)
+        m.packed = packed
         if isinstance(m, LinearBase):       # the LM head's weight may be the embedding's too: kept
             m.weight.data = m.weight.data.new_empty((0, m.weight.shape[1]))
         count += 1
@@ -75,7 +105,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
     """x @ weight.T (+ bias): through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(packed, BlockedBf16):
+        y = cpu_kernels.load().linear_bf16(x2, packed.data, packed.out_features, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -1,0 +1,111 @@
+/* bf16 linear layers on CPUs with AVX-512 BF16: out = x @ w.T (+ bias), fp32 accumulation, rounded to bf16 once.
+ *
+ * The weight is packed once (pack_bf16_weight) so that one 64-byte load holds two consecutive k of 16 outputs,
+ * the operand layout of VDPBF16PS:
+ *     packed[block][k / 2][16 outputs][2 k]     block = 16 outputs, the last block zero-padded; k even
+ * A step then reads the weight once, front to back, with no horizontal sums: each load is multiplied by one
+ * broadcast pair of x per row and accumulated into 16 fp32 outputs. Work units are pairs of blocks (32 outputs)
+ * against groups of rows; inside a unit, chunks of ROWS rows reuse the unit's weight from L1, so one kernel
+ * serves decode (one to a few rows: bound by reading the weights, which are prefetched ahead) and prefill (many
+ * rows: bound by the multiply-adds). Built into the same library as cpu_kernels.c; without AVX-512 BF16 at
+ * compile time the functions report that they are unavailable and the layers use oneDNN instead.
+ */
+#include <stdint.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define ROWS 6            /* rows per chunk: 2 x ROWS accumulators + 2 weight registers stay in registers */
+#define GROUP_ROWS 48     /* rows per work unit: the unit's weight stays in L1/L2 across its chunks */
+#define PREFETCH 32       /* k pairs ahead (2 KiB per block) */
+#define PARALLEL_MIN_MACS (1 << 18)
+
+int linear_bf16_available(void) { return 1; }
+
+void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
+{
+    const int64_t pairs = k / 2, blocks = (n + 15) / 16;
+    #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN_MACS)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t row = b * 16 + j;
+                uint16_t *dst = packed + ((b * pairs + p) * 16 + j) * 2;
+                dst[0] = row < n ? w[row * k + 2 * p] : 0;
+                dst[1] = row < n ? w[row * k + 2 * p + 1] : 0;
+            }
+}
+
+static inline __m256i to_bf16(__m512 v)     /* round to nearest even */
+{
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+static inline __m512 bias_of(const uint16_t *bias, __mmask16 mask)
+{
+    if (!bias) return _mm512_setzero_ps();
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* rows (<= ROWS) rows of x (k/2 int32 pairs apart) against blocks w0 and w1; w1's outputs are masked off when
+ * the unit has one block only */
+static inline void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0, const uint16_t *w1, int rows,
+                         int prefetch, const uint16_t *bias, uint16_t *out, int64_t n, __mmask16 m0, __mmask16 m1)
+{
+    __m512 acc[ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        if (prefetch) {
+            _mm_prefetch((const char *)(w0 + (p + PREFETCH) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (p + PREFETCH) * 32), _MM_HINT_T0);
+        }
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
+        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 32);
+        #pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) {
+            if (r < rows) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[r * pairs + p]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, v0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, v1);
+            }
+        }
+    }
+    const __m512 b0 = bias_of(bias, m0), b1 = bias_of(bias ? bias + 16 : bias, m1);
+    for (int r = 0; r < rows; r++) {
+        _mm256_mask_storeu_epi16(out + r * n, m0, to_bf16(_mm512_add_ps(acc[r][0], b0)));
+        _mm256_mask_storeu_epi16(out + r * n + 16, m1, to_bf16(_mm512_add_ps(acc[r][1], b1)));
+    }
+}
+
+/* x [m, k] and out [m, n] contiguous bf16, k even; packed from pack_bf16_weight; bias [n] bf16 or NULL */
+void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
+                 int64_t n, int64_t k)
+{
+    const int64_t pairs = k / 2, blocks = (n + 15) / 16, units = (blocks + 1) / 2;
+    const int64_t groups = (m + GROUP_ROWS - 1) / GROUP_ROWS;
+    #pragma omp parallel for collapse(2) schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t col = u * 32, left = n - col;
+            const uint16_t *w0 = packed + 2 * u * pairs * 32, *w1 = 2 * u + 1 < blocks ? w0 + pairs * 32 : w0;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            const int64_t end = (g + 1) * GROUP_ROWS < m ? (g + 1) * GROUP_ROWS : m;
+            for (int64_t r = g * GROUP_ROWS; r < end; r += ROWS)
+                chunk((const int32_t *)(x + r * k), pairs, w0, w1, end - r < ROWS ? (int)(end - r) : ROWS,
+                      r == g * GROUP_ROWS, bias ? bias + col : bias, out + r * n + col, n, m0, m1);
+        }
+}
+
+#else   /* no AVX-512 BF16: the callers check linear_bf16_available() first */
+
+int linear_bf16_available(void) { return 0; }
+void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) { (void)w; (void)packed; (void)n; (void)k; }
+void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
+                 int64_t n, int64_t k) { (void)x; (void)packed; (void)bias; (void)out; (void)m; (void)n; (void)k; }
+
+#endif

@@ -10,6 +10,9 @@ same warm-up); then every repeat runs the engine and each peer on the same fresh
 Reported: medians of output tok/s, the ratio engine / peer (of the medians, and the median of the per-repeat
 ratios), greedy agreement (requests whose tokens are identical to the engine's, over all repeats; fp32 should
 agree on all), cold start (LLM(...) until the first token of one prompt) and load time for both.
+
+A peer's processes are stopped (SIGSTOP) whenever it is not answering a request: idle, vLLM's processes still
+poll, and on a small machine that CPU time comes out of whichever engine is being timed.
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class PeerProcess:
         except BaseException:
             self.close()
             raise
+        self._signal(signal.SIGSTOP)
 
     def ask(self, message: dict) -> dict:
         self.proc.stdin.write(bench_peer.encode(message) + "\n")
@@ -95,19 +99,28 @@ class PeerProcess:
         return reply
 
     def run(self, prompts, max_tokens, temperature: float) -> dict:
-        return self.ask(bench_peer.run_message(prompts, max_tokens, temperature))
+        self._signal(signal.SIGCONT)
+        try:
+            return self.ask(bench_peer.run_message(prompts, max_tokens, temperature))
+        finally:
+            self._signal(signal.SIGSTOP)
 
     def log_tail(self, lines: int = 20) -> str:
         self.log.seek(0)
         return "\n".join(self.log.read().splitlines()[-lines:])
 
-    def _kill(self) -> None:
+    def _signal(self, sig) -> None:
+        """To the peer's whole process group (vLLM's engine-core process too)."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
 
+    def _kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(bench_peer.encode({"op": "quit"}) + "\n")

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from nanovllm_tp.launch import bench, bench_common, bench_peer, bench_vllm
@@ -107,3 +108,50 @@ def children() -> list[int]:
             pass
     return out
 
+
+
+STAND_IN_VLLM = '''
+__version__ = "0.0-stand-in"
+class SamplingParams:
+    def __init__(self, max_tokens, **kw): self.max_tokens = max_tokens
+class _Completion:
+    def __init__(self, ids): self.token_ids = ids
+class _Output:
+    def __init__(self, ids): self.outputs = [_Completion(ids)]
+class LLM:
+    def __init__(self, **kw): pass
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Output([p["prompt_token_ids"][0]] * s.max_tokens) for p, s in zip(prompts, params)]
+'''
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped, once a signal sent just before has had time to land."""
+    deadline = time.monotonic() + 5
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def test_the_peer_is_stopped_except_while_it_answers(tmp_path):
+    """Idle vLLM processes poll; the driver keeps the peer's process group stopped between its runs, so it takes
+    no CPU from the engine being timed, and close() still ends it (driven here through a stand-in `vllm`)."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(STAND_IN_VLLM)
+    (tmp_path / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids): return {'prompt_token_ids': "
+                                                 "prompt_token_ids}\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    peer = bench_vllm.PeerProcess(sys.executable, {k: v for k, v in CONFIG.items() if k != "op"}, env, timeout=120)
+    try:
+        assert peer.ready["vllm"] == "0.0-stand-in"
+        assert stopped(peer.proc.pid)
+        reply = peer.run([[5, 6], [7]], [3, 2], 0.0)
+        assert reply["token_ids"] == [[5, 5, 5], [7, 7]]
+        assert stopped(peer.proc.pid)
+    finally:
+        peer.close()
+    assert peer.proc.poll() is not None and not alive(peer.proc.pid)

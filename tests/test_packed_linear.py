@@ -73,6 +73,8 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
             linears = [m for m in model.modules() if isinstance(m, LinearBase)]
             assert all(isinstance(m.packed, want) if want else m.packed is None for m in linears), (dtype, mode)
             assert all((m.weight.numel() == 0) == bool(want) for m in linears)
+            path = {BlockedBf16: "c-bf16", torch.Tensor: "onednn", None: "torch"}[want]
+            assert f"linear {path}," in llm.engine.runner.describe()
             assert pack_cpu_weights(torch.nn.Linear(2, 2)) == 0     # layers without a packed slot: untouched
         finally:
             llm.close()

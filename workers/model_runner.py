@@ -13,7 +13,7 @@ from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
-from nanovllm_tp.layers.linear import pack_cpu_weights
+from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
@@ -138,4 +138,5 @@ class ModelRunner:
 
     def describe(self) -> str:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
-                f"{self.backend.name}, {self.num_kv_blocks} KV blocks of {self.block_size}")
+                f"{self.backend.name}, linear {linear_paths(self.model)}, {self.num_kv_blocks} KV blocks of "
+                f"{self.block_size}")

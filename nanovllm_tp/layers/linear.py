@@ -101,6 +101,13 @@ def pack_cpu_weights(model: nn.Module) -> int:
     return count
 
 
+def linear_paths(model: nn.Module) -> str:
+    """Which matmuls the model's linear layers run: "c-bf16" (csrc/linear_bf16.c), "onednn", "torch" (F.linear)."""
+    kinds = {"c-bf16" if isinstance(m.packed, BlockedBf16) else "torch" if m.packed is None else "onednn"
+             for m in model.modules() if hasattr(m, "packed")}
+    return "+".join(sorted(kinds)) or "torch"
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): through the packed weight when there is one."""
     if packed is None:

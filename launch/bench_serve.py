@@ -10,7 +10,7 @@ windows sampled from nanovllm_tp/data/corpus.txt sent as strings), each request 
 field) and its max_tokens. Load as in bench_latency: Poisson arrivals at --request-rate (inf = all at once,
 --concurrency then caps the requests in flight) or a closed loop of --concurrency requests.
 
---launch starts our own server (launch/serve) on a free 127.0.0.1 port with the engine flags given here, waits
+--launch starts our own server (launch/serve, through launch/serve_process) on a free 127.0.0.1 port with the engine flags given here, waits
 for /health and stops it with SIGTERM at the end. --compare-offline (with --launch) also runs every load point
 through the offline engine in this process (bench_latency.run_point: add_request/step, same workload, same
 flags), interleaved with the server runs over --repeats; medians are reported with the server/offline ratio.
@@ -25,14 +25,10 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 from nanovllm_tp.launch import bench_common as bc
-from nanovllm_tp.launch import bench_latency
+from nanovllm_tp.launch import bench_latency, serve_process
 from nanovllm_tp.launch.bench_latency import QUANTILES, arrival_offsets, label, load_points, run_point
 from nanovllm_tp.launch.make_tiny import CORPUS
 from nanovllm_tp.trace import sibling_path
@@ -144,59 +140,7 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
             "requests": [{k: v for k, v in r.items() if k != "itl"} for r in records]}
 
 
-# =============================================================================================== our server
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def engine_argv(args) -> list[str]:
-    """The engine flags of this run, as launch/serve arguments (only those not at their default)."""
-    from nanovllm_tp.launch.generate import add_engine_args
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    argv = []
-    for a in p._actions:
-        if not a.option_strings or a.dest == "help" or getattr(args, a.dest) == a.default:
-            continue
-        value = getattr(args, a.dest)
-        argv += [a.option_strings[0]] if value is True else [a.option_strings[0], str(value)]
-    return argv
-
-
-def launch_server(args) -> subprocess.Popen:
-    import httpx
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanovllm_tp.launch.serve", "--port", str(port), *engine_argv(args)]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    args.base_url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_server(proc)
-    raise SystemExit("the server was not ready within 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
+# =============================================================================================== the server
 
 def served_model_name(args) -> str:
     import httpx
@@ -262,7 +206,7 @@ def main(argv=None) -> dict:
     offline_runs = [[] for _ in points]
     try:
         if args.launch:
-            proc = launch_server(args)
+            proc, args.base_url = serve_process.start(serve_process.engine_argv(args), args.api_key)
             bc.log(args, f"server at {args.base_url}")
         by_name = args.model and not args.launch and not os.path.isdir(args.model)
         args.model_name = args.model if by_name else served_model_name(args)
@@ -297,7 +241,7 @@ def main(argv=None) -> dict:
         if llm is not None:
             llm.close()
         if proc is not None:
-            stop_server(proc)
+            serve_process.stop(proc)
     figures = []
     for k in range(len(points)):
         p = {"label": server_runs[k][0]["label"], "server": medians(server_runs[k]), "server_runs": server_runs[k]}

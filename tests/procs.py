@@ -2,10 +2,13 @@
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from nanovllm_tp.launch import serve_process
+
+free_port = serve_process.free_port     # the same helper as the serving benchmark's
 
 SHM_DIR = "/dev/shm"
 
@@ -17,12 +20,6 @@ def our_shm_segments() -> set[str]:
 def segments_of(pid: int) -> set[str]:
     """Segments created by the engine whose rank 0 had this pid (names carry the writer's pid)."""
     return {s for s in our_shm_segments() if s.startswith(f"nvtp_{pid}_")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

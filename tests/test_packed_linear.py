@@ -1,5 +1,4 @@
-"""Linear layers through packed weights on CPU (oneDNN's layout, and csrc/linear_bf16.c's for bf16): the matmul
-against a float64 reference at decode and prefill row counts, which weights get packed how, and a bf16 engine's
+"""Linear layers through packed weights on CPU (csrc/linear.c's layout, or oneDNN's): the matmul against a float64 reference at decode and prefill row counts, which weights get packed how, and a bf16 engine's
 logprobs against transformers in fp32."""
 import numpy as np
 import pytest
@@ -7,31 +6,34 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.linear import BlockedBf16, matmul, pack_cpu_weights, pack_weight, packable_dtypes
+from nanovllm_tp.layers.linear import BlockedWeight, matmul, pack_cpu_weights, pack_weight, packable_dtypes
 
 needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 on this CPU")
-needs_bf16_kernel = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.load().has_linear_bf16),
-                                       reason="the C kernels are not built with AVX-512 BF16 here")
+KERNEL_DTYPES = cpu_kernels.load().linear_dtypes if cpu_kernels.load() else ()
 
 
-@needs_bf16_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 48, 50, 301])
 @pytest.mark.parametrize("out_features,in_features", [(1, 2), (17, 6), (50, 96), (160, 578), (600, 64)])
-def test_bf16_kernel_rounds_the_exact_product_once(rows, out_features, in_features):
-    """Every output of csrc/linear_bf16.c is the float64 product (+ bias) rounded once to bf16, up to fp32
-    accumulation: odd row chunks and groups, a last block of fewer than 16 outputs, k of one pair, strided and
-    3-d activations. The same outputs come from one thread as from two (no output depends on the split)."""
+def test_kernel_rounds_the_exact_product_once(dtype, rows, out_features, in_features):
+    """Every output of csrc/linear.c is the float64 product (+ bias) up to fp32 accumulation, rounded once to the
+    dtype: odd row chunks and groups, a unit of fewer blocks and a last block of fewer than 16 outputs, k of one
+    pair, strided and 3-d activations. The same outputs come from one thread as from two (no output depends on
+    the split)."""
+    if dtype not in KERNEL_DTYPES:
+        pytest.skip(f"csrc/linear.c is not built for {dtype} on this CPU")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, 3, in_features, generator=g).bfloat16()[:, 1]
-    w = torch.randn(out_features, in_features, generator=g).bfloat16()
-    b = torch.randn(out_features, generator=g).bfloat16()
+    x = torch.randn(rows, 3, in_features, generator=g).to(dtype)[:, 1]
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
     packed = pack_weight(w)
-    assert isinstance(packed, BlockedBf16) and (packed.out_features, packed.in_features) == tuple(w.shape)
+    assert isinstance(packed, BlockedWeight) and (packed.out_features, packed.in_features) == tuple(w.shape)
+    ulp = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -23
     for bias in (None, b):
         want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        bound = want.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -16
+        bound = want.abs() * ulp + (x.double().abs() @ w.double().abs().T) * in_features * 2.0 ** -23
         got = matmul(x, w, packed, bias)
-        assert got.dtype is torch.bfloat16 and got.shape == want.shape
+        assert got.dtype is dtype and got.shape == want.shape
         assert ((got.double() - want).abs() <= bound).all()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -61,10 +63,11 @@ def test_packed_matmul_matches_a_float64_reference(rows, dtype):
 def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
     from nanovllm_tp.layers.linear import LinearBase
-    ours = BlockedBf16 if cpu_kernels.load() and cpu_kernels.load().has_linear_bf16 else torch.Tensor
-    for dtype, mode, want in [("bfloat16", "1", ours), ("float32", "1", torch.Tensor),
-                              ("float32", "all", torch.Tensor), ("float32", "bf16", None),
-                              ("bfloat16", "bf16", ours), ("bfloat16", "onednn", torch.Tensor),
+    ours = {dt: BlockedWeight if getattr(torch, dt) in KERNEL_DTYPES else torch.Tensor
+            for dt in ("bfloat16", "float32")}
+    for dtype, mode, want in [("bfloat16", "1", ours["bfloat16"]), ("float32", "1", ours["float32"]),
+                              ("float32", "all", ours["float32"]), ("float32", "bf16", None),
+                              ("bfloat16", "bf16", ours["bfloat16"]), ("bfloat16", "onednn", torch.Tensor),
                               ("float32", "onednn", torch.Tensor), ("bfloat16", "0", None)]:
         monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode)
         llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
@@ -73,7 +76,7 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
             linears = [m for m in model.modules() if isinstance(m, LinearBase)]
             assert all(isinstance(m.packed, want) if want else m.packed is None for m in linears), (dtype, mode)
             assert all((m.weight.numel() == 0) == bool(want) for m in linears)
-            path = {BlockedBf16: "c-bf16", torch.Tensor: "onednn", None: "torch"}[want]
+            path = {BlockedWeight: "c", torch.Tensor: "onednn", None: "torch"}[want]
             assert f"linear {path}," in llm.engine.runner.describe()
             assert pack_cpu_weights(torch.nn.Linear(2, 2)) == 0     # layers without a packed slot: untouched
         finally:

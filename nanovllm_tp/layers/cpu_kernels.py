@@ -1,6 +1,6 @@
 """C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
-add fused in, RoPE and SiLU-and-mul; bf16 linear layers on CPUs with AVX-512 BF16 (csrc/linear_bf16.c); and rank
-0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per entry from penalties to
+add fused in, RoPE and SiLU-and-mul; linear layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with
+AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per entry from penalties to
 the drawn token.
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
@@ -26,7 +26,7 @@ import torch
 
 log = logging.getLogger("nanovllm_tp")
 SOURCES = [importlib.resources.files("nanovllm_tp.layers") / "csrc" / name for name in ("cpu_kernels.c", "sampler.c",
-                                                                                       "linear_bf16.c")]
+                                                                                       "linear.c")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
@@ -37,6 +37,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "linear_bf16_available": (_int, []),
     "pack_bf16_weight": (None, [_ptr, _ptr, _i64, _i64]),
     "linear_bf16": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "linear_f32_available": (_int, []),
+    "pack_f32_weight": (None, [_ptr, _ptr, _i64, _i64]),
+    "linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _int,
                            _ptr, _ptr, _ptr, _ptr]),
@@ -91,26 +94,31 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, "_" + name, fn)
-        self.has_linear_bf16 = bool(self._linear_bf16_available())   # built with AVX-512 BF16
+        # the dtypes csrc/linear.c was built for here (AVX-512 BF16 for bf16, AVX-512F for fp32)
+        self.linear_dtypes = tuple(dt for dt, ok in ((torch.bfloat16, self._linear_bf16_available()),
+                                                     (torch.float32, self._linear_f32_available())) if ok)
 
-    def pack_bf16_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """w [n, k] bf16 (k even) in linear_bf16's layout, flat: 16-row blocks of k/2 (16 x 2) tiles."""
+    def pack_linear_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w [n, k] (a dtype in linear_dtypes; k even for bf16) in csrc/linear.c's layout, flat: blocks of 16
+        rows, each k/2 tiles of 16 x 2 (bf16) or k rows of 16 (fp32)."""
         n, k = w.shape
         w = w.detach().contiguous()
-        packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
-        self._pack_bf16_weight(w.data_ptr(), packed.data_ptr(), n, k)
+        packed = torch.empty(-(-n // 16) * 16 * k, dtype=w.dtype)
+        pack = self._pack_bf16_weight if w.dtype is torch.bfloat16 else self._pack_f32_weight
+        pack(w.data_ptr(), packed.data_ptr(), n, k)
         return packed
 
-    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias=None) -> torch.Tensor:
-        """x [m, k] @ w.T (+ bias) for a weight packed by pack_bf16_weight; bf16 in and out."""
-        if x.dtype is not torch.bfloat16:
-            raise TypeError(f"linear_bf16 takes bf16 activations, not {x.dtype}")
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+        """x [m, k] @ w.T (+ bias) for a weight packed by pack_linear_weight; x in the weight's dtype."""
+        if x.dtype is not packed.dtype:
+            raise TypeError(f"linear: {x.dtype} activations for a {packed.dtype} weight")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
         if bias is not None:
-            bias = bias.to(torch.bfloat16).contiguous()
-        self._linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                          x.shape[0], n, x.shape[1])
+            bias = bias.to(x.dtype).contiguous()
+        run = self._linear_bf16 if x.dtype is torch.bfloat16 else self._linear_f32
+        run(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n,
+            x.shape[1])
         return out
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

@@ -3,13 +3,13 @@
 Loaders receive either a tensor or a lazy safetensors slice; both support shape lookup (via `shape_of`) and
 `[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
 
-On CPU, once loaded, weights are repacked for the matmul that reads them (`pack_cpu_weights`): bf16 weights into
-the layout of the C kernel csrc/linear_bf16.c (AVX-512 BF16; 1.2-1.6x oneDNN at decode row counts, level with it
-at prefill), fp32 weights, and bf16 ones where that kernel is unavailable, into oneDNN's blocked layout
-(F.linear reorders the weight on every call, a packed weight is read as it is). fp32 sums then come in oneDNN's
-order (vLLM's CPU build uses the same) rather than the BLAS order transformers uses, so a greedy token can flip at
-a near tie. NANOVLLM_TP_PACKED_LINEAR picks: 1 (the default; "all" too) as above, bf16 packs bf16 weights only
-(fp32 in the BLAS order), onednn packs both dtypes for oneDNN, 0 keeps F.linear everywhere.
+On CPU, once loaded, weights are repacked for the matmul that reads them (`pack_cpu_weights`): into the layout of
+the C kernels in csrc/linear.c (bf16 with AVX-512 BF16, fp32 with AVX-512F; 1.2-1.6x oneDNN at decode row
+counts, level with it at prefill), else into oneDNN's blocked layout (F.linear reorders the weight on every call,
+a packed weight is read as it is). fp32 sums then come in the kernel's order (each output's sum over k in order)
+rather than the BLAS order transformers uses, so a greedy token can flip at a near tie. NANOVLLM_TP_PACKED_LINEAR
+picks: 1 (the default; "all" too) as above, bf16 packs bf16 weights only (fp32 in the BLAS order), onednn packs
+both dtypes for oneDNN (vLLM's CPU build uses oneDNN too), 0 keeps F.linear everywhere.
 """
 import os
 from dataclasses import dataclass
@@ -50,8 +50,8 @@ PACKED_MODES = ("1", "all", "bf16", "onednn", "0")   # NANOVLLM_TP_PACKED_LINEAR
 
 
 @dataclass(slots=True)
-class BlockedBf16:
-    """A bf16 weight packed for csrc/linear_bf16.c, and its logical shape."""
+class BlockedWeight:
+    """A weight packed for csrc/linear.c (bf16 or fp32), and its logical shape."""
     data: torch.Tensor
     out_features: int
     in_features: int
@@ -78,10 +78,11 @@ def pack_weight(w: torch.Tensor):
     mode = packed_linear_mode()
     if mode == "0" or w.device.type != "cpu":
         return None
-    if w.dtype is torch.bfloat16 and mode != "onednn" and w.shape[1] % 2 == 0:
+    ours = mode in ("1", "all") or (mode == "bf16" and w.dtype is torch.bfloat16)
+    if ours and (w.dtype is torch.float32 or w.shape[1] % 2 == 0):
         kernels = cpu_kernels.load()
-        if kernels is not None and kernels.has_linear_bf16:
-            return BlockedBf16(kernels.pack_bf16_weight(w), *w.shape)
+        if kernels is not None and w.dtype in kernels.linear_dtypes:
+            return BlockedWeight(kernels.pack_linear_weight(w), *w.shape)
     if w.dtype in packable_dtypes():
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
     return None
@@ -102,8 +103,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
 
 
 def linear_paths(model: nn.Module) -> str:
-    """Which matmuls the model's linear layers run: "c-bf16" (csrc/linear_bf16.c), "onednn", "torch" (F.linear)."""
-    kinds = {"c-bf16" if isinstance(m.packed, BlockedBf16) else "torch" if m.packed is None else "onednn"
+    """Which matmuls the model's linear layers run: "c" (csrc/linear.c), "onednn", "torch" (F.linear)."""
+    kinds = {"c" if isinstance(m.packed, BlockedWeight) else "torch" if m.packed is None else "onednn"
              for m in model.modules() if hasattr(m, "packed")}
     return "+".join(sorted(kinds)) or "torch"
 
@@ -113,8 +114,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
     if packed is None:
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if isinstance(packed, BlockedBf16):
-        y = cpu_kernels.load().linear_bf16(x2, packed.data, packed.out_features, bias)
+    if isinstance(packed, BlockedWeight):
+        y = cpu_kernels.load().linear(x2, packed.data, packed.out_features, bias)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,4 +1,5 @@
-/* bf16 linear layers on CPUs with AVX-512 BF16: out = x @ w.T (+ bias), fp32 accumulation, rounded to bf16 once.
+/* Linear layers on CPU: out = x @ w.T (+ bias) with fp32 accumulation; bf16 (AVX-512 BF16, rounded to bf16 once at
+ * the end) and fp32 (AVX-512F, at the end of this file).
  *
  * The weight is packed once (pack_bf16_weight) so that one 64-byte load holds two consecutive k of 16 outputs,
  * the operand layout of VDPBF16PS:
@@ -7,8 +8,8 @@
  * broadcast pair of x per row and accumulated into 16 fp32 outputs. Work units are pairs of blocks (32 outputs)
  * against groups of rows; inside a unit, chunks of ROWS rows reuse the unit's weight from L1, so one kernel
  * serves decode (one to a few rows: bound by reading the weights, which are prefetched ahead) and prefill (many
- * rows: bound by the multiply-adds). Built into the same library as cpu_kernels.c; without AVX-512 BF16 at
- * compile time the functions report that they are unavailable and the layers use oneDNN instead.
+ * rows: bound by the multiply-adds). Built into the same library as cpu_kernels.c; without AVX-512 BF16 (or F, for
+ * fp32) at compile time the functions report that they are unavailable and the layers use oneDNN instead.
  */
 #include <stdint.h>
 
@@ -107,5 +108,92 @@ int linear_bf16_available(void) { return 0; }
 void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) { (void)w; (void)packed; (void)n; (void)k; }
 void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
                  int64_t n, int64_t k) { (void)x; (void)packed; (void)bias; (void)out; (void)m; (void)n; (void)k; }
+
+#endif
+
+/* ---------------------------------------------------------------- fp32
+ * The same scheme in fp32: packed[block][k][16 outputs], 64 outputs (four blocks) per unit against chunks of
+ * F32_ROWS rows, 24 accumulators; a unit's weight is read from memory once per row group and from cache after.
+ * The sum over k runs in order, one fused multiply-add per k.
+ */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define F32_ROWS 6
+#define F32_BLOCKS 4          /* blocks of 16 outputs per unit */
+#define F32_GROUP_ROWS 48
+#define F32_PREFETCH 16       /* k ahead (1 KiB per block) */
+#define F32_PARALLEL_MIN_MACS (1 << 18)
+
+int linear_f32_available(void) { return 1; }
+
+void pack_f32_weight(const float *w, float *packed, int64_t n, int64_t k)
+{
+    const int64_t blocks = (n + 15) / 16;
+    #pragma omp parallel for schedule(static) if (n * k >= F32_PARALLEL_MIN_MACS)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < k; c++)
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t row = b * 16 + j;
+                packed[(b * k + c) * 16 + j] = row < n ? w[row * k + c] : 0.f;
+            }
+}
+
+/* rows (<= F32_ROWS) rows of x against the unit's nb blocks (the missing ones read block 0, not stored);
+ * left: outputs of the layer from the unit's first one on */
+static inline void f32_chunk(const float *x, int64_t k, const float *w, int nb, int rows, int prefetch,
+                             const float *bias, float *out, int64_t n, int64_t left)
+{
+    __m512 acc[F32_ROWS][F32_BLOCKS];
+    for (int r = 0; r < F32_ROWS; r++)
+        for (int j = 0; j < F32_BLOCKS; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c++) {
+        __m512 v[F32_BLOCKS];
+        #pragma GCC unroll 4
+        for (int j = 0; j < F32_BLOCKS; j++) {
+            const float *block = w + (j < nb ? j : 0) * k * 16;
+            if (prefetch) _mm_prefetch((const char *)(block + (c + F32_PREFETCH) * 16), _MM_HINT_T0);
+            v[j] = _mm512_loadu_ps(block + c * 16);
+        }
+        #pragma GCC unroll 6
+        for (int r = 0; r < F32_ROWS; r++) {
+            if (r < rows) {
+                const __m512 xb = _mm512_set1_ps(x[r * k + c]);
+                #pragma GCC unroll 4
+                for (int j = 0; j < F32_BLOCKS; j++) acc[r][j] = _mm512_fmadd_ps(xb, v[j], acc[r][j]);
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        const int64_t l = left - 16 * j;
+        const __mmask16 mask = l >= 16 ? 0xffff : (__mmask16)((1u << l) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * n + 16 * j, mask, _mm512_add_ps(acc[r][j], b));
+    }
+}
+
+/* x [m, k] and out [m, n] contiguous fp32; packed from pack_f32_weight; bias [n] fp32 or NULL */
+void linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k)
+{
+    const int64_t blocks = (n + 15) / 16, units = (blocks + F32_BLOCKS - 1) / F32_BLOCKS;
+    const int64_t groups = (m + F32_GROUP_ROWS - 1) / F32_GROUP_ROWS;
+    #pragma omp parallel for collapse(2) schedule(static) if (m * n * k >= F32_PARALLEL_MIN_MACS)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t col = u * 16 * F32_BLOCKS;
+            const int nb = blocks - u * F32_BLOCKS < F32_BLOCKS ? (int)(blocks - u * F32_BLOCKS) : F32_BLOCKS;
+            const int64_t end = (g + 1) * F32_GROUP_ROWS < m ? (g + 1) * F32_GROUP_ROWS : m;
+            for (int64_t r = g * F32_GROUP_ROWS; r < end; r += F32_ROWS)
+                f32_chunk(x + r * k, k, packed + u * F32_BLOCKS * k * 16, nb, end - r < F32_ROWS ? (int)(end - r) : F32_ROWS,
+                          r == g * F32_GROUP_ROWS, bias ? bias + col : bias, out + r * n + col, n, n - col);
+        }
+}
+
+#else
+
+int linear_f32_available(void) { return 0; }
+void pack_f32_weight(const float *w, float *packed, int64_t n, int64_t k) { (void)w; (void)packed; (void)n; (void)k; }
+void linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k)
+{ (void)x; (void)packed; (void)bias; (void)out; (void)m; (void)n; (void)k; }
 
 #endif

@@ -10,10 +10,11 @@ windows sampled from nanovllm_tp/data/corpus.txt sent as strings), each request 
 field) and its max_tokens. Load as in bench_latency: Poisson arrivals at --request-rate (inf = all at once,
 --concurrency then caps the requests in flight) or a closed loop of --concurrency requests.
 
---launch starts our own server (launch/serve, through launch/serve_process) on a free 127.0.0.1 port with the engine flags given here, waits
-for /health and stops it with SIGTERM at the end. --compare-offline (with --launch) also runs every load point
-through the offline engine in this process (bench_latency.run_point: add_request/step, same workload, same
-flags), interleaved with the server runs over --repeats; medians are reported with the server/offline ratio.
+--launch starts our own server (launch/serve, through launch/serve_process) on a free 127.0.0.1 port with the
+engine flags given here, waits for /health and stops it with SIGTERM at the end. --compare-offline (with --launch)
+also runs every load point through the offline engine in this process (bench_latency.run_point: add_request/step,
+same workload, same flags), interleaved with the server runs over --repeats; medians are reported with the
+server/offline ratio.
 
 TTFT = first streamed text - send time; ITL = gaps between streamed chunks; TPOT = (last - first) /
 (output tokens - 1); output tokens from the usage of the final chunk.

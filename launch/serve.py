@@ -54,9 +54,9 @@ def reserve_a_core(args) -> int | None:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tp))
     if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
         args.threads = max(1, ((len(cores) or os.cpu_count() or 1) - 1) // ranks)
-    apply_threads(args)                  # this process, and OMP_NUM_THREADS for the spawned ranks
+    apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    threads = args.threads or (int(omp) if omp.isdigit() else 0)
+    threads = int(omp) if omp.isdigit() else 0
     if not on_cpu or len(cores) < 2 or not 0 < threads * ranks < len(cores):
         return None
     bind(os.getpid(), set(cores[:-1]))
@@ -89,9 +89,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_waiting_requests < 1:
         raise SystemExit("--max-waiting-requests must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit("--threads must be >= 1")
-    reserved = reserve_a_core(args)
+    reserved = reserve_a_core(args)      # refuses --threads < 1 (apply_threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if int(os.environ.get("RANK", "0")) != 0:
         build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0

@@ -1,5 +1,6 @@
-"""Linear layers through packed weights on CPU (csrc/linear.c's layout, or oneDNN's): the matmul against a float64 reference at decode and prefill row counts, which weights get packed how, and a bf16 engine's
-logprobs against transformers in fp32."""
+"""Linear layers through packed weights on CPU (csrc/linear.c's layout, or oneDNN's): the matmul against a float64
+reference at decode and prefill row counts, which weights get packed how, and a bf16 engine's logprobs against
+transformers in fp32."""
 import numpy as np
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
 add fused in, RoPE and SiLU-and-mul; linear layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with
-AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per entry from penalties to
-the drawn token.
+AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per
+entry from penalties to the drawn token.
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the

@@ -105,7 +105,8 @@ void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias
 #else   /* no AVX-512 BF16: the callers check linear_bf16_available() first */
 
 int linear_bf16_available(void) { return 0; }
-void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) { (void)w; (void)packed; (void)n; (void)k; }
+void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
+{ (void)w; (void)packed; (void)n; (void)k; }
 void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
                  int64_t n, int64_t k) { (void)x; (void)packed; (void)bias; (void)out; (void)m; (void)n; (void)k; }
 
@@ -184,8 +185,9 @@ void linear_f32(const float *x, const float *packed, const float *bias, float *o
             const int nb = blocks - u * F32_BLOCKS < F32_BLOCKS ? (int)(blocks - u * F32_BLOCKS) : F32_BLOCKS;
             const int64_t end = (g + 1) * F32_GROUP_ROWS < m ? (g + 1) * F32_GROUP_ROWS : m;
             for (int64_t r = g * F32_GROUP_ROWS; r < end; r += F32_ROWS)
-                f32_chunk(x + r * k, k, packed + u * F32_BLOCKS * k * 16, nb, end - r < F32_ROWS ? (int)(end - r) : F32_ROWS,
-                          r == g * F32_GROUP_ROWS, bias ? bias + col : bias, out + r * n + col, n, n - col);
+                f32_chunk(x + r * k, k, packed + u * F32_BLOCKS * k * 16, nb,
+                          end - r < F32_ROWS ? (int)(end - r) : F32_ROWS, r == g * F32_GROUP_ROWS,
+                          bias ? bias + col : bias, out + r * n + col, n, n - col);
         }
 }
 

@@ -20,7 +20,7 @@ rows on the CPU (cpu backend, no graphs, gloo; fp16 skipped).
   tput    Qwen3-0.6B-shaped random weights (make_tiny preset qwen3-0.6b), bf16: graphs vs enforce_eager tokens
           (at most 1 in 8 of 16 prompts differs in its first 8 tokens); tok/s of both on nano-vllm's bench workload
           (256 requests, prompt and output lengths 100..1024, ignore_eos), graph speed-up; engine vs transformers'
-          continuous batching (launch/bench.py's driver) on the first 64 requests
+          continuous batching (launch/bench_hf.py's driver) on the first 64 requests
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
     import torch
 
     from nanovllm_tp import LLM
-    from nanovllm_tp.launch import bench, bench_engine
+    from nanovllm_tp.launch import bench_engine, bench_hf
     from nanovllm_tp.launch.make_tiny import ensure_tiny
     model = str(ensure_tiny(sizes.preset))
     vocab, dtype, k = bc.model_vocab_size(model), ("float32" if device == "cpu" else "bfloat16"), sizes.hf_requests
@@ -200,7 +200,7 @@ def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
     status, summary = compare_tokens(tokens["graphs"], tokens["eager"], None if dtype == "float32" else 8)
     add(Row(part, f"graphs vs eager tokens ({dtype})", summary, status))
     add(Row(part, "graph speed-up", f"{runs['graphs']['tok_s'] / runs['eager']['tok_s']:.2f}x", "INFO"))
-    hf = bench.HFRunner(model, getattr(torch, dtype), torch.device(device), 0.0, 0, 512 if device == "cpu" else 8192)
+    hf = bench_hf.HFRunner(model, getattr(torch, dtype), torch.device(device), 0.0, 0, 512 if device == "cpu" else 8192)
     hf.warm_up(vocab, ["cb"])
     cb, ours = hf.generate_cb(sub, prompts[:k]), runs["subset"]
     add(Row(part, "transformers CB tok/s", f"{cb['tok_s']:,.0f} ({hf.attn_implementation}) on the first {k} requests, "

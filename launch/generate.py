@@ -30,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of every rank's steps "
                         "(open it in https://ui.perfetto.dev)")
     parser.add_argument("--trace-layers", action="store_true", help="with --trace: a span per decoder layer")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="report a running request's output every N new tokens (first and last at once); "
+                             "larger N streams fewer, larger chunks for less CPU per token")
 
 
 def build_llm(args) -> LLM:
@@ -42,7 +45,8 @@ def build_llm(args) -> LLM:
                max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-               attention_backend=args.attention_backend, trace_path=args.trace, trace_layers=args.trace_layers)
+               attention_backend=args.attention_backend, trace_path=args.trace, trace_layers=args.trace_layers,
+               stream_interval=args.stream_interval)
 
 
 def main(argv=None) -> None:

@@ -172,7 +172,7 @@ def _eos_ids(model: str, gguf: str | None, hf) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-_INT_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens")
+_INT_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval")
 
 
 @dataclass(slots=True)
@@ -193,6 +193,7 @@ class EngineConfig:
     seed: int = 0
     trace_path: str | None = None        # write a Chrome/Perfetto trace of every rank's steps here at close
     trace_layers: bool = False           # ... with a span per decoder layer
+    stream_interval: int = 1             # a running request's delta/cumulative output every N tokens (vLLM's)
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def validate(self) -> None:

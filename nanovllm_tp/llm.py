@@ -22,13 +22,14 @@ class LLM:
                  kvcache_block_size: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 trace_path: str | None = None, trace_layers: bool = False):
+                 trace_path: str | None = None, trace_layers: bool = False, stream_interval: int = 1):
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, kvcache_block_size=kvcache_block_size,
                               kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                               enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              attention_backend=attention_backend, trace_path=trace_path, trace_layers=trace_layers)
+                              attention_backend=attention_backend, trace_path=trace_path, trace_layers=trace_layers,
+                              stream_interval=stream_interval)
         config.validate()
         from nanovllm_tp.distributed.launch import launched_by_torchrun
         if tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
@@ -237,7 +238,8 @@ class LLM:
                 for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])
-        state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental)
+        state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,
+                             max(sp.stream_interval or 1, self.config.stream_interval))
         self._requests[request_id] = state
         for seq in seqs:
             self._by_seq[seq.seq_id] = state

@@ -6,6 +6,10 @@ space or a multi-byte character split across tokens comes out right) and is only
 longer ends in an incomplete character. Stop strings are searched in the newly added text plus the tail that a
 stop string could straddle; while a request runs, the last len(longest stop) - 1 characters are held back, so
 nothing past a stop is ever emitted.
+
+With a stream interval N > 1 (the request's stream_interval, raised to the engine's), a running completion is
+reported once its first tokens arrive and then once N tokens have come since its last report (as in vLLM); its end
+is always reported at once. Fewer, larger outputs cost less to send per token.
 """
 from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
@@ -62,10 +66,11 @@ class RequestState:
     """One request (its n completions) on rank 0, between the engine and the caller."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list, tokenizer, token_texts, incremental: bool = True):
+                 seqs: list, tokenizer, token_texts, incremental: bool = True, stream_interval: int = 1):
         """incremental=False: nobody reads the text before the request ends (no stop strings, only its final
         output is wanted), so it is decoded once at the end."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.interval = stream_interval
         self.incremental = incremental or bool(params.stop_strings)
         self.completions = [_Completion(s, Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
                             for s in seqs]
@@ -119,7 +124,14 @@ class RequestState:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
-        outs = [o for o in (self._completion(c, delta) for c in self.completions) if o is not None]
+        completions = self.completions
+        if self.interval > 1 and not full and not finished:
+            completions = [c for c in completions if self._due(c)]
+            if not completions:
+                return None
+            if not delta:                     # a cumulative output holds every completion
+                completions = self.completions
+        outs = [o for o in (self._completion(c, delta) for c in completions) if o is not None]
         prompt_lp = None
         if self.completions[0].seq.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):
             entries = self.completions[0].seq.prompt_logprobs[1:]
@@ -134,6 +146,10 @@ class RequestState:
                                  max((c.seq.finish_time or 0.0 for c in self.completions)) if finished else None,
                                  sum(c.seq.num_completion_tokens for c in self.completions))
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, prompt_lp, outs, finished, metrics)
+
+    def _due(self, c: _Completion) -> bool:
+        """Whether c is reported now under the stream interval: its first tokens, its end, or interval new ones."""
+        return c.sent_tokens == 0 or c.seq.is_finished or c.seq.num_completion_tokens - c.sent_tokens >= self.interval
 
     def _completion(self, c: _Completion, delta: bool) -> CompletionOutput | None:
         seq, text = c.seq, c.detok.text

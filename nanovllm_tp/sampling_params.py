@@ -64,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # top-N logprobs of each prompt position
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None    # outputs every N new tokens (first and last at once); None: the engine's
     _stops: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -117,6 +118,7 @@ class SamplingParams:
         _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         _integer("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
         _flag("skip_special_tokens", self.skip_special_tokens)
+        _integer("stream_interval", self.stream_interval, lo=1, optional=True)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)

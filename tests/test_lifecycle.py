@@ -254,6 +254,34 @@ def test_cumulative_and_final_only_outputs(tiny_llm, prompts):
     assert m.ttft > 0 and m.tpot > 0 and m.num_generation_tokens == 5
 
 
+def test_stream_interval_groups_tokens_as_vllm_documents(make_llm, tiny_llm, hf_model, prompts):
+    """vLLM's stream_interval: a running request's first tokens at once, then an output every N new tokens, its
+    end at once; the request's interval is raised to the engine's. The tokens are still transformers' greedy."""
+    want = hf_greedy(hf_model, prompts[0], 11)
+    a = tiny_llm.add_request(prompts[0], greedy_with(max_tokens=11, output_kind=RequestOutputKind.DELTA,
+                                                     stream_interval=4))
+    b = tiny_llm.add_request(prompts[1], greedy_with(max_tokens=8, stream_interval=3))     # cumulative
+    c = tiny_llm.add_request(prompts[2], greedy_with(n=2, max_tokens=7, output_kind=RequestOutputKind.DELTA,
+                                                     stream_interval=3))
+    seen = run_steps(tiny_llm)
+    assert [len(o.outputs[0].token_ids) for o in seen[a]] == [1, 4, 4, 2]
+    assert [t for o in seen[a] for t in o.outputs[0].token_ids] == want
+    assert [o.finished for o in seen[a]] == [False, False, False, True]
+    assert [len(o.outputs[0].token_ids) for o in seen[b]] == [1, 4, 7, 8]
+    for index in (0, 1):        # each completion of an n > 1 request keeps its own count
+        deltas = [len(x.token_ids) for o in seen[c] for x in o.outputs if x.index == index and x.token_ids]
+        assert deltas == [1, 3, 3]
+    llm = make_llm(stream_interval=4)
+    d = llm.add_request(prompts[0], greedy_with(max_tokens=11, output_kind=RequestOutputKind.DELTA,
+                                                stream_interval=2))
+    e = llm.add_request(prompts[1], greedy_with(max_tokens=11, output_kind=RequestOutputKind.DELTA,
+                                                stream_interval=6))
+    seen = run_steps(llm)
+    assert [len(o.outputs[0].token_ids) for o in seen[d]] == [1, 4, 4, 2]       # 2, raised to the engine's 4
+    assert [len(o.outputs[0].token_ids) for o in seen[e]] == [1, 6, 4]
+    assert [t for o in seen[d] for t in o.outputs[0].token_ids] == want
+
+
 # ---------------------------------------------------------------- abort
 
 def test_abort_in_every_state_frees_blocks_and_leaves_others_exact(make_llm, hf_model, tp_size):

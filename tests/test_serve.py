@@ -127,6 +127,21 @@ def test_n_stop_logprobs_and_echo(server, tiny_llm):
     assert echo.choices[0].text == PROMPTS[0] + ref.text
 
 
+def test_stream_interval_sends_tokens_in_groups(server, tiny_llm):
+    """vLLM's extra field: the first token at once, then chunks of 4 (a client that lags may get two groups in
+    one chunk, never a split group), the rest at the end; the text is the offline greedy text."""
+    want = offline(tiny_llm, PROMPTS[:1], max_tokens=14, ignore_eos=True)[0].outputs[0]
+    counts, text = [], ""
+    for chunk in client(server).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=14, temperature=0,
+                                                   logprobs=0, stream=True,
+                                                   extra_body={"ignore_eos": True, "stream_interval": 4}):
+        for ch in chunk.choices:
+            text += ch.text
+            counts.append((counts[-1] if counts else 0) + len(ch.logprobs.tokens if ch.logprobs else []))
+    assert text == want.text and counts[-1] == 14
+    assert counts[0] == 1 and all(n % 4 == 1 for n in counts[:-1]), counts
+
+
 def test_chat_equals_offline_chat_streamed_or_not(server, tiny_llm):
     c = client(server)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -194,6 +209,7 @@ def test_a_client_that_disconnects_has_its_request_aborted(tiny_model_dir):
     ({"model": "tiny", "prompt": "word " * 600}, 400, "max_model_len=512"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "x", "stop": ""}, 400, "stop cannot contain an empty string"),
+    ({"model": "tiny", "prompt": "x", "stream_interval": 0}, 400, "stream_interval must be >= 1"),
 ])
 def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(server, body, status, message):
     r = httpx.post(f"http://127.0.0.1:{server}/v1/completions", json=body, timeout=30,

@@ -104,6 +104,7 @@ BAD_PARAMS = [
     (dict(max_tokens=True), TypeError, r"max_tokens must be an int or None, got bool"),
     (dict(ignore_eos="yes"), TypeError, r"ignore_eos must be a bool"),
     (dict(seed=-1), ValueError, r"seed must be >= 0"),
+    (dict(stream_interval=0), ValueError, r"stream_interval must be >= 1, got 0"),
     (dict(seed=2**63), ValueError, r"seed must be <= "),
     (dict(seed=1.5), TypeError, r"seed must be an int"),
     (dict(temperature=1e39), ValueError, r"temperature must be a finite float32 number"),
@@ -132,6 +133,8 @@ BAD_PARAMS = [
     (dict(prompt_logprobs=1.0), TypeError, r"prompt_logprobs must be an int or None"),
     (dict(skip_special_tokens=None), TypeError, r"skip_special_tokens must be a bool"),
     (dict(output_kind=7), ValueError, r"output_kind must be a RequestOutputKind"),
+    (dict(stream_interval=0), ValueError, r"stream_interval must be >= 1, got 0"),
+    (dict(stream_interval="4"), TypeError, r"stream_interval must be an int or None, got str"),
 ]
 
 
@@ -186,6 +189,7 @@ def test_tiny_positive_temperature_is_refused_or_greedy(tiny_llm, baseline):
     (dict(max_model_len=1), ValueError, r"max_model_len must be at least 2"),
     (dict(kv_cache_memory=0), ValueError, r"kv_cache_memory must be >= 1"),
     (dict(seed=-1), ValueError, r"seed must be >= 0"),
+    (dict(stream_interval=0), ValueError, r"stream_interval must be >= 1, got 0"),
     (dict(enable_prefix_caching="yes"), TypeError, r"enable_prefix_caching must be a bool"),
     (dict(attention_backend="sdpa"), ValueError,
      r"attention_backend must be 'auto' or one of 'cpu', 'flash', 'torch', 'torch-cuda', got 'sdpa'"),

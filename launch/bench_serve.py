@@ -143,11 +143,23 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
 
 # =============================================================================================== the server
 
-def served_model_name(args) -> str:
+def served_model(args) -> dict:
+    """The server's first model card (GET /models)."""
     import httpx
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    models = httpx.get(f"{args.base_url}/models", headers=headers, timeout=30).json()["data"]
-    return models[0]["id"]
+    return httpx.get(f"{args.base_url}/models", headers=headers, timeout=30).json()["data"][0]
+
+
+def prompt_vocab_size(args, card: dict) -> int:
+    """Random prompt ids stay inside the vocabulary of --model (a directory), else of the model directory the
+    server names as its root (ours and vLLM's do) when it is on this machine; else below MAX_TOKEN_ID + 1."""
+    for path in (args.model, card.get("root")):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+            return bc.model_vocab_size(path)
+    if args.dataset == "random":
+        bc.log(args, f"warning: the model's vocabulary is unknown here; random prompt ids go up to "
+                     f"{bc.MAX_TOKEN_ID} (give --model DIR, or --dataset text)")
+    return bc.MAX_TOKEN_ID + 1
 
 
 # =============================================================================================== report
@@ -199,8 +211,6 @@ def main(argv=None) -> dict:
     proc, llm = None, None
     if args.launch:
         args.model = bc.resolve_model(args)
-    vocab = bc.model_vocab_size(args.model) if args.model and os.path.isdir(args.model) else bc.MAX_TOKEN_ID + 1
-    workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     env = bc.environment()
     out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME)
     server_runs = [[] for _ in points]
@@ -209,8 +219,12 @@ def main(argv=None) -> dict:
         if args.launch:
             proc, args.base_url = serve_process.start(serve_process.engine_argv(args), args.api_key)
             bc.log(args, f"server at {args.base_url}")
+        card = served_model(args)
         by_name = args.model and not args.launch and not os.path.isdir(args.model)
-        args.model_name = args.model if by_name else served_model_name(args)
+        args.model_name = args.model if by_name else card["id"]
+        vocab = prompt_vocab_size(args, card)
+        workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed,
+                                    vocab)
         warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
         asyncio.run(run_server_point(args, bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab),
                                      bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab).prompts(), warm))

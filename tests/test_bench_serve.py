@@ -49,9 +49,13 @@ def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, 
         ids = tmp_path / "ids.json"      # random token ids: --model DIR keeps them in its vocabulary
         bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--model", tiny_model_dir, *TINY[:8],
                           "--concurrency", "4", "--out", str(ids), "--quiet"])
+        card = tmp_path / "card.json"    # no --model: the vocabulary of the directory the server names as its root
+        bench_serve.main(["--base-url", args.base_url, "--api-key", "k", *TINY[:8], "--concurrency", "4",
+                          "--out", str(card), "--quiet"])
     finally:
         serve_process.stop(proc)
     assert proc.returncode is not None
-    for path in (out, ids):
+    assert json.loads(card.read_text())["workload"]["vocab_size"] == bench_serve.bc.model_vocab_size(tiny_model_dir)
+    for path in (out, ids, card):
         (point,) = json.loads(path.read_text())["figures"]["points"]
         assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point

@@ -1,7 +1,7 @@
 """The HTTP process of the server, started by launch/serve.py on rank 0 before the engine loads:
 
     python -m nanovllm_tp.serving.frontend --commands ipc://... --outputs ipc://... --name NAME
-        --host H --port P [--max-waiting-requests N] [--log-level L]
+        --host H --port P [--max-waiting-requests N] [--log-level L] [--idle-priority]
 
 It imports and connects at once, then waits for the engine's "ready" message (model path, max_model_len) to load
 the tokenizer and start serving.
@@ -31,12 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting-requests", type=int, default=1024)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--idle-priority", action="store_true",
+                   help="run only on cores the engine leaves idle (SCHED_IDLE; elsewhere nice 19)")
     return p
+
+
+def lower_priority() -> None:
+    """This thread, and every thread started after it, at the lowest CPU priority: SCHED_IDLE where there is
+    one (Linux: it runs when a core has nothing else to run, and a waking engine thread takes the core back at
+    once), else nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        except (AttributeError, OSError) as exc:
+            logging.getLogger("nanovllm_tp").warning("the HTTP process keeps its priority: %s", exc)
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.idle_priority:
+        lower_priority()                 # first: before ZMQ and uvicorn start threads, so they inherit it
     import uvicorn
     from nanovllm_tp.loader import load_tokenizer
     parent, rundir = os.getppid(), os.path.dirname(args.commands.removeprefix("ipc://"))

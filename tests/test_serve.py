@@ -98,6 +98,7 @@ def test_completions_equal_offline_generate_streamed_or_not(server, tiny_llm):
     assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
     assert got.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in want)
     texts, usage = {}, None
+    counted = metrics(server)['prompt_tokens_total{model_name="tiny"}']
     for chunk in c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0, stream=True,
                                       stream_options={"include_usage": True}):
         if not chunk.choices:
@@ -105,7 +106,11 @@ def test_completions_equal_offline_generate_streamed_or_not(server, tiny_llm):
         for ch in chunk.choices:
             texts[ch.index] = texts.get(ch.index, "") + ch.text
     assert [texts[i] for i in range(len(PROMPTS))] == [ch.text for ch in got.choices]
-    assert usage.total_tokens == got.usage.total_tokens
+    assert usage.total_tokens == got.usage.total_tokens     # the prompt travels with a request's first output only
+    assert metrics(server)['prompt_tokens_total{model_name="tiny"}'] - counted == got.usage.prompt_tokens
+    echo = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
+                                                                      temperature=0, stream=True, echo=True))
+    assert echo == PROMPTS[0] + want[0].outputs[0].text
 
 
 def test_n_stop_logprobs_and_echo(server, tiny_llm):

@@ -11,7 +11,8 @@ def test_sampling_params_round_trip_every_field():
     p = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=11, presence_penalty=0.5,
                        frequency_penalty=-0.5, repetition_penalty=1.2, stop=["\n", "end"], stop_token_ids=[3],
                        include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
-                       prompt_logprobs=1, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+                       prompt_logprobs=1, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+                       stream_interval=3)
     msg = wire.unpack(wire.pack({"op": "add", "params": wire.params_to_wire(p)}))
     assert wire.params_from_wire(msg["params"]) == p
 
@@ -31,6 +32,9 @@ def test_outputs_round_trip(tiny_llm):
         back = wire.output_from_wire(wire.unpack(wire.pack({"op": "outputs", "o": wire.output_to_wire(out)}))["o"])
         assert back == out
         assert back.prompt_logprobs[0] is None and back.outputs[0].logprobs
+        msg = wire.pack({"op": "outputs", "o": wire.output_to_wire(out, with_prompt=False)})
+        later = wire.output_from_wire(wire.unpack(msg)["o"])      # a later output: the prompt stays behind
+        assert later.prompt is None and later.prompt_token_ids is None and later.outputs == out.outputs
 
 
 def test_a_message_without_an_op_is_refused():

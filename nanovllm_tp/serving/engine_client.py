@@ -87,6 +87,7 @@ class EngineClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
         self._open: dict[str, RequestStream] = {}
+        self._prompts: dict[str, tuple] = {}      # running requests' (prompt, prompt ids), from their first output
         self._accepting: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._receiver: asyncio.Task | None = None
@@ -160,8 +161,13 @@ class EngineClient:
                 self._fail_all(msg["why"])
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)
+            out.prompt, out.prompt_token_ids = self._prompts[out.request_id]
+        elif not out.finished:
+            self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
         stream = self._open.get(out.request_id)
         if out.finished:
+            self._prompts.pop(out.request_id, None)
             self._open.pop(out.request_id, None)
             if self.on_finished is not None:
                 self.on_finished(out)
@@ -175,6 +181,7 @@ class EngineClient:
         for stream in self._open.values():
             stream.fail(exc)
         self._open.clear()
+        self._prompts.clear()
         for future in self._accepting.values():
             if not future.done():
                 future.set_exception(exc)

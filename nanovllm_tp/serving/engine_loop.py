@@ -39,6 +39,7 @@ class EngineLoop:
         for sock, endpoint in ((self._commands, commands), (self._outputs, outputs)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
+        self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
     def run(self, keep_going) -> None:
@@ -60,8 +61,17 @@ class EngineLoop:
                 self._send({"op": "dead", "why": why})
                 dead = True
                 continue
-            self._send({"op": "outputs", "outputs": [wire.output_to_wire(o) for o in outs],
+            self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs],
                         "stats": scheduler_stats(self.llm)})
+
+    def _to_wire(self, out) -> list:
+        """An output for the HTTP process: the prompt only with a request's first output (wire.py)."""
+        first = out.request_id not in self._prompt_sent
+        if out.finished:
+            self._prompt_sent.discard(out.request_id)
+        elif first:
+            self._prompt_sent.add(out.request_id)
+        return wire.output_to_wire(out, with_prompt=first)
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

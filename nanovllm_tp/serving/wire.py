@@ -7,7 +7,9 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once
                  {"op": "dead", "why"}                                 (the engine stopped; nothing more comes)
 
 Sampling parameters travel as their constructor's fields and are validated again on arrival; outputs as their
-dataclasses' fields, logprobs as [token id, logprob, rank, decoded token] rows.
+dataclasses' fields, logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids)
+travels with its first output only (None in the later ones, which the HTTP side fills in): at one token per step,
+the prompt would otherwise be most of every message.
 """
 from dataclasses import fields
 
@@ -51,9 +53,10 @@ def _positions_from_wire(rows):
     return [None if pos is None else {t: Logprob(v, rank, text) for t, v, rank, text in pos} for pos in rows]
 
 
-def output_to_wire(out: RequestOutput) -> list:
+def output_to_wire(out: RequestOutput, with_prompt: bool = True) -> list:
     m = out.metrics
-    return [out.request_id, out.prompt, out.prompt_token_ids, _positions_to_wire(out.prompt_logprobs),
+    return [out.request_id, out.prompt if with_prompt else None, out.prompt_token_ids if with_prompt else None,
+            _positions_to_wire(out.prompt_logprobs),
             [[c.index, c.text, c.token_ids, c.cumulative_logprob, _positions_to_wire(c.logprobs), c.finish_reason,
               c.stop_reason] for c in out.outputs], out.finished,
             None if m is None else [m.arrival_time, m.first_token_time, m.last_token_time, m.finish_time,

@@ -3,7 +3,9 @@
 
 Text grows token by token. Each new token is decoded in a small window with the tokens before it (so a leading
 space or a multi-byte character split across tokens comes out right) and is only added once the window no
-longer ends in an incomplete character. Stop strings are searched in the newly added text plus the tail that a
+longer ends in an incomplete character. With a fast tokenizer the window moves inside the tokenizers library
+(its DecodeStream, the same rule, one call per token); a request's end, and other tokenizers, decode the window
+here. Stop strings are searched in the newly added text plus the tail that a
 stop string could straddle; while a request runs, the last len(longest stop) - 1 characters are held back, so
 nothing past a stop is ever emitted.
 
@@ -14,11 +16,16 @@ is always reported at once. Fewer, larger outputs cost less to send per token.
 from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:          # tokenizers < 0.21
+    DecodeStream = None
+
 _CONTEXT_TOKENS = 6      # prompt tokens that seed the first decode window
 
 
 class Detokenizer:
-    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_special")
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "text", "skip_special", "backend", "stream")
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
@@ -26,6 +33,20 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.text = ""
         self.skip_special = skip_special_tokens
+        self.backend = getattr(tokenizer, "_tokenizer", None) if DecodeStream is not None else None
+        self.stream = None           # made on the first incremental token, seeded with the same context
+
+    def _step(self) -> None:
+        """The last token of ids through the tokenizers library's DecodeStream. Our offsets follow its window, so
+        the end (or a fall-back after an error) goes on where it stands."""
+        if self.stream is None:
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special)
+            for t in self.ids[self.prefix_offset:-1]:
+                self.stream.step(self.backend, t)
+        piece = self.stream.step(self.backend, self.ids[-1])
+        if piece is not None:
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
@@ -40,6 +61,12 @@ class Detokenizer:
         else:
             for t in token_ids:
                 self.ids.append(t)
+                if self.backend is not None:
+                    try:
+                        self._step()
+                        continue
+                    except Exception:    # the library refused the window: it is decoded here from now on
+                        self.backend = None
                 self._advance(False)
         return len(self.text) - before
 

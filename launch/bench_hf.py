@@ -1,4 +1,5 @@
-"""transformers as the peer of `bench --compare hf` (and of the GPU check): the engine's checkpoint, dtype and
+"""transformers as the engine's reference and peer: `hf_greedy`, the greedy tokens the tests and the GPU check
+hold the engine to, and `HFRunner` for `bench --compare hf` (and the GPU check): the engine's checkpoint, dtype and
 device, timed on the same workload two ways:
 
   generate: model.generate on static batches: requests sorted by requested output length (then prompt length),
@@ -123,3 +124,17 @@ class HFRunner:
         if "cb" in modes:
             self.generate_cb(w, prompts)
         return time.perf_counter() - t0
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens with its KV cache, never stopping at EOS: the reference the engine's
+    greedy output is compared with (the engine runs with ignore_eos)."""
+    import torch
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        past, tokens = out.past_key_values, []
+        for _ in range(max_new_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+    return tokens

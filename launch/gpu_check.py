@@ -153,7 +153,8 @@ def part_exact(sizes: Sizes, device: str, add, part: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nanovllm_tp.launch.make_tiny import ensure_tiny, hf_greedy
+    from nanovllm_tp.launch.bench_hf import hf_greedy
+    from nanovllm_tp.launch.make_tiny import ensure_tiny
     if part == "tp2" and device == "cuda" and torch.cuda.device_count() < 2:
         return add(Row(part, "tensor_parallel_size=2", f"needs 2 GPUs, found {torch.cuda.device_count()}", "SKIP"))
     model = str(ensure_tiny("tiny"))

@@ -246,19 +246,6 @@ def ensure_tiny(preset: str = "tiny") -> pathlib.Path:
     return final_dir
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy tokens with its KV cache, never stopping at EOS: the reference the engine's
-    greedy output is compared with (the engine runs with ignore_eos)."""
-    with torch.no_grad():
-        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-        past, tokens = out.past_key_values, []
-        for _ in range(max_new_tokens):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-    return tokens
-
-
 def greedy_margins(model_dir, prompts=MARGIN_PROMPTS, steps: int = 64) -> tuple[list[float], list[list[int]]]:
     """Top-1 minus top-2 logit at every greedy step of transformers' fp32 reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

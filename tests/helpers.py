@@ -3,7 +3,7 @@ import random
 
 import torch
 
-from nanovllm_tp.launch.make_tiny import hf_greedy  # noqa: F401  (re-exported for the tests)
+from nanovllm_tp.launch.bench_hf import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 
 def mixed_prompts(vocab_size: int, lengths=(1, 7, 16, 33, 64, 100, 180, 257, 300), seed: int = 0) -> list[list[int]]:

@@ -14,7 +14,9 @@ On CPU the engine and the HTTP process share every core. The engine's ranks take
 generation does, and the HTTP process runs at idle priority (SCHED_IDLE): it gets a core whenever an engine thread
 leaves one (between two parallel regions, while rank 0 schedules) and never holds up an OpenMP thread, whose
 parallel regions would all wait for it. libgomp's threads spin GOMP_SPINCOUNT times before they sleep; its default
-(300,000, milliseconds here) leaves no such gaps, so serve sets 10,000 unless the environment gives one.
+(300,000, milliseconds here) leaves no such gaps, so serve sets 10,000 unless the environment gives one. Other
+busy processes on those cores also come first; on a shared machine `--http-priority normal` keeps HTTP level
+with them.
 """
 import argparse
 import logging
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int,
                         help="CPU threads per rank (default: $OMP_NUM_THREADS, else this node's cores shared by its "
                              "ranks; the HTTP process uses what they leave idle)")
+    parser.add_argument("--http-priority", choices=["auto", "idle", "normal"], default="auto",
+                        help="the HTTP process's CPU priority: idle runs it only where nothing else wants a core; "
+                             "auto: idle when the engine runs on CPU, else normal")
     return parser
 
 
@@ -61,7 +66,7 @@ def engine_threads(args) -> bool:
 
 
 def start_front(args, commands: str, outputs: str, idle: bool) -> subprocess.Popen:
-    """The HTTP process (at idle priority on CPU): it imports and connects while the engine loads, and serves
+    """The HTTP process (at idle priority if asked): it imports and connects while the engine loads, and serves
     once told what."""
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
     if args.api_key:
@@ -90,7 +95,8 @@ def main(argv=None) -> None:
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
     stop, front, llm, loop = [], None, None, None
     try:
-        front = start_front(args, commands, outputs, on_cpu)
+        idle = args.http_priority == "idle" or (args.http_priority == "auto" and on_cpu)
+        front = start_front(args, commands, outputs, idle)
         llm = build_llm(args)
         for sig in (signal.SIGTERM, signal.SIGINT):     # from now on, stop between two steps, not inside one
             signal.signal(sig, lambda signum, frame: stop.append(signum))

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_threads(args) -> bool:
     """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its ranks.
-    Returns whether the engine runs on CPU (then the HTTP process runs at idle priority)."""
+    Returns whether the engine runs on CPU (then --http-priority auto means idle)."""
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):

@@ -128,13 +128,16 @@ class HFRunner:
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens with its KV cache, never stopping at EOS: the reference the engine's
-    greedy output is compared with (the engine runs with ignore_eos)."""
+    greedy output is compared with (the engine runs with ignore_eos). The cache is `cache` from transformers 5
+    on (`past_key_values` before, and deprecated since)."""
+    import inspect
+
     import torch
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-        past, tokens = out.past_key_values, []
+        tokens = []
         for _ in range(max_new_tokens):
             tokens.append(int(out.logits[0, -1].argmax()))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = hf_model(torch.tensor([[tokens[-1]]]), use_cache=True, **{name: getattr(out, name)})
     return tokens

@@ -14,7 +14,7 @@ On CPU the engine and the HTTP process share every core. The engine's ranks take
 generation does, and the HTTP process runs at idle priority (SCHED_IDLE): it gets a core whenever an engine thread
 leaves one (between two parallel regions, while rank 0 schedules) and never holds up an OpenMP thread, whose
 parallel regions would all wait for it. libgomp's threads spin GOMP_SPINCOUNT times before they sleep; its default
-(300,000, milliseconds here) leaves no such gaps, so serve sets 10,000 unless the environment gives one. Other
+(300,000) leaves too few such gaps (HTTP starved), so serve sets 10,000 unless the environment gives one. Other
 busy processes on those cores also come first; on a shared machine `--http-priority normal` keeps HTTP level
 with them.
 """

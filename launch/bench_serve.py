@@ -226,8 +226,8 @@ def main(argv=None) -> dict:
         workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed,
                                     vocab)
         warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
-        asyncio.run(run_server_point(args, bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab),
-                                     bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab).prompts(), warm))
+        warm_workload = bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab)
+        asyncio.run(run_server_point(args, warm_workload, warm_workload.prompts(), warm))
         if args.compare_offline:           # built while the server idles
             from nanovllm_tp.launch.bench_engine import warm_up_engine
             from nanovllm_tp.launch.generate import build_llm

@@ -153,11 +153,11 @@ class RequestState:
         delta = kind == RequestOutputKind.DELTA
         completions = self.completions
         if self.interval > 1 and not full and not finished:
-            completions = [c for c in completions if self._due(c)]
-            if not completions:
+            due = [c for c in completions if self._due(c)]
+            if not due:
                 return None
-            if not delta:                     # a cumulative output holds every completion
-                completions = self.completions
+            if delta:                         # a cumulative output holds every completion
+                completions = due
         outs = [o for o in (self._completion(c, delta) for c in completions) if o is not None]
         prompt_lp = None
         if self.completions[0].seq.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):

@@ -64,9 +64,9 @@ def packed_linear_mode() -> str:
     return mode
 
 
-def packable_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN packs under the current mode."""
-    mode = packed_linear_mode()
+def packable_dtypes(mode: str | None = None) -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs under `mode` (default: the current one)."""
+    mode = mode or packed_linear_mode()
     if mode == "0" or not torch.backends.mkldnn.is_available():
         return ()
     bf16 = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
@@ -83,7 +83,7 @@ def pack_weight(w: torch.Tensor):
         kernels = cpu_kernels.load()
         if kernels is not None and w.dtype in kernels.linear_dtypes:
             return BlockedWeight(kernels.pack_linear_weight(w), *w.shape)
-    if w.dtype in packable_dtypes():
+    if w.dtype in packable_dtypes(mode):
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
     return None
 

@@ -27,6 +27,7 @@ import argparse
 import sys
 import time
 
+from nanovllm_tp.config import add_engine_args
 from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch.bench_engine import run_engine, summarize_runs, warm_up_engine
 from nanovllm_tp.launch.bench_hf import HFRunner
@@ -35,7 +36,6 @@ NAME = "bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanovllm_tp.launch.generate import add_engine_args
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     bc.add_workload_args(parser)
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def table(result: dict) -> str:
     f, c, w = result["figures"], result["config"], result["workload"]
     engine = f["engine"]
-    rows = [[f"nanovllm_tp TP={c['tp']}", engine["tok_s"], f"{engine['seconds']:.3f}", "1.00"]]
+    rows = [[f"nanovllm_tp TP={c['tensor_parallel_size']}", engine["tok_s"], f"{engine['seconds']:.3f}", "1.00"]]
     if "engine_mixed" in f:
         m = f["engine_mixed"]
         rows.append(["nanovllm_tp, mixed sampling", m["tok_s"], f"{m['seconds']:.3f}",
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
     finally:
         llm.close()
 
-    figures = {"engine": {**summarize_runs(engine_runs), "tp": args.tp, "runner": runner_desc},
+    figures = {"engine": {**summarize_runs(engine_runs), "tp": args.tensor_parallel_size, "runner": runner_desc},
                "ratios": {}}
     if hf is not None and "generate" in args.hf_modes:
         sweep = {str(b): summarize_runs(runs) for b, runs in static_runs.items()}

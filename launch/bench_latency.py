@@ -25,6 +25,7 @@ import math
 import random
 import time
 
+from nanovllm_tp.config import add_engine_args
 from nanovllm_tp.launch import bench_common as bc
 
 NAME = "bench_latency"
@@ -32,7 +33,6 @@ QUANTILES = ("mean", "p50", "p90", "p99")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanovllm_tp.launch.generate import add_engine_args
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     bc.add_workload_args(parser, num_requests=32)
@@ -142,7 +142,7 @@ def table(result: dict) -> str:
         ms = [None if run[m][q] is None else run[m][q] * 1e3 for m in ("ttft", "tpot") for q in QUANTILES]
         rows.append([run["label"], run["request_throughput"], run["output_tok_s"], *ms])
     title = (f"bench_latency: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, "
-             f"output {w['output_len_min']}..{w['output_len_max']}, {c['model_source']}, TP={c['tp']}; "
+             f"output {w['output_len_min']}..{w['output_len_max']}, {c['model_source']}, TP={c['tensor_parallel_size']}; "
              "TTFT/TPOT in ms")
     headers = ["load", "req/s", "out tok/s", "TTFT mean", "p50", "p90", "p99", "TPOT mean", "p50", "p90", "p99"]
     return bc.format_table(headers, rows, title)

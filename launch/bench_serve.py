@@ -31,6 +31,7 @@ import time
 from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch import bench_latency, serve_process
 from nanovllm_tp.launch.bench_latency import QUANTILES, arrival_offsets, label, load_points, run_point
+from nanovllm_tp.config import add_engine_args, engine_argv
 from nanovllm_tp.launch.make_tiny import CORPUS
 from nanovllm_tp.trace import sibling_path
 
@@ -38,7 +39,6 @@ NAME = "bench_serve"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nanovllm_tp.launch.generate import add_engine_args
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)     # --model: the model name sent to --base-url, or a directory: the model's files
     # (random prompts stay inside its vocabulary; the name comes from the server), and the model with --launch
@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
     offline_runs = [[] for _ in points]
     try:
         if args.launch:
-            proc, args.base_url = serve_process.start(serve_process.engine_argv(args), args.api_key)
+            proc, args.base_url = serve_process.start(engine_argv(args), args.api_key)
             bc.log(args, f"server at {args.base_url}")
         card = served_model(args)
         by_name = args.model and not args.launch and not os.path.isdir(args.model)
@@ -231,8 +231,8 @@ def main(argv=None) -> dict:
         if args.compare_offline:           # built while the server idles
             from nanovllm_tp.launch.bench_engine import warm_up_engine
             from nanovllm_tp.launch.generate import build_llm
-            if args.trace:                 # the server writes args.trace; this engine writes beside it
-                args.trace = sibling_path(args.trace, "offline")
+            if args.trace_path:                 # the server writes args.trace_path; this engine writes beside it
+                args.trace_path = sibling_path(args.trace_path, "offline")
             llm = build_llm(args)
             warm_up_engine(llm, vocab, args.seed, args.temperature)
         draw_no = 0

@@ -27,16 +27,15 @@ def decode_step_times(running: int, steps: int, block_size: int = 16, seed: int 
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, p, max_tokens=10 * steps, ignore_eos=True))
     while sched.waiting:                        # prefill everything first
-        plan = sched.schedule()
-        sched.postprocess([1] * len(sched.sampling))
+        sched.postprocess([1] * len(sched.schedule().sampling))
     times = []
-    for step in range(steps):
+    for i in range(steps):
         start = time.perf_counter()
-        plan = sched.schedule()
-        plan.encode()
-        sched.postprocess([step % 1000] * len(sched.sampling))
+        step = sched.schedule()
+        step.plan.encode()
+        sched.postprocess([i % 1000] * len(step.sampling))
         times.append(time.perf_counter() - start)
-        assert plan.num_rows == running and not plan.is_prefill
+        assert step.plan.num_rows == running and not step.plan.is_prefill
     return times
 
 
@@ -72,9 +71,8 @@ def _decode_plan(running: int, block_size: int) -> tuple[bytes, int]:
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, p, max_tokens=100, ignore_eos=True))
     while sched.waiting:
-        sched.schedule()
-        sched.postprocess([1] * len(sched.sampling))
-    return sched.schedule().encode(), num_blocks
+        sched.postprocess([1] * len(sched.schedule().sampling))
+    return sched.schedule().plan.encode(), num_blocks
 
 
 def main(argv=None) -> None:

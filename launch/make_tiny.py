@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from nanovllm_tp import envs
+
 PRESETS = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, torch_dtype="float32"),
@@ -226,7 +228,7 @@ def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_override
 def ensure_tiny(preset: str = "tiny") -> pathlib.Path:
     """A cached checkpoint, rebuilt whenever this file or the corpus changes."""
     digest = hashlib.sha256(pathlib.Path(__file__).read_bytes() + CORPUS.read_bytes()).hexdigest()[:16]
-    cache_root = pathlib.Path(os.environ.get("NANOVLLM_TP_CACHE") or pathlib.Path.home() / ".cache" / "nanovllm_tp")
+    cache_root = pathlib.Path(envs.get("NANOVLLM_TP_CACHE") or pathlib.Path.home() / ".cache" / "nanovllm_tp")
     final_dir = cache_root / f"{preset}-{digest}"
     if final_dir.is_dir():
         return final_dir

@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 
+from nanovllm_tp import envs
+from nanovllm_tp.config import add_engine_args
 from nanovllm_tp.launch.bench_common import apply_threads
-from nanovllm_tp.launch.generate import add_engine_args, build_llm
+from nanovllm_tp.launch.generate import build_llm
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
 
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_TP_API_KEY"),
+    parser.add_argument("--api-key", default=envs.get("NANOVLLM_TP_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_TP_API_KEY)")
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model or 'tiny')")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -59,8 +61,7 @@ def engine_threads(args) -> bool:
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        args.threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
+        args.threads = envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size)))
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
 

@@ -3,7 +3,6 @@ free 127.0.0.1 port with the engine flags of a parsed command line, ready once /
 SIGTERM (killed if it does not exit in time)."""
 from __future__ import annotations
 
-import argparse
 import signal
 import socket
 import subprocess
@@ -17,21 +16,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def engine_argv(args) -> list[str]:
-    """The engine flags of `args` (a namespace parsed with add_engine_args), as launch/serve arguments: only
-    those not at their default."""
-    from nanovllm_tp.launch.generate import add_engine_args
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    argv = []
-    for a in p._actions:
-        if not a.option_strings or a.dest == "help" or getattr(args, a.dest) == a.default:
-            continue
-        value = getattr(args, a.dest)
-        argv += [a.option_strings[0]] if value is True else [a.option_strings[0], str(value)]
-    return argv
 
 
 def start(argv: list[str], api_key: str | None = None) -> tuple[subprocess.Popen, str]:

@@ -4,6 +4,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from nanovllm_tp.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
+
 
 # rope_type -> the keys it needs beyond rope_theta (layers/norm_rope_act.rope_inv_freq implements each)
 ROPE_TYPES = {"default": (), "linear": ("factor",),
@@ -172,29 +174,71 @@ def _eos_ids(model: str, gguf: str | None, hf) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-_INT_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "stream_interval")
+def _env_packed_linear() -> str:
+    from nanovllm_tp import envs
+    mode = envs.get("NANOVLLM_TP_PACKED_LINEAR", "auto")
+    return {"1": "auto", "all": "auto", "0": "off"}.get(mode, mode)
+
+
+def _env_flag(name: str):
+    def read() -> bool:
+        from nanovllm_tp import envs
+        return envs.flag(name)
+    return read
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"                  # auto: fp32 on CPU, the checkpoint's dtype on CUDA
-    device: str = "auto"                 # auto: cuda when available, else cpu
-    max_model_len: int | None = None     # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kvcache_block_size: int | None = None   # None: the backend's default (256 with flash-attn, 16 otherwise)
-    attention_backend: str = "auto"      # a registered name (layers/attention/); auto: see its registry.py
-    kv_cache_memory: int | None = None   # bytes per rank; CPU default below, on CUDA overrides utilization
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    trace_path: str | None = None        # write a Chrome/Perfetto trace of every rank's steps here at close
-    trace_layers: bool = False           # ... with a span per decoder layer
-    stream_interval: int = 1             # a running request's delta/cumulative output every N tokens (vLLM's)
-    model_config: ModelConfig | None = field(default=None, repr=False)
+    """Every engine knob, declared once: LLM(model, **kw) takes these names, and every command's engine flags
+    are made from them (knobs.py)."""
+    model: str = knob(help="Hugging Face model directory, .gguf file or directory holding one (commands: default "
+                           "the embedded tiny checkpoint)", path=True)
+    tensor_parallel_size: int = knob(1, help="tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp", "--tp"),
+                                     minimum=1)
+    dtype: str = knob("auto", help="weights and activations; auto: float32 on CPU, the checkpoint's dtype on CUDA",
+                      choices=("auto", "float32", "float16", "bfloat16"))
+    device: str = knob("auto", help="auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    max_model_len: int | None = knob(None, help="longest sequence, prompt and output (default: the model's "
+                                                "max_position_embeddings)", minimum=1)
+    max_num_seqs: int = knob(256, help="most sequences in one step", minimum=1)
+    max_num_batched_tokens: int = knob(8192, help="most tokens in one step (longer prompts are chunked)", minimum=1)
+    kvcache_block_size: int | None = knob(None, help="tokens per KV block (default: the attention backend's: 256 "
+                                                     "with flash-attn, 16 otherwise)",
+                                          flags=("--block-size", "--kvcache-block-size"), minimum=1)
+    attention_backend: str = knob("auto", help="auto, or a backend's name: torch, cpu (C decode kernel), "
+                                               "torch-cuda, flash")
+    kv_cache_memory: int | None = knob(None, help="KV cache bytes per rank (CPU default 1 GiB; on CUDA it "
+                                                  "overrides gpu_memory_utilization)", minimum=1)
+    gpu_memory_utilization: float = knob(0.9, help="fraction of GPU memory the engine may use (weights, "
+                                                   "activations, KV cache)", minimum=0.0, open_minimum=True,
+                                         maximum=1.0)
+    enforce_eager: bool = knob(False, help="no CUDA graphs")
+    enable_prefix_caching: bool = knob(True, help="reuse the KV blocks of prompt prefixes seen before",
+                                       flags=("--enable-prefix-caching", "--prefix-caching"))
+    seed: int = knob(0, help="the engine's seed (requests without one draw from it)", minimum=0)
+    trace_path: str | None = knob(None, help="write a Chrome/Perfetto trace of every rank's steps here at close "
+                                             "(open it in https://ui.perfetto.dev)",
+                                  flags=("--trace", "--trace-path"), metavar="OUT.json", path=True)
+    trace_layers: bool = knob(False, help="with --trace: a span per decoder layer")
+    stream_interval: int = knob(1, help="report a running request's output every N new tokens (first and last at "
+                                        "once); larger N streams fewer, larger chunks for less CPU per token",
+                                minimum=1)
+    cpu_kernels: bool = knob(help="CPU layers, attention decode and the sampler through the C kernels where "
+                                  "they build (off: torch ops, the reference path); default from "
+                                  "$NANOVLLM_TP_CPU_KERNELS", default_factory=_env_flag("NANOVLLM_TP_CPU_KERNELS"))
+    packed_linear: str = knob(help="CPU linear weights: auto (the C kernels' layout where built, else oneDNN's), "
+                                   "bf16 (pack bf16 weights only), onednn, off (F.linear); default from "
+                                   "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "bf16", "onednn", "off"),
+                              default_factory=_env_packed_linear)
+    shm_allreduce: bool = knob(help="all-reduce through shared memory between same-node CPU ranks (off: gloo); "
+                                    "default from $NANOVLLM_TP_SHM_ALLREDUCE",
+                               default_factory=_env_flag("NANOVLLM_TP_SHM_ALLREDUCE"))
+    model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_kwargs(cls, model, **kwargs) -> "EngineConfig":
+        """What LLM(model, **kwargs) builds: unknown names are refused with the closest knob."""
+        return config_from_kwargs(cls, model, kwargs)
 
     def validate(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -204,22 +248,8 @@ class EngineConfig:
             raise ValueError(f"model directory {self.model!r} does not exist (no downloads here: give a local "
                              "Hugging Face directory or .gguf file, or make one with python -m "
                              "nanovllm_tp.launch.make_tiny DIR)")
-        for name in _INT_KNOBS + ("seed",):
-            _check_int(name, getattr(self, name), minimum=0 if name == "seed" else 1)
-        for name in ("max_model_len", "kvcache_block_size", "kv_cache_memory"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
+        check_knobs(self)
         self._check_trace()
-        for name in ("enforce_eager", "enable_prefix_caching", "trace_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
-        if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         from nanovllm_tp.layers.attention.registry import check_backend_name
         check_backend_name(self.attention_backend)
         mc = self.model_config = ModelConfig.from_pretrained(self.model)
@@ -259,8 +289,18 @@ class EngineConfig:
         self.trace_path = path
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+def add_engine_args(parser) -> None:
+    """Every EngineConfig knob as a flag of `parser` (argparse), dest the field's name: what every command
+    takes."""
+    add_args(EngineConfig, parser)
+
+
+def engine_kwargs(args) -> dict:
+    """The engine flags parsed by add_engine_args, as LLM keyword arguments (model may be None)."""
+    return kwargs_of(EngineConfig, args)
+
+
+def engine_argv(args) -> list[str]:
+    """The engine flags parsed by add_engine_args that are not at their default, as a command line."""
+    return argv_of(EngineConfig, args)
+

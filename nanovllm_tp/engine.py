@@ -1,19 +1,21 @@
 """Rank 0's engine: the scheduler, this rank's runner, and the plan channel to the other ranks."""
 import atexit
+import contextlib
 import logging
 import time
 import weakref
 
-import numpy as np
 
 from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
-from nanovllm_tp.distributed.launch import exit_on_sigterm
+from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("nanovllm_tp")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -24,35 +26,38 @@ class LLMEngine:
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
-        backend = resolve_attention_backend(config, self.device, self.dtype)
+        with cpu_kernels.switched(config.cpu_kernels):
+            backend = resolve_attention_backend(config, self.device, self.dtype)
         self._trace = trace.start(config, rank=0)
         exit_on_sigterm()      # from here on: a SIGTERM while the workers start still removes what they share
         try:
-            if config.tensor_parallel_size > 1 and not _under_torchrun():
-                from nanovllm_tp.distributed.launch import SpawnRendezvous, spawn_workers
+            if config.tensor_parallel_size > 1 and not launched_by_torchrun():
                 self._rendezvous = SpawnRendezvous.create(config.tensor_parallel_size)
                 self.children = spawn_workers(config, config.tensor_parallel_size, self._rendezvous)
             self.info = join_group(config, self.device, self._rendezvous)
             self._tp = current_tp() if self.info.world_size > 1 else TPState()
             if self.info.world_size > 1:
                 self._open_channel()
-            with tp_scope(self._tp):
+            with self._scope():
                 self.runner = build_runner(config, self.device, self.dtype, backend)
         except BaseException as exc:
             if self.writer is not None and isinstance(exc, Exception):
                 self._fail(exc)
             self.close()
             raise
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_kvcache_blocks=self.runner.num_kv_blocks, kvcache_block_size=config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
-            eos_token_ids=config.model_config.eos_token_ids))
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.runner.num_kv_blocks))
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
         _live_engines.add(self)
         log.info("engine ready: %s", self.runner.describe())
+
+    @contextlib.contextmanager
+    def _scope(self):
+        """This engine's process-wide settings (its TP group, its cpu_kernels) while it builds or steps: other
+        engines of the process keep theirs."""
+        with tp_scope(self._tp), cpu_kernels.switched(self.config.cpu_kernels):
+            yield
 
     def _open_channel(self) -> None:
         from nanovllm_tp.distributed import shm_allreduce
@@ -62,7 +67,7 @@ class LLMEngine:
         local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
         remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
         self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host, secret=self.info.secret)
-        shm_allreduce.setup(self.info, not remote, self.device)    # shm all-reduce: only when every rank is local
+        shm_allreduce.setup(self.info, not remote, self.device, self.config.shm_allreduce)  # only when all are local
         self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
 
     def add(self, seq: Sequence) -> None:
@@ -97,11 +102,12 @@ class LLMEngine:
         from nanovllm_tp.layers.sampler import prompt_logprobs
         sched = self.scheduler
         with trace.span("schedule"):
-            plan = sched.schedule()
-        if plan is None:
+            step = sched.schedule()
+        if step is None:
             return [], 0, False
+        plan, prompt_lp = step.plan, None
         try:
-            with tp_scope(self._tp):
+            with self._scope():
                 if self.writer is not None:
                     with trace.span("encode_plan"):
                         payload = plan.encode()
@@ -109,11 +115,11 @@ class LLMEngine:
                         self.writer.publish(payload)
                 with trace.plan_span("execute", plan):
                     logits = self.runner.execute(plan)
-            with trace.span("sample"):
-                tokens, lp = self.sampler(logits, sched.sampling)
-            if sched.prompt_chunks:
-                with trace.span("prompt_logprobs"):
-                    prompt_logprobs(logits, sched.prompt_chunks)
+                with trace.span("sample"):
+                    tokens, lp = self.sampler(logits, step.sampling)
+                if step.prompt_chunks:
+                    with trace.span("prompt_logprobs"):
+                        prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -121,10 +127,8 @@ class LLMEngine:
             else:
                 self.close()
             raise
-        if lp is not None:
-            _record_logprobs(sched.sampling, lp)
         with trace.span("postprocess"):
-            progressed = sched.postprocess(tokens)
+            progressed = sched.postprocess(tokens, lp, prompt_lp)
         return progressed, plan.num_tokens, plan.is_prefill
 
     def _fail(self, exc: BaseException) -> None:
@@ -185,17 +189,6 @@ class LLMEngine:
         _live_engines.discard(self)
 
 
-def _record_logprobs(batch, lp) -> None:
-    """Attach each sampled token's logprobs to its sequence (entries asked for them, in order)."""
-    entries = np.flatnonzero(batch.rows["logprobs"] >= 0)
-    wanted = batch.rows["logprobs"][entries].tolist()
-    logprob, rank, top_ids, top_lps = lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    for i, e in enumerate(entries.tolist()):
-        seq, n = batch.seqs[e], wanted[i]
-        seq.logprobs.append((logprob[i], rank[i], top_ids[i][:n], top_lps[i][:n]))
-        seq.cumulative_logprob += logprob[i]
-
-
 _live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 
 
@@ -211,7 +204,3 @@ def _check_one_multi_rank_engine(config: EngineConfig) -> None:
                 "one multi-rank engine at a time (TP = 1 engines can live beside it): close the first "
                 "(llm.close()) or start the second in another process")
 
-
-def _under_torchrun() -> bool:
-    from nanovllm_tp.distributed.launch import launched_by_torchrun
-    return launched_by_torchrun()

@@ -10,6 +10,7 @@ from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
+from nanovllm_tp.prompts import is_token_ids, render_chat
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
@@ -17,22 +18,13 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class LLM:
-    def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 kvcache_block_size: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True, seed: int = 0, attention_backend: str = "auto",
-                 trace_path: str | None = None, trace_layers: bool = False, stream_interval: int = 1):
-        config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, device=device,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, kvcache_block_size=kvcache_block_size,
-                              kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                              enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed,
-                              attention_backend=attention_backend, trace_path=trace_path, trace_layers=trace_layers,
-                              stream_interval=stream_interval)
+    def __init__(self, model, **kwargs):
+        """`model`: a Hugging Face directory or .gguf file; `kwargs`: any EngineConfig knob (config.py lists them,
+        with vLLM's names where vLLM has one). Unknown names are refused with the closest knob."""
+        config = EngineConfig.from_kwargs(model, **kwargs)
         config.validate()
         from nanovllm_tp.distributed.launch import launched_by_torchrun
-        if tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+        if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
             # Under torchrun every rank runs the user's script: ranks > 0 serve rank 0's plans here and
             # leave when it shuts down, so the rest of the script only ever runs on rank 0.
             from nanovllm_tp.workers.worker import run_worker
@@ -55,8 +47,7 @@ class LLM:
     # ---- input checking: everything is validated before any request reaches the engine ----
 
     def _normalize_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             prompts = [prompts]
         if not isinstance(prompts, SequenceABC) or isinstance(prompts, (bytes, bytearray)):
             raise TypeError("prompts must be a string, a list of strings or a list of token-id lists, "
@@ -126,15 +117,9 @@ class LLM:
         if not isinstance(conversations, list) or not conversations or \
                 not all(_is_conversation(c) for c in conversations):
             raise TypeError("messages must be a list of {'role': str, 'content': str} dicts, or a list of such lists")
-        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError("chat_template_kwargs must be a dict")
         items = []
         for i, conv in enumerate(conversations):
-            text = self.tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
+            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs)
             items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 

@@ -15,6 +15,7 @@ is always reported at once. Fewer, larger outputs cost less to send per token.
 """
 from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm_tp.scheduler.scheduled_step import PositionLogprob
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -196,13 +197,13 @@ class RequestState:
             cumulative_logprob=seq.cumulative_logprob if lps is not None else None, logprobs=logprobs,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
-    def _positions(self, ids: list[int], entries: list) -> list[dict[int, Logprob]]:
+    def _positions(self, ids: list[int], entries: list[PositionLogprob]) -> list[dict[int, Logprob]]:
         """{token id: Logprob} for each position: the chosen token, then the top-N (ranks 1..N) not already in."""
-        text = self.token_texts([t for token_id, e in zip(ids, entries) for t in (token_id, *e[2])])
+        text = self.token_texts([t for token_id, e in zip(ids, entries) for t in (token_id, *e.top_ids)])
         out = []
-        for token_id, (logprob, rank, top_ids, top_lps) in zip(ids, entries):
-            position = {token_id: Logprob(logprob, rank, text[token_id])}
-            for r, (t, v) in enumerate(zip(top_ids, top_lps), 1):
+        for token_id, e in zip(ids, entries):
+            position = {token_id: Logprob(e.logprob, e.rank, text[token_id])}
+            for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs), 1):
                 if t not in position:
                     position[t] = Logprob(v, r, text[t])
             out.append(position)

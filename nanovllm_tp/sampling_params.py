@@ -1,12 +1,12 @@
 """Per-request sampling knobs, with vLLM's names, defaults and ranges. Torch-free: the scheduler imports it."""
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+from nanovllm_tp.checks import flag as _flag, integer as _integer, number as _number
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20          # the most top logprobs one position may ask for (vLLM's default max_logprobs)
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(IntEnum):
@@ -14,33 +14,6 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0     # everything generated so far
     DELTA = 1          # only what is new since the last output
     FINAL_ONLY = 2     # nothing until the request finishes
-
-
-def _number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-        raise ValueError(f"{name} must be a finite float32 number, got {value}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
-
-
-def _integer(name: str, value, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
-
-
-def _flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 @dataclass(slots=True)
@@ -69,10 +42,6 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

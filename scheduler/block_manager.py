@@ -15,6 +15,16 @@ from nanovllm_tp.scheduler.sequence import Sequence
 NO_PARENT = -1
 
 
+def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int, pool: str = "the KV cache") -> None:
+    """The rule every KV pool keeps: one max_model_len sequence fits in it (else a request could wait forever).
+    `pool` says which pool in the message."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(f"{pool} holds {num_blocks} blocks of {block_size} tokens, but one "
+                         f"max_model_len={max_model_len} sequence needs {needed}: raise kv_cache_memory "
+                         "(or gpu_memory_utilization) or lower max_model_len")
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent", "parent_version")
 

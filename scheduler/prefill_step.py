@@ -4,12 +4,14 @@ import numpy as np
 
 from nanovllm_tp.scheduler.plan import StepPlan, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
+from nanovllm_tp.scheduler.scheduled_step import PromptChunk, ScheduledStep
 from nanovllm_tp.scheduler.sequence import Sequence
 
 
-def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int, block_copies: np.ndarray | None):
-    """(plan, prompt_chunks, sampling) for the scheduled rows. prompt_chunks: (sequence, its first logits row,
-    first position, tokens) of the rows whose every token gets logits (prompt logprobs)."""
+def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
+                 block_copies: np.ndarray | None) -> ScheduledStep:
+    """The step of the scheduled rows: its plan, its sampling entries, and the prompt chunks of the rows whose
+    every token gets logits (prompt logprobs)."""
     rows = len(seqs)
     q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
     starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
@@ -26,13 +28,24 @@ def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
     slots = slot_mapping(block_tables, row_of_token, positions, block_size)
     all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
     logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
-    prompt_chunks = [(s, int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))
-                     for i, s in enumerate(seqs) if all_logits[i]]
+    prompt_chunks = [chunk for i in np.flatnonzero(all_logits).tolist() if (chunk := _prompt_chunk(
+        seqs[i], int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))) is not None]
     plan = StepPlan(
         step_id=step_id, kind=kind, input_ids=input_ids, positions=positions, slot_mapping=slots,
         cu_seqlens_q=cu_seqlens_q, context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
         prompt_logits=all_logits if all_logits.any() else None, block_copies=block_copies)
-    return plan, prompt_chunks, _sampling(seqs, logits_end - 1)
+    return ScheduledStep(plan, _sampling(seqs, logits_end - 1), prompt_chunks)
+
+
+def _prompt_chunk(seq: Sequence, first_row: int, first_pos: int, count: int) -> PromptChunk | None:
+    """Logits row j of a chunk starting at position p predicts the prompt token at p + j + 1; positions already
+    recorded (a chunk recomputed after preemption) are left out."""
+    have = len(seq.prompt_logprobs)
+    targets = np.arange(max(first_pos + 1, have), min(first_pos + count + 1, seq.num_prompt_tokens), dtype=np.int64)
+    if not len(targets):
+        return None
+    chosen = np.fromiter((seq.token_ids[t] for t in targets.tolist()), np.int64, len(targets))
+    return PromptChunk(seq, first_row + targets - 1 - first_pos, chosen)
 
 
 def _sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:

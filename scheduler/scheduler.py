@@ -8,40 +8,48 @@ steps take a vectorized fast path (DecodeBatch).
 """
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from nanovllm_tp.scheduler.block_manager import BlockManager
+from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
-from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, StepPlan
+from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL
 from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
+from nanovllm_tp.scheduler.scheduled_step import ScheduledStep, TokenLogprobs
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 
 _REASONS = {LENGTH: "length"}    # every other finish code is "stop"
 
 
+_ENGINE = {f.name: f.default for f in fields(EngineConfig)}    # the knobs' defaults, declared there
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
+    """The scheduler's part of the EngineConfig, and what the engine learnt building the KV cache."""
     num_kvcache_blocks: int
     kvcache_block_size: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
+    max_model_len: int
+    max_num_seqs: int = _ENGINE["max_num_seqs"]
+    max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
+    enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]
     eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, config: EngineConfig, num_kvcache_blocks: int) -> "SchedulerConfig":
+        """From a validated EngineConfig (block size and max_model_len resolved)."""
+        return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
+                   config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.block_size = config.kvcache_block_size
-        blocks_per_seq = -(-config.max_model_len // self.block_size)
-        if blocks_per_seq > config.num_kvcache_blocks:
-            raise ValueError(f"the KV cache holds {config.num_kvcache_blocks} blocks of {self.block_size} tokens, "
-                             f"but one max_model_len={config.max_model_len} sequence needs {blocks_per_seq}: "
-                             "give the cache more memory or lower max_model_len")
+        check_holds_a_sequence(config.num_kvcache_blocks, self.block_size, config.max_model_len)
         self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
                                           config.enable_prefix_caching)
         self.eos = frozenset(config.eos_token_ids)
@@ -50,9 +58,7 @@ class Scheduler:
         self.scheduled: list[Sequence] = []
         self.scheduled_kind = PREFILL
         self.decode_batch: DecodeBatch | None = None    # valid while decode steps follow each other
-        self.sampling: SamplingBatch | None = None       # the scheduled step's rows that produce a token
-        # rows that want every prompt logit: (seq, first logits row, first position, tokens)
-        self.prompt_chunks: list[tuple[Sequence, int, int, int]] = []
+        self.in_flight: ScheduledStep | None = None      # between schedule() and postprocess()
         self._copies: list[tuple[int, int]] = []         # block copies the next plan carries (forks)
         self._eos_array = np.array(sorted(self.eos), dtype=np.int64)
         self.step_id = 0
@@ -90,8 +96,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when nothing is left to run."""
+    def schedule(self) -> ScheduledStep | None:
+        """The next step (its plan, sampling entries and prompt chunks), or None when nothing is left to run."""
         if self.scheduled:
             raise RuntimeError("schedule() called twice without postprocess()")
         if self.waiting and (not self.running or self._waiting_head_fits()):
@@ -102,10 +108,10 @@ class Scheduler:
                 self.scheduled, self.scheduled_kind = seqs, MIXED if decodes else PREFILL
                 self.num_mixed_steps += bool(decodes)
                 self.step_id += 1
-                plan, self.prompt_chunks, self.sampling = prefill_step(
+                step = self.in_flight = prefill_step(
                     seqs, self.scheduled_kind, self.step_id, self.block_size, self._take_copies())
-                self.num_computed_tokens += plan.num_tokens
-                return plan
+                self.num_computed_tokens += step.plan.num_tokens
+                return step
         batch = self.decode_batch
         if batch is None or not self._grow(batch):
             seqs = self._schedule_decode()
@@ -116,12 +122,12 @@ class Scheduler:
                 return None
             batch = self.decode_batch = DecodeBatch(seqs, self.block_size)
         self.scheduled, self.scheduled_kind = batch.seqs, DECODE
-        self.sampling, self.prompt_chunks = batch.sampling(), []
         self.step_id += 1
         plan = batch.plan(self.step_id)
         plan.block_copies = self._take_copies()
         self.num_computed_tokens += plan.num_tokens
-        return plan
+        self.in_flight = ScheduledStep(plan, batch.sampling(), [])
+        return self.in_flight
 
     def _take_copies(self) -> np.ndarray | None:
         copies, self._copies = self._copies, []
@@ -207,16 +213,23 @@ class Scheduler:
         self._requeue_front(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, token_ids: list[int]) -> list[Sequence]:
-        """Apply the sampled tokens, one per entry of self.sampling; return the sequences that got a token
+    def postprocess(self, token_ids: list[int], logprobs: TokenLogprobs | None = None,
+                    prompt_logprobs: list[TokenLogprobs] | None = None) -> list[Sequence]:
+        """Apply the step's results: one sampled token per sampling entry, the logprobs of the entries that asked
+        for them (in entry order), and those of each prompt chunk. Returns the sequences that got a token
         (finished ones have status FINISHED and a finish_reason)."""
-        if self.sampling is None:
+        step, self.in_flight = self.in_flight, None
+        if step is None:
             raise RuntimeError("postprocess() without a scheduled step")
         seqs, self.scheduled = self.scheduled, []
-        batch, self.sampling = self.sampling, None
+        batch = step.sampling
         entries = batch.seqs
         if len(token_ids) != len(entries):
             raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(entries)} sampling rows")
+        if logprobs is not None:
+            _record_logprobs(batch, logprobs)
+        for chunk, lp in zip(step.prompt_chunks, prompt_logprobs or ()):
+            chunk.seq.prompt_logprobs.extend(lp.positions(chunk.seq.params.prompt_logprobs))
         if self.scheduled_kind == DECODE:
             return self._postprocess_decode(token_ids)
         bm, now = self.block_manager, time.perf_counter()
@@ -311,6 +324,16 @@ class Scheduler:
             seq.finish_reason = "abort"
         self.waiting.clear()
         self.running.clear()
-        self.scheduled, self.sampling, self._copies = [], None, []
+        self.scheduled, self.in_flight, self._copies = [], None, []
         self.decode_batch = None
         return dropped
+
+
+def _record_logprobs(batch: SamplingBatch, lp: TokenLogprobs) -> None:
+    """Each sampled token's logprobs onto its sequence (the entries that asked for them, in entry order)."""
+    entries = np.flatnonzero(batch.rows["logprobs"] >= 0)
+    wanted = batch.rows["logprobs"][entries].tolist()
+    for e, position in zip(entries.tolist(), lp.positions(wanted)):
+        seq = batch.seqs[e]
+        seq.logprobs.append(position)
+        seq.cumulative_logprob += position.logprob

@@ -50,12 +50,6 @@ class Sequence:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
 
-    def fork(self, seq_id: int, seed: int, index: int) -> "Sequence":
-        """A sibling completion of the same prompt (n > 1), sharing this sequence's prompt."""
-        child = Sequence(seq_id, self.token_ids[:self.num_prompt_tokens], self.params, seed=seed, index=index)
-        child.arrival_time = self.arrival_time
-        return child
-
     def __len__(self) -> int:
         return len(self.token_ids)
 

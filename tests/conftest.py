@@ -27,21 +27,16 @@ def tiny_llm(tiny_model_dir):
 
 
 @pytest.fixture
-def both_paths(monkeypatch):
+def both_paths():
     """Runs fn once with the C kernels and once with them switched off (the torch/numpy code every other device
     runs): (fast, reference)."""
     def run(fn):
         from nanovllm_tp.layers import cpu_kernels
-        cpu_kernels.load.cache_clear()
         assert cpu_kernels.load() is not None
-        fast = fn()
-        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
-        cpu_kernels.load.cache_clear()
-        try:
-            assert cpu_kernels.load() is None
+        with cpu_kernels.switched(True):
+            fast = fn()
+        with cpu_kernels.switched(False):
+            assert cpu_kernels.active() is None
             reference = fn()
-        finally:
-            monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
-            cpu_kernels.load.cache_clear()
         return fast, reference
     return run

@@ -41,7 +41,7 @@ def test_each_backend_module_registers_its_backend():
         assert BACKENDS[cls.name] is cls and cls.devices and set(cls.devices) <= {"cpu", "cuda"}
 
 
-def test_cpu_auto_choice_follows_the_c_kernels(monkeypatch):
+def test_cpu_auto_choice_follows_the_c_kernels():
     assert cpu_kernels.load() is not None, "this machine builds the kernels (cc is installed)"
     for dtype in (torch.float32, torch.bfloat16):
         assert type(select_backend(CPU, dtype, None)) is CpuBackend
@@ -49,15 +49,10 @@ def test_cpu_auto_choice_follows_the_c_kernels(monkeypatch):
     assert type(select_backend(CPU, torch.float64, None)) is TorchBackend      # no kernel for that dtype
     with pytest.raises(ValueError, match="attention_backend=cpu, but the C kernels take float32 and bfloat16"):
         select_backend(CPU, torch.float64, None, "cpu")
-    monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
-    cpu_kernels.load.cache_clear()
-    try:
+    with cpu_kernels.switched(False):          # an engine built with cpu_kernels=False
         assert type(select_backend(CPU, torch.float32, None)) is TorchBackend
         with pytest.raises(ValueError, match="attention_backend=cpu, but the C kernels are not available here"):
             select_backend(CPU, torch.float32, None, "cpu")
-    finally:
-        monkeypatch.delenv("NANOVLLM_TP_CPU_KERNELS")
-        cpu_kernels.load.cache_clear()
 
 
 def test_backends_refuse_the_wrong_device():
@@ -117,8 +112,8 @@ def test_auto_resolves_to_a_name_the_workers_get(tiny_model_dir, monkeypatch):
         assert '"attention_backend": "cpu"' in config_to_json(llm.config)
     finally:
         llm.close()
-    assert cpu_kernels.load() is not None       # rank 0 keeps the kernels it loaded; the spawned worker has none
-    monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is not None       # rank 0 keeps the kernels it loaded; the spawned worker has no
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # compiler, so none
     with pytest.raises(PeerError, match=r"(?s)rank 1: .*attention_backend=cpu, but the C kernels are not available"):
         LLM(tiny_model_dir, tensor_parallel_size=2, attention_backend="cpu", **SMALL)
 

@@ -127,7 +127,7 @@ def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "concurrency 2" in "\n".join(last_block(proc.stdout))
     data = json.loads(out.read_text())
-    assert data["environment"]["launched_by"] == "torchrun" and data["config"]["tp"] == 2
+    assert data["environment"]["launched_by"] == "torchrun" and data["config"]["tensor_parallel_size"] == 2
     assert data["figures"]["runs"][0]["lengths_ok"]
 
 

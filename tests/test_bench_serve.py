@@ -2,6 +2,7 @@
 generation, and writes the JSON with the right lengths; the server process is gone afterwards."""
 import json
 
+from nanovllm_tp.config import engine_argv
 from nanovllm_tp.launch import bench_serve, serve_process
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "3", "6", "--kv-cache-memory", str(32 << 20)]
@@ -41,7 +42,7 @@ def test_bench_serve_needs_a_url_or_launch():
 def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, tmp_path, capsys):
     args = bench_serve.build_parser().parse_args(["--model", tiny_model_dir, "--api-key", "k",
                                                   "--kv-cache-memory", str(32 << 20)])
-    proc, args.base_url = serve_process.start(serve_process.engine_argv(args), args.api_key)
+    proc, args.base_url = serve_process.start(engine_argv(args), args.api_key)
     try:
         out = tmp_path / "ext.json"
         bench_serve.main(["--base-url", args.base_url, "--api-key", "k", "--dataset", "text", *TINY[:8],

@@ -248,7 +248,8 @@ def run_with_kv_model(prompts, bs=BS):
     for i, prompt in enumerate(prompts):        # one after another, so later prompts can hit earlier ones
         seq = Sequence(i, prompt, max_tokens=3)
         sched.add(seq)
-        while (plan := sched.schedule()) is not None:
+        while (step := sched.schedule()) is not None:
+            plan = step.plan
             sched.postprocess(model(plan, list(sched.scheduled)))
         done.append(seq)
     assert all(b.ref_count == 0 for b in sched.block_manager.blocks)

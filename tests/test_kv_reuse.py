@@ -56,7 +56,7 @@ def test_padding_rows_leave_a_live_sequences_kv_unchanged(eight_block_llm):
     llm.step()                                          # the prefill: 120 tokens in blocks 0..7
     (seq,) = sched.running
     assert seq.block_table == list(range(8))           # it holds the last usable block
-    plan = sched.schedule()                             # its next decode: position 120, block 7
+    plan = sched.schedule().plan                             # its next decode: position 120, block 7
     assert plan.num_rows == 1 and int(plan.slot_mapping[0]) == 7 * 16 + 8
     k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
     # The decode as a CUDA graph of 4 rows runs it: the same inputs, padded by DecodeInputs, run eagerly here.

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import BlockedWeight, matmul, pack_cpu_weights, pack_weight, packable_dtypes
 
-needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="no oneDNN bf16 on this CPU")
+needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes("auto"), reason="no oneDNN bf16 on this CPU")
 KERNEL_DTYPES = cpu_kernels.load().linear_dtypes if cpu_kernels.load() else ()
 
 
@@ -27,7 +27,7 @@ def test_kernel_rounds_the_exact_product_once(dtype, rows, out_features, in_feat
     x = torch.randn(rows, 3, in_features, generator=g).to(dtype)[:, 1]
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype)
-    packed = pack_weight(w)
+    packed = pack_weight(w, "auto")
     assert isinstance(packed, BlockedWeight) and (packed.out_features, packed.in_features) == tuple(w.shape)
     ulp = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -23
     for bias in (None, b):
@@ -66,12 +66,17 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
     from nanovllm_tp.layers.linear import LinearBase
     ours = {dt: BlockedWeight if getattr(torch, dt) in KERNEL_DTYPES else torch.Tensor
             for dt in ("bfloat16", "float32")}
-    for dtype, mode, want in [("bfloat16", "1", ours["bfloat16"]), ("float32", "1", ours["float32"]),
-                              ("float32", "all", ours["float32"]), ("float32", "bf16", None),
+    for dtype, mode, want in [("bfloat16", "auto", ours["bfloat16"]), ("float32", "auto", ours["float32"]),
+                              ("float32", "env all", ours["float32"]), ("float32", "bf16", None),
                               ("bfloat16", "bf16", ours["bfloat16"]), ("bfloat16", "onednn", torch.Tensor),
-                              ("float32", "onednn", torch.Tensor), ("bfloat16", "0", None)]:
-        monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode)
-        llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
+                              ("float32", "onednn", torch.Tensor), ("bfloat16", "off", None),
+                              ("bfloat16", "env 0", None)]:
+        if mode.startswith("env "):       # the environment variable gives the knob's default
+            monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", mode[4:])
+            llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20)
+            monkeypatch.delenv("NANOVLLM_TP_PACKED_LINEAR")
+        else:
+            llm = LLM(tiny_model_dir, dtype=dtype, kv_cache_memory=16 << 20, packed_linear=mode)
         try:
             model = llm.engine.runner.model
             linears = [m for m in model.modules() if isinstance(m, LinearBase)]
@@ -79,7 +84,7 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
             assert all((m.weight.numel() == 0) == bool(want) for m in linears)
             path = {BlockedWeight: "c", torch.Tensor: "onednn", None: "torch"}[want]
             assert f"linear {path}," in llm.engine.runner.describe()
-            assert pack_cpu_weights(torch.nn.Linear(2, 2)) == 0     # layers without a packed slot: untouched
+            assert pack_cpu_weights(torch.nn.Linear(2, 2), "auto") == 0     # layers without a packed slot: untouched
         finally:
             llm.close()
 
@@ -114,6 +119,8 @@ def test_bf16_engine_logprobs_follow_transformers_fp32(tiny_model_dir, hf_model)
 
 def test_an_unknown_packing_mode_is_refused(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
-    monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", "fp32")
-    with pytest.raises(ValueError, match="NANOVLLM_TP_PACKED_LINEAR must be one of"):
+    with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'bf16', 'onednn', 'off', got 'fp32'"):
+        LLM(tiny_model_dir, kv_cache_memory=16 << 20, packed_linear="fp32")
+    monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", "fp32")      # the same through the variable's default
+    with pytest.raises(ValueError, match="packed_linear must be one of"):
         LLM(tiny_model_dir, kv_cache_memory=16 << 20)

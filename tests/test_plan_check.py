@@ -24,7 +24,7 @@ def real_plans() -> dict[int, StepPlan]:
         sched.add(Sequence(i, [(7 * i + j) % 1000 for j in range(n)], max_tokens=20, ignore_eos=True))
     plans = {}
     while len(plans) < 3:
-        plan = sched.schedule()
+        plan = sched.schedule().plan
         plans.setdefault(plan.kind, plan)
         sched.postprocess([3] * plan.num_rows)
     return plans

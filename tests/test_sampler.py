@@ -16,11 +16,8 @@ from nanovllm_tp.scheduler.sequence import Sequence
 @pytest.fixture(autouse=True, params=["C", "numpy/torch"])
 def sampler_path(request, monkeypatch):
     """Every test here runs on both samplers: the C pass the CPU takes and the numpy/torch code of other devices."""
-    if request.param != "C":
-        monkeypatch.setenv("NANOVLLM_TP_CPU_KERNELS", "0")
-    cpu_kernels.load.cache_clear()
-    yield request.param
-    cpu_kernels.load.cache_clear()
+    with cpu_kernels.switched(request.param == "C"):
+        yield request.param
 
 
 def batch_of(params_list, prompts=None, outputs=None, seeds=None, index=None) -> SamplingBatch:

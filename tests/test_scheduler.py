@@ -109,7 +109,8 @@ def make_scheduler(num_blocks=16, block_size=4, max_model_len=32, **kw) -> Sched
 def run(sched: Scheduler, model, on_step=None, max_steps=5_000) -> list[tuple[StepPlan, list[Sequence]]]:
     """Drive sched to completion; returns (plan, rows as sequences) per step."""
     steps = []
-    while (plan := sched.schedule()) is not None:
+    while (step := sched.schedule()) is not None:
+        plan = step.plan
         rows = list(sched.scheduled)
         steps.append((plan, rows))
         postprocess(sched, model(plan))
@@ -123,7 +124,7 @@ def postprocess(sched: Scheduler, row_tokens) -> list[Sequence]:
     """Hand the scheduler the tokens of the rows that sample (row_tokens has one per plan row, as the fake model
     computes them); returns the sequences that finished."""
     index = {id(s): i for i, s in enumerate(sched.scheduled)}
-    progressed = sched.postprocess([row_tokens[index[id(s)]] for s in sched.sampling.seqs])
+    progressed = sched.postprocess([row_tokens[index[id(s)]] for s in sched.in_flight.sampling.seqs])
     return [s for s in progressed if s.is_finished]
 
 
@@ -132,8 +133,8 @@ def assert_plan(plan: StepPlan, sched: Scheduler, **expected):
     if "sample_index" in expected:
         want = expected.pop("sample_index")
         rows = list(sched.scheduled)
-        got = [int(i) for i in sched.sampling.sample_index]
-        assert got == [want[rows.index(s)] for s in sched.sampling.seqs], "sample_index"
+        got = [int(i) for i in sched.in_flight.sampling.sample_index]
+        assert got == [want[rows.index(s)] for s in sched.in_flight.sampling.seqs], "sample_index"
     for name, value in expected.items():
         got = getattr(plan, name)
         if isinstance(got, np.ndarray):
@@ -165,7 +166,7 @@ def test_prefill_then_decode_plans_are_exact():
     a, b = Sequence(0, [10, 11, 12, 13, 14, 15]), Sequence(1, [20, 21, 22])
     sched.add(a)
     sched.add(b)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=PREFILL, step_id=1,
                 input_ids=[10, 11, 12, 13, 14, 15, 20, 21, 22],
                 positions=[0, 1, 2, 3, 4, 5, 0, 1, 2],
@@ -177,14 +178,14 @@ def test_prefill_then_decode_plans_are_exact():
     assert postprocess(sched, [100, 200]) == []
 
     # Decode: one row per sequence, the last sampled token at position len-1.
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=DECODE, step_id=2, input_ids=[100, 200], positions=[6, 3],
                 slot_mapping=[1 * 4 + 2, 2 * 4 + 3], cu_seqlens_q=[0, 1, 2], context_lens=[7, 4],
                 block_tables=[[0, 1], [2, -1]], sample_index=[1, 1])
     postprocess(sched, [101, 201])
 
     # B's next token (position 4) crosses into a new block: the next free one, 3.
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=DECODE, input_ids=[101, 201], positions=[7, 4], slot_mapping=[7, 12],
                 context_lens=[8, 5], block_tables=[[0, 1], [2, 3]], sample_index=[2, 2])
     postprocess(sched, [102, 202])
@@ -199,20 +200,20 @@ def test_chunked_prefill_plans_and_middle_chunk_samples_are_dropped():
     sched.add(a)
     sched.add(b)
 
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=PREFILL, input_ids=[30, 31, 32, 33], positions=[0, 1, 2, 3], slot_mapping=[0, 1, 2, 3],
                 cu_seqlens_q=[0, 4], context_lens=[4], block_tables=[[0, 1, 2]], sample_index=[0])
     assert postprocess(sched, [777]) == []
     assert a.num_tokens == 10 and a.num_cached_tokens == 4          # the middle-chunk sample is dropped
     assert list(sched.waiting) == [a, b] and a.status == SequenceStatus.WAITING
 
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, input_ids=[34, 35, 36, 37], positions=[4, 5, 6, 7], slot_mapping=[4, 5, 6, 7],
                 cu_seqlens_q=[0, 4], context_lens=[8], block_tables=[[0, 1, 2]], sample_index=[0])
     postprocess(sched, [778])
     assert a.num_tokens == 10
 
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=PREFILL, input_ids=[38, 39, 50, 51], positions=[8, 9, 0, 1], slot_mapping=[8, 9, 12, 13],
                 cu_seqlens_q=[0, 2, 4], context_lens=[10, 2], block_tables=[[0, 1, 2], [3, -1, -1]],
                 sample_index=[0, 0])
@@ -228,10 +229,10 @@ def test_only_the_first_sequence_of_a_step_is_chunked():
     a, b, c = Sequence(0, [1] * 6), Sequence(1, [2] * 5), Sequence(2, [3])
     for s in (a, b, c):
         sched.add(s)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.num_tokens == 6 and list(sched.scheduled) == [a]
     postprocess(sched, [9])
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.kind == MIXED and list(sched.scheduled) == [a, b, c]
     np.testing.assert_array_equal(plan.cu_seqlens_q, [0, 1, 6, 7])
 
@@ -258,10 +259,10 @@ def test_prefix_hit_plan_is_exact_and_shared_blocks_are_ref_counted():
     bm = sched.block_manager
     a = Sequence(0, list(range(1, 10)), max_tokens=3)
     sched.add(a)
-    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule().plan))
     b = Sequence(1, list(range(1, 9)) + [50, 51], max_tokens=3)
     sched.add(b)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, kind=MIXED, input_ids=[a.token_ids[9], 50, 51], positions=[9, 8, 9], slot_mapping=[9, 12, 13],
                 cu_seqlens_q=[0, 1, 3], context_lens=[10, 10], block_tables=[[0, 1, 2], [0, 1, 3]],
                 sample_index=[1, 0])
@@ -284,7 +285,7 @@ def test_block_aligned_prompt_fully_cached_still_computes_a_token():
     run(sched, model)
     again = Sequence(1, prompt, max_tokens=2)
     sched.add(again)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.num_tokens >= 1
     assert_plan(plan, sched, input_ids=prompt[4:], positions=[4, 5, 6, 7], context_lens=[8])
     assert again.num_cached_tokens == 4 and again.block_table[0] == first_block(sched, prompt)
@@ -306,7 +307,7 @@ def test_prompt_of_one_block_plus_one_token_hits_and_computes_one_token():
     run(sched, model)
     s = Sequence(1, prompt, max_tokens=1)
     sched.add(s)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert_plan(plan, sched, input_ids=[5], positions=[4], context_lens=[5])
     postprocess(sched, model(plan))
     assert_matches_reference(sched, [s])
@@ -350,10 +351,10 @@ def test_fcfs_head_that_does_not_fit_blocks_those_behind_it():
     a = Sequence(0, list(range(1, 13)), max_tokens=3)
     b, c = Sequence(1, list(range(20, 28)), max_tokens=2), Sequence(2, [40], max_tokens=2)
     sched.add(a)
-    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule().plan))
     sched.add(b)
     sched.add(c)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.kind == DECODE and list(sched.scheduled) == [a]
     assert list(sched.waiting) == [b, c] and not b.block_table and not c.block_table
     postprocess(sched, model(plan))
@@ -371,12 +372,12 @@ def test_new_prompt_joins_running_decodes_in_a_mixed_step():
     a = Sequence(0, [1, 2, 3, 4, 5, 6], max_tokens=5, ignore_eos=True)
     b = Sequence(1, [7, 8, 9, 10, 11], max_tokens=4, ignore_eos=True)
     sched.add(a)
-    postprocess(sched, model(sched.schedule()))          # A's prefill: blocks 0, 1
-    plan = sched.schedule()
+    postprocess(sched, model(sched.schedule().plan))          # A's prefill: blocks 0, 1
+    plan = sched.schedule().plan
     assert plan.kind == DECODE
     postprocess(sched, model(plan))                      # A has 8 tokens, 7 computed
     sched.add(b)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert list(sched.scheduled) == [a, b]
     assert_plan(plan, sched, kind=MIXED, input_ids=[a.token_ids[7], 7, 8, 9, 10, 11], positions=[7, 0, 1, 2, 3, 4],
                 slot_mapping=[7, 8, 9, 10, 11, 12], cu_seqlens_q=[0, 1, 6], context_lens=[8, 5],
@@ -395,11 +396,11 @@ def test_mixed_step_decode_rows_take_their_share_of_the_budgets():
     running = [Sequence(i, [10 * i + 1, 10 * i + 2], max_tokens=20, ignore_eos=True) for i in range(3)]
     for s in running:
         sched.add(s)
-    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule().plan))
     d, e = Sequence(3, list(range(40, 52)), max_tokens=2), Sequence(4, [60], max_tokens=2)
     sched.add(d)
     sched.add(e)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.kind == MIXED and list(sched.scheduled) == running + [d]
     assert np.diff(plan.cu_seqlens_q).tolist() == [1, 1, 1, 7] and plan.num_tokens == 10
     postprocess(sched, model(plan))
@@ -416,10 +417,10 @@ def test_full_batch_keeps_the_decode_fast_path():
     a, b = Sequence(0, [1, 2], max_tokens=4), Sequence(1, [3, 4], max_tokens=4)
     sched.add(a)
     sched.add(b)
-    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule().plan))
     c = Sequence(2, [5, 6], max_tokens=2)
     sched.add(c)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.kind == DECODE and list(sched.scheduled) == [a, b] and list(sched.waiting) == [c]
     postprocess(sched, model(plan))
     run(sched, model)
@@ -437,8 +438,8 @@ def test_decode_preempts_the_tail_first_and_it_completes_by_recompute():
                          for i in range(4)]
     for s in seqs:
         sched.add(s)
-    postprocess(sched, model(sched.schedule()))
-    plan = sched.schedule()
+    postprocess(sched, model(sched.schedule().plan))
+    plan = sched.schedule().plan
     assert plan.kind == DECODE and list(sched.scheduled) == [a, b]
     assert_plan(plan, sched, positions=[4, 4], slot_mapping=[3 * 4, 2 * 4], block_tables=[[0, 3], [1, 2]])
     assert sched.num_preemptions == 2
@@ -471,9 +472,9 @@ def test_decode_preempts_itself_when_alone():
     c = Sequence(2, list(range(21, 29)), max_tokens=3)
     sched.add(a)
     sched.add(b)
-    postprocess(sched, model(sched.schedule()))
+    postprocess(sched, model(sched.schedule().plan))
     sched.add(c)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.kind == DECODE and list(sched.scheduled) == [a] and list(sched.waiting) == [b, c]
     assert b.block_table == [] and sched.num_preemptions == 1
     postprocess(sched, model(plan))
@@ -493,15 +494,15 @@ def test_preempted_sequence_re_hits_its_freed_blocks():
     b = Sequence(1, list(range(11, 20)), max_tokens=4)
     sched.add(a)
     sched.add(b)
-    postprocess(sched, model(sched.schedule()))
-    postprocess(sched, model(sched.schedule()))        # A decodes, B preempted
+    postprocess(sched, model(sched.schedule().plan))
+    postprocess(sched, model(sched.schedule().plan))        # A decodes, B preempted
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
     assert bm.blocks[1].hash is not None and bm.blocks[2].hash is not None   # kept while free
-    plan = sched.schedule()                            # B does not fit yet: A decodes and finishes
+    plan = sched.schedule().plan                            # B does not fit yet: A decodes and finishes
     assert plan.kind == DECODE and list(sched.scheduled) == [a]
     assert [s.seq_id for s in postprocess(sched, model(plan))] == [0]
 
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert list(sched.scheduled) == [b]
     assert_plan(plan, sched, kind=PREFILL, input_ids=[19, b.token_ids[9]], positions=[8, 9], slot_mapping=[12, 13],
                 context_lens=[10], block_tables=[[1, 2, 3]], sample_index=[1])
@@ -523,7 +524,7 @@ def test_later_identical_prompt_hits_freed_blocks():
     computed = model.num_computed_tokens
     second = Sequence(1, prompt, max_tokens=3)
     sched.add(second)
-    plan = sched.schedule()
+    plan = sched.schedule().plan
     assert plan.num_tokens == 2 and second.num_cached_tokens == 8
     assert [bm.blocks[i].ref_count for i in second.block_table[:2]] == [1, 1]
     postprocess(sched, model(plan))
@@ -540,7 +541,7 @@ def test_prefix_caching_disabled_never_hits():
     sched.add(seqs[0])
     run(sched, model)
     sched.add(seqs[1])
-    assert sched.schedule().num_tokens == 10
+    assert sched.schedule().plan.num_tokens == 10
     assert sched.block_manager.num_prefix_hit_tokens == 0 and not sched.block_manager.hash_to_block_id
 
 
@@ -581,8 +582,8 @@ def test_eos_ids_are_the_configured_ones():
     a, b, c = Sequence(0, [1], max_tokens=4), Sequence(1, [1], max_tokens=4), Sequence(2, [1], max_tokens=4)
     for s in (a, b, c):
         sched.add(s)
-    postprocess(sched, constant(9)(sched.schedule()))
-    sched.schedule()
+    postprocess(sched, constant(9)(sched.schedule().plan))
+    sched.schedule().plan
     finished = postprocess(sched, [3, 4, EOS])   # EOS=0 is not an eos id of this scheduler
     assert finished == [a, b] and a.finish_reason == b.finish_reason == "stop" and not c.is_finished
 
@@ -647,9 +648,9 @@ def test_adding_a_sequence_of_bad_length_is_refused(num_tokens):
 def test_schedule_and_postprocess_must_alternate():
     sched = make_scheduler()
     sched.add(Sequence(0, [1, 2]))
-    sched.schedule()
+    sched.schedule().plan
     with pytest.raises(RuntimeError):
-        sched.schedule()
+        sched.schedule().plan
     with pytest.raises(RuntimeError, match="2 sampled tokens for 1 sampling rows"):
         sched.postprocess([1, 2])
 
@@ -659,8 +660,8 @@ def test_abort_all_frees_everything():
     seqs = [Sequence(i, list(range(1, 11)), max_tokens=5) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    postprocess(sched, model(sched.schedule()))     # one chunk of seq 0
-    sched.schedule()                               # a step in flight
+    postprocess(sched, model(sched.schedule().plan))     # one chunk of seq 0
+    sched.schedule().plan                               # a step in flight
     dropped = sched.abort_all()
     assert sorted(s.seq_id for s in dropped) == [0, 1, 2]
     assert all(s.finish_reason == "abort" for s in seqs)
@@ -729,7 +730,7 @@ def test_random_stress(seed, block_size, num_blocks, prefix_caching):
         while pending and rng.random() < 0.3:
             sched.add(pending.popleft())
         was_running = {id(s) for s in sched.running}
-        plan = sched.schedule()
+        plan = sched.schedule().plan
         rows = list(sched.scheduled)
         assert plan is not None
         check_invariants(sched)
@@ -785,7 +786,7 @@ def _plan_stream(seed: int, rebuild_every_decode: bool, monkeypatch) -> tuple[li
             sched.add(pending.popleft())
         if not sched.has_unfinished():
             sched.add(pending.popleft())
-        plan = sched.schedule()
+        plan = sched.schedule().plan
         plans.append(plan.encode())
         postprocess(sched, model(plan))
     monkeypatch.undo()

@@ -212,9 +212,9 @@ def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
     check_layout(json.loads((tmp_path / "t.tp1.json").read_text()), 1)
     for parser in (serve.build_parser(), bench_latency.build_parser(), bench_serve.build_parser()):
         args = parser.parse_args(["--trace", "x.json", "--trace-layers"])
-        assert args.trace == "x.json" and args.trace_layers
+        assert args.trace_path == "x.json" and args.trace_layers
     parser = argparse.ArgumentParser()
     generate.add_engine_args(parser)
-    assert parser.parse_args([]).trace is None
+    assert parser.parse_args([]).trace_path is None
     assert trace.sibling_path("/d/out.json", "offline") == "/d/out.offline.json"     # bench_serve's offline engine
     assert trace.sibling_path("/d/out", "tp2") == "/d/out.tp2.json"

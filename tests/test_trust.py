@@ -116,7 +116,7 @@ def test_worker_refuses_out_of_range_plan(tp2, prompts):
         tp2.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     finally:
         engine.scheduler.schedule = schedule
-    bad = next(p for p in plans if p is not None)
+    bad = next(p for p in plans if p is not None).plan
     bad.step_id, bad.block_tables = 424242, bad.block_tables.copy()
     bad.block_tables[0, 0] = 10**6
     engine.writer.publish(bad.encode())

@@ -34,7 +34,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_model(self.model, config.model)
-        pack_cpu_weights(self.model)
+        pack_cpu_weights(self.model, config.packed_linear)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:

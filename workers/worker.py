@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanovllm_tp import trace
+from nanovllm_tp import envs, trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed import shm_allreduce
 from nanovllm_tp.distributed import trust
@@ -21,7 +21,9 @@ from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, exit_on_sigterm
                                             join_spawned, launched_by_torchrun, multi_node, node_ranks, rank0_host,
                                             share_store, torchrun_secret)
 from nanovllm_tp.distributed.parallel_state import tp_size
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
+from nanovllm_tp.scheduler.block_manager import check_holds_a_sequence
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
 from nanovllm_tp.workers.model_runner import ModelRunner
@@ -51,8 +53,7 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
     elif info.mode == "spawn":
         join_spawned(info)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     init_process_group(rank, world, device, info.store if info.mode == "spawn" else None)
     if info.mode == "torchrun":
         share_store(info)
@@ -79,13 +80,8 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed[0])
-    needed = -(-config.max_model_len // config.kvcache_block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache budget of {budget / 2**20:.1f} MiB per rank holds {num_blocks} blocks of "
-            f"{config.kvcache_block_size} tokens ({block_bytes} bytes each), but one "
-            f"max_model_len={config.max_model_len} sequence needs {needed}: raise kv_cache_memory "
-            "(or gpu_memory_utilization) or lower max_model_len")
+    check_holds_a_sequence(num_blocks, config.kvcache_block_size, config.max_model_len,
+                           f"the KV cache budget of {budget / 2**20:.1f} MiB per rank ({block_bytes} bytes a block)")
     runner.allocate_kv_cache(num_blocks)
     if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
         from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
@@ -114,6 +110,11 @@ def serve(runner: ModelRunner, reader) -> None:
 
 def run_worker(config: EngineConfig) -> int:
     """Entry for ranks > 0 (torchrun or spawned). Returns the process exit code."""
+    with cpu_kernels.switched(config.cpu_kernels):     # the one engine of this process
+        return _run_worker(config)
+
+
+def _run_worker(config: EngineConfig) -> int:
     from nanovllm_tp.distributed.channel import PlanReader
     exit_on_sigterm()      # SIGTERM (torchrun's agent sends it when another rank fails) runs the cleanup below
     reader = runner = recording = None
@@ -123,7 +124,7 @@ def run_worker(config: EngineConfig) -> int:
         recording = trace.start(config, info.rank)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0], secret=info.secret)
-        shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device)    # shm all-reduce (local TP)
+        shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device, config.shm_allreduce)
         backend = resolve_attention_backend(config, device, dtype)
         runner = build_runner(config, device, dtype, backend)
         serve(runner, reader)

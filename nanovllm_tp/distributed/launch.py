@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp import envs
 from nanovllm_tp.distributed import trust
 from nanovllm_tp.distributed.parallel_state import set_tp
 
@@ -139,7 +140,7 @@ def launched_by_torchrun() -> bool:
 
 
 def rank0_host() -> str:
-    host = os.environ.get("NANOVLLM_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    host = envs.get("NANOVLLM_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return socket.gethostbyname(host)
 
 

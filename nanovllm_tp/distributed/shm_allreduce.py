@@ -33,7 +33,6 @@ _HDR = struct.Struct("<3Q")
 _LINE = struct.Struct("<5Q")
 DATA_AT = 4096
 DEFAULT_SLOT_BYTES = 1 << 20
-ENV_DISABLE = "NANOVLLM_TP_SHM_ALLREDUCE"    # "0" keeps gloo for every all-reduce
 _DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64}
 _yield = getattr(os, "sched_yield", lambda: None)
 
@@ -188,12 +187,13 @@ def installed() -> ShmAllReduce | None:
     return _installed
 
 
-def setup(info, all_local: bool, device: torch.device, key: str = "nvtp_ar/name") -> ShmAllReduce | None:
-    """Every rank calls this with the same ``all_local``: rank 0 creates the segment and shares its name
-    through ``info.store``, the others attach; the result is what ``parallel_state.all_reduce`` uses."""
+def setup(info, all_local: bool, device: torch.device, enabled: bool = True,
+          key: str = "nvtp_ar/name") -> ShmAllReduce | None:
+    """Every rank calls this with the same ``all_local`` and ``enabled`` (the engine's shm_allreduce knob): rank 0
+    creates the segment and shares its name through ``info.store``, the others attach; the result is what
+    ``parallel_state.all_reduce`` uses."""
     global _installed
-    if (info.world_size < 2 or not all_local or device.type != "cpu"
-            or os.environ.get(ENV_DISABLE, "1") == "0"):
+    if info.world_size < 2 or not all_local or device.type != "cpu" or not enabled:
         return None
     if info.rank == 0:
         ar = ShmAllReduce.create(info.world_size)

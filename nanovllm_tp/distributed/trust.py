@@ -15,7 +15,10 @@ import logging
 import os
 import secrets
 import stat
+
 from dataclasses import dataclass
+
+from nanovllm_tp import envs
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -60,7 +63,7 @@ def new_secret() -> bytes:
 
 
 def insecure() -> bool:
-    return os.environ.get(INSECURE_ENV, "") == "1"
+    return envs.get(INSECURE_ENV, "") == "1"
 
 
 def _check_secret(value: bytes, where: str) -> bytes:
@@ -87,10 +90,10 @@ def read_secret_file(path: str) -> bytes:
 
 def secret_from_env() -> bytes | None:
     """The operator's secret (NANOVLLM_TP_SECRET_FILE first, then NANOVLLM_TP_SECRET), or None."""
-    path = os.environ.get(SECRET_FILE_ENV)
+    path = envs.get(SECRET_FILE_ENV)
     if path:
         return read_secret_file(path)
-    value = os.environ.get(SECRET_ENV)
+    value = envs.get(SECRET_ENV)
     return _check_secret(value.encode(), SECRET_ENV) if value else None
 
 

@@ -7,8 +7,9 @@ In eager torch each of those is a chain of small ops, and on a CPU every op cost
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
 paged cache in place and do each layer piece in one call. They are compiled once per machine with the C compiler
 (`$CC`, else `cc`) into the user's cache directory and loaded with ctypes. Without a compiler, for other dtypes,
-or with NANOVLLM_TP_CPU_KERNELS=0 (for comparisons), every layer runs its torch code instead.
+or in an engine built with cpu_kernels=False (for comparisons: `switched`), every layer runs its torch code instead.
 """
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -230,9 +231,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def load() -> CpuKernels | None:
-    """The kernels, or None (logged once) where they cannot be built here or are switched off."""
-    if os.environ.get("NANOVLLM_TP_CPU_KERNELS", "1") == "0":
-        return None
+    """The kernels, or None (logged once) where they cannot be built here."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler found ($CC or cc): CPU layers run as plain torch ops (slower)")
@@ -244,6 +243,30 @@ def load() -> CpuKernels | None:
         return None
 
 
+def _default_switch() -> bool:
+    from nanovllm_tp import envs
+    return envs.flag("NANOVLLM_TP_CPU_KERNELS")
+
+
+_switch = [_default_switch()]     # whether the engine running now uses the kernels (its cpu_kernels knob)
+
+
+@contextlib.contextmanager
+def switched(on: bool):
+    """Run with the kernels on or off (an engine's cpu_kernels), then restore the previous setting: each engine
+    of a process builds and steps under its own."""
+    saved, _switch[0] = _switch[0], on
+    try:
+        yield
+    finally:
+        _switch[0] = saved
+
+
+def active() -> CpuKernels | None:
+    """The kernels when they are built here and switched on."""
+    return load() if _switch[0] else None
+
+
 def _bf16(x: torch.Tensor) -> int:
     return int(x.dtype is torch.bfloat16)
 
@@ -251,4 +274,4 @@ def _bf16(x: torch.Tensor) -> int:
 def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when x is an fp32 or bf16 CPU tensor and they are available; the layers' torch code runs
     otherwise."""
-    return load() if x.dtype in DTYPES and x.is_cpu else None
+    return active() if x.dtype in DTYPES and x.is_cpu else None

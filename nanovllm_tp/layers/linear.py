@@ -7,11 +7,10 @@ On CPU, once loaded, weights are repacked for the matmul that reads them (`pack_
 the C kernels in csrc/linear.c (bf16 with AVX-512 BF16, fp32 with AVX-512F; 1.2-1.6x oneDNN at decode row
 counts, level with it at prefill), else into oneDNN's blocked layout (F.linear reorders the weight on every call,
 a packed weight is read as it is). fp32 sums then come in the kernel's order (each output's sum over k in order)
-rather than the BLAS order transformers uses, so a greedy token can flip at a near tie. NANOVLLM_TP_PACKED_LINEAR
-picks: 1 (the default; "all" too) as above, bf16 packs bf16 weights only (fp32 in the BLAS order), onednn packs
-both dtypes for oneDNN (vLLM's CPU build uses oneDNN too), 0 keeps F.linear everywhere.
+rather than the BLAS order transformers uses, so a greedy token can flip at a near tie. The engine's packed_linear
+knob picks: auto (the default) as above, bf16 packs bf16 weights only (fp32 in the BLAS order), onednn packs
+both dtypes for oneDNN (vLLM's CPU build uses oneDNN too), off keeps F.linear everywhere.
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,6 @@ def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
 
 
 PACK_BATCH_HINT = 32     # the row count oneDNN picks the packed layout for (a decode batch); any count works
-PACKED_MODES = ("1", "all", "bf16", "onednn", "0")   # NANOVLLM_TP_PACKED_LINEAR, see the module's docstring
 
 
 @dataclass(slots=True)
@@ -57,30 +55,22 @@ class BlockedWeight:
     in_features: int
 
 
-def packed_linear_mode() -> str:
-    mode = os.environ.get("NANOVLLM_TP_PACKED_LINEAR", "1")
-    if mode not in PACKED_MODES:
-        raise ValueError(f"NANOVLLM_TP_PACKED_LINEAR must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
-    return mode
-
-
-def packable_dtypes(mode: str | None = None) -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN packs under `mode` (default: the current one)."""
-    mode = mode or packed_linear_mode()
-    if mode == "0" or not torch.backends.mkldnn.is_available():
+def packable_dtypes(mode: str) -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs under `mode` (the packed_linear knob)."""
+    if mode == "off" or not torch.backends.mkldnn.is_available():
         return ()
     bf16 = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
     return bf16 + ((torch.float32,) if mode != "bf16" else ())
 
 
-def pack_weight(w: torch.Tensor):
-    """The packed form `matmul` reads for a CPU weight [out, in], or None (F.linear on the weight as it is)."""
-    mode = packed_linear_mode()
-    if mode == "0" or w.device.type != "cpu":
+def pack_weight(w: torch.Tensor, mode: str):
+    """The packed form `matmul` reads for a CPU weight [out, in] under `mode` (the packed_linear knob), or None
+    (F.linear on the weight as it is)."""
+    if mode == "off" or w.device.type != "cpu":
         return None
-    ours = mode in ("1", "all") or (mode == "bf16" and w.dtype is torch.bfloat16)
+    ours = mode == "auto" or (mode == "bf16" and w.dtype is torch.bfloat16)
     if ours and (w.dtype is torch.float32 or w.shape[1] % 2 == 0):
-        kernels = cpu_kernels.load()
+        kernels = cpu_kernels.active()
         if kernels is not None and w.dtype in kernels.linear_dtypes:
             return BlockedWeight(kernels.pack_linear_weight(w), *w.shape)
     if w.dtype in packable_dtypes(mode):
@@ -88,12 +78,12 @@ def pack_weight(w: torch.Tensor):
     return None
 
 
-def pack_cpu_weights(model: nn.Module) -> int:
+def pack_cpu_weights(model: nn.Module, mode: str) -> int:
     """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head) where `pack_weight`
     has a form for it; the dense copy of a linear layer's weight is freed. Returns how many were packed."""
     count = 0
     for m in model.modules():
-        if not hasattr(m, "packed") or (packed := pack_weight(m.weight)) is None:
+        if not hasattr(m, "packed") or (packed := pack_weight(m.weight, mode)) is None:
             continue
         m.packed = packed
         if isinstance(m, LinearBase):       # the LM head's weight may be the embedding's too: kept

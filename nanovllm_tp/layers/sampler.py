@@ -11,14 +11,13 @@ The draw is Gumbel-max with counter-based noise: a hash of (request seed, token 
 int64 tensor ops, so a request's samples depend only on its own seed and logits: not on the batch it shares,
 not on the device.
 """
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.sampling_params import MIN_TEMPERATURE
 from nanovllm_tp.scheduler.rows import ROW_DTYPE, SamplingBatch
+from nanovllm_tp.scheduler.scheduled_step import PromptChunk, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -78,15 +77,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.is_cpu:
         return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
     return x.argmax(dim=-1)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of some positions: the chosen token's logprob and rank (1 = most likely) and the top-N."""
-    logprob: np.ndarray       # float32 [positions]
-    rank: np.ndarray          # int64 [positions]
-    top_ids: np.ndarray       # int64 [positions, N]
-    top_logprobs: np.ndarray  # float32 [positions, N]
 
 
 def token_logprobs(logits: torch.Tensor, rows: np.ndarray, chosen: np.ndarray, top_n: int) -> TokenLogprobs:
@@ -270,19 +260,9 @@ def _draw_vocab(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> to
     return pick if ids.dim() == 1 else ids.gather(1, pick[:, None])[:, 0]
 
 
-def prompt_logprobs(logits: torch.Tensor, chunks) -> None:
-    """Append the logprobs of each chunk's prompt tokens to its sequence: logits row j of a chunk starting at
-    position p predicts the prompt token at p + j + 1. Positions already recorded (a recomputed chunk after
-    preemption) are skipped."""
-    for seq, first_row, first_pos, count in chunks:
-        have = len(seq.prompt_logprobs)
-        targets = [p + 1 for p in range(first_pos, first_pos + count) if have <= p + 1 < seq.num_prompt_tokens]
-        if not targets:
-            continue
-        idx = np.array([first_row + t - 1 - first_pos for t in targets], np.int64)
-        chosen = np.array([seq.token_ids[t] for t in targets], np.int64)
-        lp = token_logprobs(logits, idx, chosen, seq.params.prompt_logprobs)
-        seq.prompt_logprobs.extend(zip(lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()))
+def prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]) -> list[TokenLogprobs]:
+    """The logprobs of each chunk's prompt tokens (the scheduler records them)."""
+    return [token_logprobs(logits, c.rows, c.token_ids, c.seq.params.prompt_logprobs) for c in chunks]
 
 
 def run_worst_case(device: torch.device, rows: int, vocab: int) -> None:

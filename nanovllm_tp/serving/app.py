@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm_tp.prompts import render_chat
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -166,11 +167,9 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
         check_model(body.model)
         try:
             params = body.sampling_params()
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError("this model's tokenizer has no chat template")
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+            text = render_chat(tokenizer, [m.as_template_message() for m in body.messages],
+                               add_generation_prompt=body.add_generation_prompt,
+                               chat_template_kwargs=body.chat_template_kwargs)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors (jinja raises its own types)

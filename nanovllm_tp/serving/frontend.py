@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 
+from nanovllm_tp import envs
 from nanovllm_tp.serving.app import ServedModel, build_app
 from nanovllm_tp.serving.engine_client import EngineClient
 
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
         except asyncio.CancelledError:
             return
         model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]))
-        app = build_app(engine, model, os.environ.get("NANOVLLM_TP_API_KEY") or None)
+        app = build_app(engine, model, envs.get("NANOVLLM_TP_API_KEY") or None)
         state["server"] = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                         log_level=args.log_level, timeout_graceful_shutdown=1))
         await state["server"].serve()

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanovllm_tp.prompts import is_token_ids
 from nanovllm_tp.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -68,7 +69,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list:
         """One entry per prompt: a string or a list of token ids."""
         p = self.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+        if isinstance(p, str) or is_token_ids(p):
             return [p]
         if not p:
             raise ValueError("prompt is empty")

@@ -68,7 +68,7 @@ def prefill_logits(llm, prompts) -> torch.Tensor:
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add(Sequence(10_000_000 + i, p, temperature=0.0, max_tokens=1, ignore_eos=True))
-    plan = engine.scheduler.schedule()
+    plan = engine.scheduler.schedule().plan
     try:
         assert plan.is_prefill and plan.num_rows == len(prompts)
         return engine.runner.execute(plan).float().cpu()
@@ -177,7 +177,7 @@ def test_graph_padding_rows_leave_the_last_usable_block_alone(tiny_model_dir, re
             llm.add_request(list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.step()
         assert [s.block_table for s in sched.running] == [[0, 1, 2, 3, 4], [5, 6], [7]]
-        plan = sched.schedule()
+        plan = sched.schedule().plan
         assert plan.kind == DECODE and plan.num_rows == 3
         k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
         runner.graphs.replay(plan)      # 3 rows on the 4-row graph: one padding row

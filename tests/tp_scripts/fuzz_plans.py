@@ -26,10 +26,10 @@ schedule = engine.scheduler.schedule
 
 
 def capture():
-    plan = schedule()
-    if plan is not None:
-        captured.append(plan.encode())
-    return plan
+    step = schedule()
+    if step is not None:
+        captured.append(step.plan.encode())
+    return step
 
 
 engine.scheduler.schedule = capture

@@ -14,8 +14,8 @@ class CpuBackend(TorchBackend):
     def unavailable(cls, dtype) -> str | None:
         if dtype not in cpu_kernels.DTYPES:
             return f"the C kernels take float32 and bfloat16, not {dtype}"
-        if cpu_kernels.load() is None:
-            return "the C kernels are not available here (no C compiler, a failed build, or NANOVLLM_TP_CPU_KERNELS=0)"
+        if cpu_kernels.active() is None:
+            return "the C kernels are not available here (no C compiler, a failed build, or cpu_kernels=False)"
         return None
 
     def decode(self, q, k_cache, v_cache, ctx, scale):

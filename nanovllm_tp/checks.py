@@ -1,0 +1,32 @@
+"""The value checks of user input, one rule each, shared by SamplingParams and the engine knobs: strict types
+(a bool is not a number, a float is not an int), then the range, in messages that name the field."""
+import math
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite float32 number, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def integer(name: str, value, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

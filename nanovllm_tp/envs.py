@@ -1,0 +1,42 @@
+"""Every environment variable the engine reads, in one place, each with what it means.
+
+Variables that switch an engine knob are defaults only: an `EngineConfig` field (an `LLM(...)` argument, a CLI
+flag) given explicitly wins. Read through `get(name)`, which refuses names not declared here, so a variable cannot
+be read somewhere without being listed. The launcher's own variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+torchrun's) and the private hand-over between rank 0 and the workers it spawns (distributed/launch.py) are the
+launch protocol, not settings, and are not listed.
+"""
+import os
+
+VARIABLES = {
+    # engine knob defaults (EngineConfig fields of the same meaning)
+    "NANOVLLM_TP_CPU_KERNELS": "default of cpu_kernels: 0 runs CPU layers and the sampler as torch ops",
+    "NANOVLLM_TP_PACKED_LINEAR": "default of packed_linear: auto (1, all), bf16, onednn, off (0)",
+    "NANOVLLM_TP_SHM_ALLREDUCE": "default of shm_allreduce: 0 keeps gloo for every all-reduce of same-node ranks",
+    # trust (distributed/trust.py)
+    "NANOVLLM_TP_SECRET": "the engine secret of a torchrun launch (its contents)",
+    "NANOVLLM_TP_SECRET_FILE": "the engine secret of a torchrun launch (a 0600 file holding it)",
+    "NANOVLLM_TP_INSECURE": "1: the plan channel is neither authenticated nor encrypted (benchmarks only)",
+    "NANOVLLM_TP_HOST": "the address other nodes reach rank 0 at (default MASTER_ADDR, else 127.0.0.1)",
+    # serving and files
+    "NANOVLLM_TP_API_KEY": "the server's API key (launch/serve --api-key's default)",
+    "NANOVLLM_TP_CACHE": "where make_tiny keeps the embedded tiny checkpoint (default ~/.cache/nanovllm_tp)",
+}
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a declared variable of nanovllm_tp.envs")
+    return os.environ.get(name, default)
+
+
+def flag(name: str) -> bool:
+    """A switch that is on unless set to 0."""
+    return get(name, "1") != "0"
+
+
+def cores_per_rank(ranks_on_node: int) -> int:
+    """This node's usable cores shared by its ranks, at least one each: a CPU rank's thread count where
+    OMP_NUM_THREADS does not say otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // ranks_on_node)

@@ -181,17 +181,21 @@ class SamplingBatch:
 
     def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""
-        under = np.flatnonzero(self.sample_index < self.rows["min_tokens"])
-        pairs = []
-        for e in under.tolist():
-            params = self.seqs[e].params
-            ids = set() if params.ignore_eos else set(eos.tolist())
-            ids.update(params.stop_token_ids or ())
-            pairs.extend((e, t) for t in ids)
-        if not pairs:
+        rows = self.rows
+        under = self.sample_index < rows["min_tokens"]
+        if not under.any():
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        arr = np.asarray(pairs, np.int64)
-        return arr[:, 0], arr[:, 1]
+        with_eos = np.flatnonzero(under & ~rows["ignore_eos"])
+        entries, ids = [np.repeat(with_eos, len(eos))], [np.tile(eos, len(with_eos))]
+        for e in np.flatnonzero(under & rows["has_stop_ids"]).tolist():
+            stops = self.seqs[e].params.stop_token_ids
+            entries.append(np.full(len(stops), e, np.int64))
+            ids.append(np.asarray(stops, np.int64))
+        entries, ids = np.concatenate(entries), np.concatenate(ids)
+        if len(entries) > len(with_eos) * len(eos):          # stop ids after the EOS pairs: back in entry order
+            order = np.argsort(entries, kind="stable")
+            entries, ids = entries[order], ids[order]
+        return entries, ids
 
 
 def finish_codes(seqs, rows: np.ndarray, tokens: np.ndarray, completion: np.ndarray, total: np.ndarray,

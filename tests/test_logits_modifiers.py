@@ -179,13 +179,15 @@ def test_bad_words_spellings_and_limits(tokenizer):
 def test_an_entry_left_without_any_token_takes_column_0(both_paths):
     """allowed_token_ids = [EOS] under min_tokens masks every logit: greedy or drawn, the entry takes the argmax
     of what is left (column 0), on both paths, and its neighbours are untouched."""
-    logits = torch.from_numpy(np.random.default_rng(2).standard_normal((3, 50)).astype(np.float32))
+    logits = torch.from_numpy(np.random.default_rng(2).standard_normal((8, 50)).astype(np.float32))
     dead = dict(allowed_token_ids=[EOS], min_tokens=3)
-    params = [SamplingParams(temperature=0, **dead), SamplingParams(temperature=1.0, seed=4, **dead),
-              SamplingParams(temperature=0, allowed_token_ids=[EOS, 20])]
+    params = [SamplingParams(temperature=0, **dead)] + [
+        SamplingParams(temperature=1.0, seed=4, **dead, **knobs)
+        for knobs in ({}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.5, "min_p": 0.2},
+                      {"top_p": 0.5, "min_p": 0.2})] + [SamplingParams(temperature=0, allowed_token_ids=[EOS, 20])]
     batch = batch_of(params)
     (tokens, _), (ref_tokens, _) = both_paths(lambda: Sampler(eos_token_ids=[EOS])(logits, batch))
-    assert tokens == ref_tokens == [0, 0, EOS if logits[2, EOS] > logits[2, 20] else 20]
+    assert tokens == ref_tokens == [0] * 7 + [EOS if logits[7, EOS] > logits[7, 20] else 20]
 
 
 def test_logprobs_stay_the_raw_log_softmax(both_paths):

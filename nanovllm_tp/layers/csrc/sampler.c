@@ -253,8 +253,11 @@ INLINE int is_masked(float v) { return !is_finite_or_max(order_key(v)); }
 static void modify(float *row, const float *raw, int64_t cols, const int64_t *token, const int32_t *kind,
                    const float *value, int64_t n, const knobs_t *k)
 {
-    int allow_only = 0;
-    for (int64_t i = 0; i < n; i++) allow_only |= kind[i] == MOD_ALLOW;
+    int allow_only = 0, biased = 0;
+    for (int64_t i = 0; i < n; i++) {
+        allow_only |= kind[i] == MOD_ALLOW;
+        biased |= kind[i] == MOD_BIAS;
+    }
     if (allow_only) {
         for (int64_t c = 0; c < cols; c++) row[c] = -INFINITY;
         for (int64_t i = 0; i < n; i++)
@@ -262,7 +265,7 @@ static void modify(float *row, const float *raw, int64_t cols, const int64_t *to
     } else {
         memcpy(row, raw, sizeof(float) * (size_t)cols);
     }
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; biased && i < n; i++) {
         float *v = row + token[i];
         if (kind[i] != MOD_BIAS || is_masked(*v)) continue;
         volatile float biased = *v + value[i];
@@ -335,7 +338,9 @@ static int scaled_candidates(const float *row, int64_t cols, int k, float temper
 }
 
 /* A draw at the entry's temperature: among its top_k best (0 < top_k < cols), else over the whole vocabulary, where
- * top-p takes the best 64, 128, ... until the kept mass is reached. Returns -1 if scratch fails. */
+ * top-p takes the best 64, 128, ... until the kept mass is reached. A row of nothing but -inf gives column 0 (the
+ * argmax; the candidate draws take their first candidate, the lowest column of equal keys). Returns -1 if scratch
+ * fails. */
 static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_t counter)
 {
     const uint64_t row_key = splitmix64(splitmix64((uint64_t)k->seed) ^ (uint64_t)counter);
@@ -356,7 +361,7 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
                 pick = c;
             }
         }
-        return pick;
+        return pick >= 0 ? pick : argmax_row(row, cols);
     }
     float total = -1.0f;
     int want = limited ? k->top_k : (cols < 64 ? (int)cols : 64);
@@ -420,7 +425,6 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
         const float *raw = x + row_of[e] * stride, *row = raw;
         float *copy = NULL;
         const int64_t first = mod_start[e], mods = mod_start[e + 1] - first;
-        int greedy = k.temperature < min_temperature;
         if (mods > 0) {
             copy = malloc(sizeof(float) * (size_t)cols);
             if (!copy) {
@@ -429,9 +433,8 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
             }
             modify(copy, raw, cols, mod_token + first, mod_kind + first, mod_value + first, mods, &k);
             row = copy;
-            greedy |= !is_finite_or_max(max_key(row, cols));      /* nothing left to draw from */
         }
-        tokens[e] = greedy ? argmax_row(row, cols) : draw_row(row, cols, &k, counter[e]);
+        tokens[e] = k.temperature < min_temperature ? argmax_row(row, cols) : draw_row(row, cols, &k, counter[e]);
         failed |= tokens[e] < 0;
         const int64_t s = slot[e];
         if (s >= 0 && !failed)

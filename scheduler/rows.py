@@ -60,7 +60,7 @@ def request_modifiers(seq) -> list[tuple[np.ndarray, int, np.ndarray | float]]:
     if params.bad_words:
         words = params.bad_words_token_ids
         if words is None:
-            raise RuntimeError("bad_words are tokenized when LLM admits the request (SamplingParams.tokenize_bad_words)")
+            raise RuntimeError("bad_words are tokenized when LLM admits a request (SamplingParams.tokenize_bad_words)")
         tokens, out = seq.token_ids, seq.num_completion_tokens
         last = tokens[-1] if out else -1
         banned = [ids[-1] for ids in words if len(ids) == 1 or (
@@ -161,7 +161,7 @@ class SamplingBatch:
         e, t = self.suppressed(eos)
         if len(e):
             add(e, t, SUPPRESS, 0.0)
-        for e in np.flatnonzero(self.rows["modifiers"]).tolist():
+        for e in self.rows["modifiers"].nonzero()[0].tolist():       # nonzero: no copy of the strided field
             for t, k, v in request_modifiers(self.seqs[e]):
                 add(e, t, k, v)
         if not entry:

@@ -73,7 +73,7 @@ def test_modified_logits_equal_a_direct_computation(both_paths, tokenizer):
     assert [len(s) for s in spell] == [1, 1, 2, 2]
     cases = [  # (params, prompt, output, logits row)
         (SamplingParams(temperature=0, logit_bias={0: 1.5, 1: 2.5, 2: -0.25, 3: 5.0, 4: 250.0, 9: -250},
-                        repetition_penalty=1.7), [1, 2, 0, 11], [12], 0),        # bias before the penalty: -1 -> 1.5 / 1.7
+                        repetition_penalty=1.7), [1, 2, 0, 11], [12], 0),      # bias, then penalty: -1 -> 1.5 / 1.7
         (SamplingParams(temperature=0, allowed_token_ids=[0, 4, 5, 6, 9, 4], logit_bias={4: -1.0, 8: 10.0},
                         presence_penalty=0.5, frequency_penalty=0.3), [5], [6, 6, 9], 1),
         (SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[5], logit_bias={EOS: 50.0, 2: 1.0},
@@ -109,7 +109,8 @@ def test_bias_then_greedy_takes_the_first_of_tied_maxima(both_paths):
     rng = np.random.default_rng(1)
     logits = torch.from_numpy(rng.integers(-4, 5, (64, 500)).astype(np.float32))
     params = [SamplingParams(temperature=0, logit_bias={int(t): float(rng.integers(-3, 4))
-                                                        for t in rng.choice(500, 40, replace=False)}) for _ in range(64)]
+                                                        for t in rng.choice(500, 40, replace=False)})
+              for _ in range(64)]
     batch = batch_of(params)
     (tokens, _), (ref_tokens, _) = both_paths(lambda: Sampler()(logits, batch))
     want = [int(np.argmax(direct(logits[i].numpy(), p, [0], []))) for i, p in enumerate(params)]

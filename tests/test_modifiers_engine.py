@@ -16,8 +16,9 @@ KINDS = ("logit_bias", "logit_bias + repetition_penalty", "allowed_token_ids", "
 def found_bad_words(tokenizer, out: list[int]) -> list[str]:
     """Words of the output's text with a spelling of two tokens or more that the output holds (so a ban fires),
     and the text of the output's second token (one token, banned from the start)."""
-    words = [w for w in tokenizer.decode(out).split() if any(
-        len(s) > 1 and any(tuple(out[i:i + len(s)]) == s for i in range(len(out))) for s in bad_word_spellings(tokenizer, w))]
+    def held(s):
+        return len(s) > 1 and any(tuple(out[i:i + len(s)]) == s for i in range(len(out)))
+    words = [w for w in tokenizer.decode(out).split() if any(held(s) for s in bad_word_spellings(tokenizer, w))]
     single = tokenizer.decode(out[1:2]).strip()
     return words[:1] + ([single] if single else [])
 

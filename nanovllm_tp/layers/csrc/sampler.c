@@ -1,7 +1,8 @@
 /* Rank 0's sampler on CPU, over fp32 logits: per-row top-k, logprobs, and one pass per entry that applies the
  * entry's logit modifiers (allowed set, biases, penalties, suppressed tokens), then takes the argmax or draws
- * (temperature, top-k, min-p, top-p, Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into one library (nanovllm_tp/layers/cpu_kernels.py);
- * nanovllm_tp/layers/sampler.py holds the same operations in numpy/torch: their reference, and the path off the CPU.
+ * (temperature, top-k, min-p, top-p, Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into one library
+ * (nanovllm_tp/layers/cpu_kernels.py); nanovllm_tp/layers/sampler.py holds the same operations in numpy/torch: their
+ * reference, and the path off the CPU.
  *
  * Built with -ffast-math, yet exact where the reference is: suppressed logits are -inf, so orderings go through
  * integer keys and exp's argument is clamped; divisions go through double, which rounds to the float32 quotient

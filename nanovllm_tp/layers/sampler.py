@@ -219,10 +219,9 @@ def _modify(logits: torch.Tensor, rows: np.ndarray, mods: Modifiers | None) -> t
             continue
         r, where = entry[pick], entry[pick] * vocab + mods.token[pick]
         x = host[where] if host is not None else flat[_np(where, dev)].cpu().numpy()
-        live = np.isfinite(x)             # a masked logit stays masked
         v = mods.value[pick]
         if k == BIAS:
-            x = np.where(live, x + v, x)
+            x = np.where(np.isfinite(x), x + v, x)       # a masked logit stays masked (penalties keep -inf too)
         else:
             rep = rows["repetition_penalty"][r]
             x = np.where(x > 0, x / rep, x * rep)

@@ -1,9 +1,8 @@
-"""Per-request sampling knobs, with vLLM's names, defaults and ranges. Torch-free: the scheduler imports it."""
+"""Per-request sampling knobs, with vLLM's names, defaults and ranges. Torch-free (the scheduler imports it), and
+numpy-free until the sampler asks for a knob's arrays (the HTTP process imports it too, and numpy starts threads)."""
 import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
-
-import numpy as np
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5
@@ -72,10 +71,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None   # only these tokens may be sampled
     bad_words: list[str] | None = None    # words the output never completes (tokenized when the request is admitted)
-    # forms derived by validate() and, for bad_words, by tokenize_bad_words()
+    # forms derived by validate(), by the sampler on first use (arrays), by tokenize_bad_words()
     _stops: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _allowed: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _allowed: object = field(default=None, init=False, repr=False, compare=False)
     _bad_words_token_ids: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -90,13 +89,23 @@ class SamplingParams:
         return self._stops
 
     @property
-    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """logit_bias as (token ids int64, clamped biases float32), or None."""
+    def bias_arrays(self):
+        """logit_bias as numpy arrays (token ids int64, biases float32 clamped to [-MAX_BIAS, MAX_BIAS]), made on
+        first use after validate(); None without a logit_bias."""
+        if self._bias is None and self.logit_bias is not None:
+            import numpy as np
+            bias = self.logit_bias
+            self._bias = (np.fromiter(bias, np.int64, len(bias)), np.fromiter(
+                (float(min(max(b, -MAX_BIAS), MAX_BIAS)) for b in bias.values()), np.float32, len(bias)))
         return self._bias
 
     @property
-    def allowed_array(self) -> np.ndarray | None:
-        """allowed_token_ids as sorted distinct int64 ids, or None."""
+    def allowed_array(self):
+        """allowed_token_ids as a numpy array of sorted distinct int64 ids, made on first use after validate();
+        None without allowed_token_ids."""
+        if self._allowed is None and self.allowed_token_ids is not None:
+            import numpy as np
+            self._allowed = np.unique(np.asarray(self.allowed_token_ids, np.int64))
         return self._allowed
 
     @property
@@ -162,8 +171,9 @@ class SamplingParams:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except (ValueError, TypeError):
                 raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}") from None
-        self._bias = _logit_bias(self.logit_bias)
-        self._allowed = _allowed(self.allowed_token_ids)
+        _check_logit_bias(self.logit_bias)
+        _check_allowed(self.allowed_token_ids)
+        self._bias = self._allowed = None          # made again from the fields as they are now
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
                 raise TypeError("bad_words must be a list of strings")
@@ -199,9 +209,9 @@ class SamplingParams:
         self._bad_words_token_ids = tuple(dict.fromkeys(seqs))
 
 
-def _logit_bias(bias) -> tuple[np.ndarray, np.ndarray] | None:
+def _check_logit_bias(bias) -> None:
     if bias is None:
-        return None
+        return
     if not isinstance(bias, dict):
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
     for t, b in bias.items():
@@ -210,18 +220,14 @@ def _logit_bias(bias) -> tuple[np.ndarray, np.ndarray] | None:
             raise TypeError(f"logit_bias[{t}] must be a number, got {type(b).__name__}")
         if isinstance(b, float) and not math.isfinite(b):
             raise ValueError(f"logit_bias[{t}] must be a finite number, got {b}")
-    ids = np.fromiter(bias, np.int64, len(bias))
-    values = np.fromiter((float(min(max(b, -MAX_BIAS), MAX_BIAS)) for b in bias.values()), np.float32, len(bias))
-    return ids, values
 
 
-def _allowed(ids) -> np.ndarray | None:
+def _check_allowed(ids) -> None:
     if ids is None:
-        return None
+        return
     if not isinstance(ids, (list, tuple)):
         raise TypeError(f"allowed_token_ids must be a list of ints, got {type(ids).__name__}")
     if not ids:
         raise ValueError("allowed_token_ids cannot be empty (None allows every token)")
     for t in ids:
         _integer("each of allowed_token_ids", t, lo=0)
-    return np.unique(np.asarray(ids, np.int64))

@@ -143,8 +143,6 @@ class Sampler:
         logits = _modify(logits, rows, mods)
         tokens = argmax_rows(logits)
         hot = np.flatnonzero(rows["temperature"] >= MIN_TEMPERATURE)
-        if len(hot) and mods is not None and np.isin(mods.kind, (SUPPRESS, ALLOW)).any():
-            hot = hot[torch.isfinite(logits[_np(hot, logits.device)].amax(dim=1)).cpu().numpy()]
         if len(hot):
             tokens[_np(hot, tokens.device)] = self._draw(logits, batch, hot).to(tokens.device)
         tokens, lp = tokens.cpu().numpy(), None
@@ -253,17 +251,19 @@ def _draw_candidates(vals: np.ndarray, ids: np.ndarray, rows: np.ndarray, index:
         with np.errstate(divide="ignore"):
             masked |= vals < vals[:, :1] + np.log(rows["min_p"])[:, None]
     if (rows["top_p"] < 1).any():
-        masked = _top_p_mask(vals, masked, rows["top_p"], np)
+        with np.errstate(invalid="ignore"):      # a row of nothing but -inf: NaN masses, no candidate dropped
+            masked = _top_p_mask(vals, masked, rows["top_p"], np)
     noise = uniform_noise_np(rows["seed"], index, ids)
     scores = np.where(masked, -np.inf, vals.astype(np.float64)) - np.log(-np.log(noise))
-    return ids[np.arange(len(ids)), np.argmax(scores, axis=1)]
+    picks = ids[np.arange(len(ids)), np.argmax(scores, axis=1)]
+    return np.where(np.isneginf(vals[:, 0]), 0, picks)      # nothing but -inf: column 0, as the argmax
 
 
 def _draw_vocab(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> torch.Tensor:
     """One draw per row over the whole vocabulary (sorted first when a row has a top-p)."""
     dev = scaled.device
-    if (rows["top_p"] < 1).any():
-        vals, ids = scaled.sort(dim=-1, descending=True)
+    if (rows["top_p"] < 1).any():       # stable: equal logits in column order (nothing but -inf: column 0 first)
+        vals, ids = scaled.sort(dim=-1, descending=True, stable=True)
     else:
         vals, ids = scaled, torch.arange(scaled.shape[1], device=dev)
     masked = torch.zeros_like(vals, dtype=torch.bool)

@@ -94,11 +94,13 @@ class LLM:
                             f"got {type(sampling_params).__name__}")
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
-        for sp in sampling_params:
+        vocab = self.config.model_config.vocab_size
+        for sp in {id(sp): sp for sp in sampling_params}.values():     # one check of a params shared by prompts
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params entries must be SamplingParams, got {type(sp).__name__}")
             sp.validate()
-            sp.check_vocab(self.config.model_config.vocab_size)
+            sp.check_vocab(vocab)
+            sp.tokenize_bad_words(self.tokenizer, vocab)
         return list(sampling_params)
 
     # ---- generation ----

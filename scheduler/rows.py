@@ -3,6 +3,14 @@
 Each Sequence carries its record (`row_record`, built once from its SamplingParams); a step's rows are one
 `np.fromiter` over those records into the structured ROW_DTYPE, and the decode batch filters the same array.
 A new sampling knob is a SamplingParams field, a line here, and its op in the sampler.
+
+What changes single logits before the draw reaches the sampler as one list per step (`SamplingBatch.modifiers`),
+items of (entry, token, kind, value) that the C pass and the numpy/torch sampler both apply, in this order:
+ALLOW (the entry samples among its ALLOW tokens only: every other logit is -inf), BIAS (+ value), PENALTY (the
+row's repetition, presence and frequency penalties; value: the token's count in the output), SUPPRESS (-inf).
+That is vLLM's order (allowed set; bad words, min_tokens and logit bias; penalties): -inf stays -inf through
+what comes after it, and the bias comes before the penalties. A logit knob of a request is a list of such
+items (`request_modifiers`) and no change to either sampler.
 The stop rule (`finish_codes`) is here too, so prefill, mixed and decode steps finish requests the same way.
 """
 from dataclasses import dataclass
@@ -17,10 +25,13 @@ ROW_DTYPE = np.dtype([
     ("seed", np.int64), ("logprobs", np.int32),           # logprobs: -1 = none
     ("max_tokens", np.int64), ("min_tokens", np.int64), ("ignore_eos", np.bool_),
     ("has_stop_ids", np.bool_),                          # stop_token_ids are checked per row in Python
+    ("modifiers", np.bool_),                             # logit knobs of its own: request_modifiers
 ])
 
 # Finish codes, per row
 RUNNING, STOP_EOS, STOP_TOKEN, LENGTH = 0, 1, 2, 3
+# Kinds of logit modifiers (csrc/sampler.c has the same numbers)
+PENALTY, SUPPRESS, BIAS, ALLOW = 0, 1, 2, 3
 
 
 def row_record(params, seed: int) -> tuple:
@@ -28,12 +39,48 @@ def row_record(params, seed: int) -> tuple:
     special = {"seed": seed, "top_k": max(params.top_k, 0),
                "logprobs": -1 if params.logprobs is None else params.logprobs,
                "max_tokens": _NO_LIMIT if params.max_tokens is None else params.max_tokens,
-               "has_stop_ids": bool(params.stop_token_ids)}
+               "has_stop_ids": bool(params.stop_token_ids),
+               "modifiers": params.logit_bias is not None or params.allowed_token_ids is not None
+               or bool(params.bad_words)}
     return tuple(special[name] if name in special else getattr(params, name) for name in ROW_DTYPE.names)
 
 
 def rows_of(seqs) -> np.ndarray:
     return np.fromiter((s.row for s in seqs), ROW_DTYPE, len(seqs))
+
+
+def request_modifiers(seq) -> list[tuple[np.ndarray, int, np.ndarray | float]]:
+    """(token ids, kind, value) of a sequence's own logit knobs this step: its allowed set, its biases, and the
+    last token of each bad word whose other tokens end its output (vLLM's rule: the output only, not the prompt)."""
+    params, items = seq.params, []
+    if params.allowed_array is not None:
+        items.append((params.allowed_array, ALLOW, 0.0))
+    if params.bias_arrays is not None:
+        items.append((params.bias_arrays[0], BIAS, params.bias_arrays[1]))
+    if params.bad_words:
+        words = params.bad_words_token_ids
+        if words is None:
+            raise RuntimeError("bad_words are tokenized when LLM admits a request (SamplingParams.tokenize_bad_words)")
+        tokens, out = seq.token_ids, seq.num_completion_tokens
+        last = tokens[-1] if out else -1
+        banned = [ids[-1] for ids in words if len(ids) == 1 or (
+            len(ids) <= out + 1 and ids[-2] == last and tuple(tokens[len(tokens) + 1 - len(ids):]) == ids[:-1])]
+        if banned:
+            items.append((np.asarray(banned, np.int64), SUPPRESS, 0.0))
+    return items
+
+
+@dataclass(slots=True)
+class Modifiers:
+    """A step's logit modifiers grouped by entry: entry e's items are [start[e], start[e + 1]), in no set order."""
+    start: np.ndarray    # int64 [entries + 1]
+    token: np.ndarray    # int64 [items]
+    kind: np.ndarray     # int32 [items]: PENALTY, SUPPRESS, BIAS or ALLOW
+    value: np.ndarray    # float32 [items]: PENALTY: the token's count in the output; BIAS: the bias; else 0
+
+    @property
+    def entry(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.start) - 1), np.diff(self.start))
 
 
 class SeenTokens:
@@ -97,19 +144,58 @@ class SamplingBatch:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
         return np.repeat(entries, sizes), np.concatenate(ids), np.concatenate(counts)
 
+    def modifiers(self, eos: np.ndarray, vocab: int) -> Modifiers | None:
+        """Every logit modifier of the step's entries (None: there are none): penalties, min_tokens suppression,
+        each request's own knobs; tokens outside [0, vocab) are left out."""
+        entry, token, kind, value = [], [], [], []
+
+        def add(e, t, k, v):
+            entry.append(e if isinstance(e, np.ndarray) else np.full(len(t), e, np.int64))
+            token.append(t)
+            kind.append(np.full(len(t), k, np.int32))
+            value.append(v if isinstance(v, np.ndarray) else np.full(len(t), v, np.float32))
+
+        e, t, counts = self.penalty_tokens()
+        if len(e):
+            add(e, t, PENALTY, counts)
+        e, t = self.suppressed(eos)
+        if len(e):
+            add(e, t, SUPPRESS, 0.0)
+        for e in self.rows["modifiers"].nonzero()[0].tolist():       # nonzero: no copy of the strided field
+            for t, k, v in request_modifiers(self.seqs[e]):
+                add(e, t, k, v)
+        if not entry:
+            return None
+        if len(entry) == 1:
+            entry, token, kind, value = entry[0], token[0], kind[0], value[0]
+        else:
+            entry, token, kind, value = (np.concatenate(a) for a in (entry, token, kind, value))
+            order = np.argsort(entry, kind="stable")
+            entry, token, kind, value = entry[order], token[order], kind[order], value[order]
+        keep = (token >= 0) & (token < vocab)
+        if not keep.all():
+            entry, token, kind, value = entry[keep], token[keep], kind[keep], value[keep]
+        start = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(np.bincount(entry, minlength=len(self)), out=start[1:])
+        return Modifiers(start, token, kind, value)
+
     def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""
-        under = np.flatnonzero(self.sample_index < self.rows["min_tokens"])
-        pairs = []
-        for e in under.tolist():
-            params = self.seqs[e].params
-            ids = set() if params.ignore_eos else set(eos.tolist())
-            ids.update(params.stop_token_ids or ())
-            pairs.extend((e, t) for t in ids)
-        if not pairs:
+        rows = self.rows
+        under = self.sample_index < rows["min_tokens"]
+        if not under.any():
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        arr = np.asarray(pairs, np.int64)
-        return arr[:, 0], arr[:, 1]
+        with_eos = np.flatnonzero(under & ~rows["ignore_eos"])
+        entries, ids = [np.repeat(with_eos, len(eos))], [np.tile(eos, len(with_eos))]
+        for e in np.flatnonzero(under & rows["has_stop_ids"]).tolist():
+            stops = self.seqs[e].params.stop_token_ids
+            entries.append(np.full(len(stops), e, np.int64))
+            ids.append(np.asarray(stops, np.int64))
+        entries, ids = np.concatenate(entries), np.concatenate(ids)
+        if len(entries) > len(with_eos) * len(eos):          # stop ids after the EOS pairs: back in entry order
+            order = np.argsort(entries, kind="stable")
+            entries, ids = entries[order], ids[order]
+        return entries, ids
 
 
 def finish_codes(seqs, rows: np.ndarray, tokens: np.ndarray, completion: np.ndarray, total: np.ndarray,

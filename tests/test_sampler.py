@@ -137,7 +137,7 @@ def test_penalties_match_a_direct_computation():
     outputs = [[3, 9, 9, 10], [6, 6, 6, 11], [12]]
     batch = batch_of(PENALTIES, prompts, outputs)
     want = penalized(logits, PENALTIES, prompts, outputs)
-    got = Sampler()._penalize(logits.clone(), batch)
+    got = Sampler().modified(logits, batch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     tokens, _ = Sampler()(logits, batch)
     assert tokens == want.argmax(-1).tolist()
@@ -158,7 +158,7 @@ def test_penalties_follow_sequences_that_grow_between_steps():
             outputs[r] += new
         logits = torch.from_numpy(rng.standard_normal((3, vocab)).astype(np.float32) * 3)
         want = penalized(logits, PENALTIES, prompts, outputs)
-        torch.testing.assert_close(Sampler()._penalize(logits.clone(), batch), want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(Sampler().modified(logits, batch), want, rtol=1e-6, atol=1e-5)
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():

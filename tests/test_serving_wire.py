@@ -12,15 +12,25 @@ def test_sampling_params_round_trip_every_field():
                        frequency_penalty=-0.5, repetition_penalty=1.2, stop=["\n", "end"], stop_token_ids=[3],
                        include_stop_str_in_output=True, ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
                        prompt_logprobs=1, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
-                       stream_interval=3)
+                       stream_interval=3, logit_bias={5: 1.5, 1999: -100.0}, allowed_token_ids=[1, 5, 7],
+                       bad_words=["the", "a b"])
     msg = wire.unpack(wire.pack({"op": "add", "params": wire.params_to_wire(p)}))
-    assert wire.params_from_wire(msg["params"]) == p
+    back = wire.params_from_wire(msg["params"])
+    back.validate()
+    assert back == p and list(back.logit_bias) == [5, 1999]       # int keys survive msgpack
+    assert back.bias_arrays[1].tolist() == [1.5, -100.0] and back.allowed_array.tolist() == [1, 5, 7]
 
 
-def test_params_are_validated_again_on_arrival():
+def test_params_are_validated_again_on_arrival(tiny_llm):
+    """The HTTP side built them (validated); the engine process validates what arrives once, when LLM.add_request
+    takes it, and refuses it there with the constructor's message."""
     d = wire.params_to_wire(SamplingParams())
-    with pytest.raises(ValueError, match="temperature"):
-        wire.params_from_wire({**d, "temperature": -1.0})
+    for bad, exc, message in (({"temperature": -1.0}, ValueError, "temperature"),
+                              ({"logit_bias": {3: "high"}}, TypeError, r"logit_bias\[3\]"),
+                              ({"allowed_token_ids": [2003]}, ValueError, "allowed_token_ids .* outside the vocab")):
+        with pytest.raises(exc, match=message):
+            tiny_llm.add_request("x", wire.params_from_wire({**d, **bad}))
+    assert not tiny_llm.has_unfinished_requests()
     with pytest.raises(TypeError):
         wire.params_from_wire({**d, "no_such_knob": 1})
 

@@ -42,8 +42,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "pack_f32_weight": (None, [_ptr, _ptr, _i64, _i64]),
     "linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
-    "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _int,
-                           _ptr, _ptr, _ptr, _ptr]),
+    "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr,
+                           _int, _ptr, _ptr, _ptr, _ptr]),
+    "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -200,29 +201,50 @@ class CpuKernels:
             raise MemoryError("the CPU logprobs kernel could not allocate its scratch")
         return logprob, rank, top_ids, top_lps
 
-    def sample(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, counter: np.ndarray,
-               mod_start: np.ndarray, mod_token: np.ndarray, mod_count: np.ndarray, min_temperature: float,
-               top_n: int):
+    def sample(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, counter: np.ndarray, mods,
+               min_temperature: float, top_n: int):
         """One token per entry, and the logprobs of the entries that want them: see sample_rows in sampler.c.
-        records: the entries' records (contiguous), offsets: int64 byte offsets of their fields in its order."""
+        records: the entries' records (contiguous), offsets: int64 byte offsets of their fields in its order;
+        mods: the step's scheduler.rows.Modifiers (None: no entry has any)."""
         x = _rows_contiguous(x)
         n = len(row_of)
         with_lp = int((records["logprobs"] >= 0).sum())
         tokens = np.empty(n, np.int64)
         logprob, rank = np.empty(with_lp, np.float32), np.empty(with_lp, np.int64)
         top_lps, top_ids = np.empty((with_lp, top_n), np.float32), np.empty((with_lp, top_n), np.int64)
-        arrays = [np.ascontiguousarray(a, t) for a, t in ((row_of, np.int64), (counter, np.int64),
-                  (mod_start, np.int64), (mod_token, np.int64), (mod_count, np.float32))]
-        row_of, counter, mod_start, mod_token, mod_count = arrays
+        row_of, counter = np.ascontiguousarray(row_of, np.int64), np.ascontiguousarray(counter, np.int64)
+        start, token, kind, value = _mod_arrays(mods, n)
         if not records.flags.c_contiguous:
             raise ValueError("sample: the records must be contiguous")
         if self._sample_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
-                             records.itemsize, offsets.ctypes.data, counter.ctypes.data, mod_start.ctypes.data,
-                             mod_token.ctypes.data, mod_count.ctypes.data, min_temperature, tokens.ctypes.data,
-                             top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data,
+                             records.itemsize, offsets.ctypes.data, counter.ctypes.data, start.ctypes.data,
+                             token.ctypes.data, kind.ctypes.data, value.ctypes.data, min_temperature,
+                             tokens.ctypes.data, top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data,
                              top_ids.ctypes.data):
             raise MemoryError("the CPU sampler could not allocate its scratch")
         return tokens, (logprob, rank, top_ids, top_lps)
+
+    def modify_rows(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, mods) -> torch.Tensor:
+        """The entries' rows of x after their logit modifiers, as sample() draws from them: [entries, vocab]."""
+        x = _rows_contiguous(x)
+        n = len(row_of)
+        out = torch.empty(n, x.shape[1], dtype=torch.float32)
+        row_of = np.ascontiguousarray(row_of, np.int64)
+        start, token, kind, value = _mod_arrays(mods, n)
+        if not records.flags.c_contiguous:
+            raise ValueError("modify_rows: the records must be contiguous")
+        self._modify_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
+                          records.itemsize, offsets.ctypes.data, start.ctypes.data, token.ctypes.data,
+                          kind.ctypes.data, value.ctypes.data, out.data_ptr())
+        return out
+
+
+def _mod_arrays(mods, entries: int) -> list[np.ndarray]:
+    """A Modifiers' arrays as sampler.c reads them (no items for None)."""
+    if mods is None:
+        return [np.zeros(entries + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)]
+    return [np.ascontiguousarray(a, t) for a, t in ((mods.start, np.int64), (mods.token, np.int64),
+                                                     (mods.kind, np.int32), (mods.value, np.float32))]
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

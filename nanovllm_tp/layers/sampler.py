@@ -3,9 +3,11 @@
 On CPU (fp32 logits, C kernels built) all of it is one C pass per entry (csrc/sampler.c); the numpy/torch
 code here is its reference and the path everywhere else.
 
-Order of operations (vLLM's): raw logprobs are taken first; then min_tokens suppression, penalties
-(repetition over prompt + output, presence/frequency over output), temperature, min-p, top-k, top-p, and a
-draw. Each op runs on the rows that need it only; an all-greedy plain batch is one argmax.
+Order of operations (vLLM's): raw logprobs are taken first; then the logit modifiers of scheduler/rows.py
+(allowed set, bad words and min_tokens suppression, logit bias, penalties: repetition over prompt + output,
+presence/frequency over output), temperature, min-p, top-k, top-p, and a draw. Each op runs on the rows that
+need it only; an all-greedy plain batch is one argmax. A row that its modifiers leave without a logit above
+-inf takes that row's argmax (column 0), drawn or not.
 
 The draw is Gumbel-max with counter-based noise: a hash of (request seed, token index, vocab id) computed with
 int64 tensor ops, so a request's samples depend only on its own seed and logits: not on the batch it shares,
@@ -16,7 +18,7 @@ import torch
 
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.sampling_params import MIN_TEMPERATURE
-from nanovllm_tp.scheduler.rows import ROW_DTYPE, SamplingBatch
+from nanovllm_tp.scheduler.rows import ALLOW, BIAS, PENALTY, ROW_DTYPE, SUPPRESS, Modifiers, SamplingBatch
 from nanovllm_tp.scheduler.scheduled_step import PromptChunk, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -120,15 +122,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], TokenLogprobs | None]:
         """One token per entry of the batch, and the logprobs of the entries that asked for them."""
         logits = logits.float()
+        mods = batch.modifiers(self.eos, logits.shape[1])
         kernels = cpu_kernels.for_tensor(logits)
         if kernels is not None:
-            return self._sample_cpu(kernels, logits, batch)
+            return self._sample_cpu(kernels, logits, batch, mods)
         if batch.logits_index is not None:
             logits = logits[_np(batch.logits_index, logits.device)]
-        rows, raw = batch.rows, logits     # logprobs are the model's, as vLLM's: suppression and penalties copy
+        rows, raw = batch.rows, logits     # logprobs are the model's, as vLLM's: the modifiers work on a copy
         want_lp = np.flatnonzero(rows["logprobs"] >= 0)
-        logits = self._suppress(logits, batch)
-        logits = self._penalize(logits, batch)
+        logits = _modify(logits, rows, mods)
         tokens = argmax_rows(logits)
         hot = np.flatnonzero(rows["temperature"] >= MIN_TEMPERATURE)
         if len(hot):
@@ -138,66 +140,28 @@ class Sampler:
             lp = token_logprobs(raw, want_lp, tokens[want_lp], int(rows["logprobs"][want_lp].max()))
         return tokens.tolist(), lp
 
-    def _sample_cpu(self, kernels, logits: torch.Tensor, batch: SamplingBatch):
-        """The same steps as the torch code below, one C pass per entry (csrc/sampler.c); the penalties' and the
-        suppressed tokens are handed over as one list per entry. An all-greedy plain batch is one argmax."""
-        rows, n, vocab = batch.rows, len(batch), logits.shape[1]
-        row_of = np.arange(n) if batch.logits_index is None else batch.logits_index
-        entry, token, count = batch.penalty_tokens()
-        s_entry, s_token = batch.suppressed(self.eos)
-        top_n = int(rows["logprobs"].max(initial=-1))
-        if not len(entry) and not len(s_entry) and top_n < 0 and not (rows["temperature"] >= MIN_TEMPERATURE).any():
-            return np.argmax(logits.numpy(), axis=-1)[row_of].tolist(), None
-        if len(s_entry):
-            entry, token = np.concatenate([entry, s_entry]), np.concatenate([token, s_token])
-            count = np.concatenate([count, np.full(len(s_entry), -1, np.float32)])
-            order = np.argsort(entry, kind="stable")
-            entry, token, count = entry[order], token[order], count[order]
-        keep = token < vocab
-        if not keep.all():
-            entry, token, count = entry[keep], token[keep], count[keep]
-        start = np.zeros(n + 1, np.int64)
-        np.cumsum(np.bincount(entry, minlength=n), out=start[1:])
-        tokens, lp = kernels.sample(logits, row_of, np.ascontiguousarray(rows), _ROW_FIELDS, batch.sample_index,
-                                    start, token, count, MIN_TEMPERATURE, max(top_n, 0))
-        return tokens.tolist(), (TokenLogprobs(*lp) if top_n >= 0 else None)
+    @torch.inference_mode()
+    def modified(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits each entry draws from ([entries, vocab], a copy): its row after its logit modifiers."""
+        logits = logits.float()
+        mods = batch.modifiers(self.eos, logits.shape[1])
+        row_of = np.arange(len(batch)) if batch.logits_index is None else batch.logits_index
+        kernels = cpu_kernels.for_tensor(logits)
+        if kernels is not None:
+            return kernels.modify_rows(logits, row_of, np.ascontiguousarray(batch.rows), _ROW_FIELDS, mods)
+        return _modify(logits[_np(row_of, logits.device)], batch.rows, mods)
 
-    def _suppress(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        entries, ids = batch.suppressed(self.eos)
-        ok = ids < logits.shape[1]
-        if ok.any():
-            logits = logits.clone()
-            logits[_np(entries[ok], logits.device), _np(ids[ok], logits.device)] = float("-inf")
-        return logits
-
-    def _penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Repetition penalty on every token a row has seen, presence/frequency on its output tokens; computed
-        on the (row, token) pairs that occur, not on [rows, vocab]."""
+    def _sample_cpu(self, kernels, logits: torch.Tensor, batch: SamplingBatch, mods: Modifiers | None):
+        """The same steps as the torch code, one C pass per entry (csrc/sampler.c). An all-greedy plain batch is
+        one argmax."""
         rows = batch.rows
-        r, t, counts = batch.penalty_tokens()
-        if not len(r):
-            return logits
-        vocab, dev = logits.shape[1], logits.device
-        keep = t < vocab
-        if not keep.all():
-            r, t, counts = r[keep], t[keep], counts[keep]
-        logits = logits.clone()
-        flat = logits.view(-1)
-        where = r * vocab + t
-        if logits.is_cpu:        # numpy's gather and scatter: several times cheaper than torch indexing here
-            host = flat.numpy()
-        else:
-            where = _np(where, dev)
-            host = flat[where].cpu().numpy()
-        x = host[where] if logits.is_cpu else host
-        rep = rows["repetition_penalty"][r]
-        x = np.where(x > 0, x / rep, x * rep)
-        x -= rows["frequency_penalty"][r] * counts + rows["presence_penalty"][r] * (counts > 0)
-        if logits.is_cpu:
-            host[where] = x
-        else:
-            flat[where] = torch.from_numpy(x.astype(np.float32)).to(dev)
-        return logits
+        row_of = np.arange(len(batch)) if batch.logits_index is None else batch.logits_index
+        top_n = int(rows["logprobs"].max(initial=-1))
+        if mods is None and top_n < 0 and not (rows["temperature"] >= MIN_TEMPERATURE).any():
+            return np.argmax(logits.numpy(), axis=-1)[row_of].tolist(), None
+        tokens, lp = kernels.sample(logits, row_of, np.ascontiguousarray(rows), _ROW_FIELDS, batch.sample_index, mods,
+                                    MIN_TEMPERATURE, max(top_n, 0))
+        return tokens.tolist(), (TokenLogprobs(*lp) if top_n >= 0 else None)
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, hot: np.ndarray) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then a Gumbel-max draw, for the rows with a temperature. Rows with a
@@ -220,6 +184,46 @@ class Sampler:
         return out
 
 
+def _modify(logits: torch.Tensor, rows: np.ndarray, mods: Modifiers | None) -> torch.Tensor:
+    """The entries' logits [entries, vocab] after their modifiers (scheduler/rows.py), in a copy; as sampler.c
+    computes them. Each kind works on its (entry, token) pairs, not on [entries, vocab], except ALLOW's mask."""
+    if mods is None:
+        return logits
+    vocab, dev = logits.shape[1], logits.device
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    entry, kind = mods.entry, mods.kind
+    allow = kind == ALLOW
+    if allow.any():
+        masked, slot = np.unique(entry[allow], return_inverse=True)
+        keep = torch.zeros(len(masked), vocab, dtype=torch.bool, device=dev)
+        keep[_np(slot, dev), _np(mods.token[allow], dev)] = True
+        index = _np(masked, dev)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    flat = logits.view(-1)
+    host = flat.numpy() if logits.is_cpu else None    # numpy's gather and scatter: cheaper than torch indexing here
+    for k in (BIAS, PENALTY):
+        pick = np.flatnonzero(kind == k)
+        if not len(pick):
+            continue
+        r, where = entry[pick], entry[pick] * vocab + mods.token[pick]
+        x = host[where] if host is not None else flat[_np(where, dev)].cpu().numpy()
+        v = mods.value[pick]
+        if k == BIAS:
+            x = np.where(np.isfinite(x), x + v, x)       # a masked logit stays masked (penalties keep -inf too)
+        else:
+            rep = rows["repetition_penalty"][r]
+            x = np.where(x > 0, x / rep, x * rep)
+            x -= rows["frequency_penalty"][r] * v + rows["presence_penalty"][r] * (v > 0)
+        if host is not None:
+            host[where] = x
+        else:
+            flat[_np(where, dev)] = torch.from_numpy(x.astype(np.float32)).to(dev)
+    off = np.flatnonzero(kind == SUPPRESS)
+    if len(off):
+        logits[_np(entry[off], dev), _np(mods.token[off], dev)] = float("-inf")
+    return logits
+
+
 def _top_p_mask(vals, masked, top_p, lib):
     """Sorted candidates (best first): drop those after the kept mass has reached top_p (the first stays)."""
     z = lib.where(masked, -lib.inf, vals)
@@ -237,17 +241,19 @@ def _draw_candidates(vals: np.ndarray, ids: np.ndarray, rows: np.ndarray, index:
         with np.errstate(divide="ignore"):
             masked |= vals < vals[:, :1] + np.log(rows["min_p"])[:, None]
     if (rows["top_p"] < 1).any():
-        masked = _top_p_mask(vals, masked, rows["top_p"], np)
+        with np.errstate(invalid="ignore"):      # a row of nothing but -inf: NaN masses, no candidate dropped
+            masked = _top_p_mask(vals, masked, rows["top_p"], np)
     noise = uniform_noise_np(rows["seed"], index, ids)
     scores = np.where(masked, -np.inf, vals.astype(np.float64)) - np.log(-np.log(noise))
-    return ids[np.arange(len(ids)), np.argmax(scores, axis=1)]
+    picks = ids[np.arange(len(ids)), np.argmax(scores, axis=1)]
+    return np.where(np.isneginf(vals[:, 0]), 0, picks)      # nothing but -inf: column 0, as the argmax
 
 
 def _draw_vocab(scaled: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> torch.Tensor:
     """One draw per row over the whole vocabulary (sorted first when a row has a top-p)."""
     dev = scaled.device
-    if (rows["top_p"] < 1).any():
-        vals, ids = scaled.sort(dim=-1, descending=True)
+    if (rows["top_p"] < 1).any():       # stable: equal logits in column order (nothing but -inf: column 0 first)
+        vals, ids = scaled.sort(dim=-1, descending=True, stable=True)
     else:
         vals, ids = scaled, torch.arange(scaled.shape[1], device=dev)
     masked = torch.zeros_like(vals, dtype=torch.bool)
@@ -271,7 +277,8 @@ def run_worst_case(device: torch.device, rows: int, vocab: int) -> None:
     from nanovllm_tp.scheduler.rows import rows_of
     from nanovllm_tp.scheduler.sequence import Sequence
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
-                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS)
+                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, logit_bias={0: 1.0},
+                            allowed_token_ids=[0])
     seqs = [Sequence(i, [i % vocab], params, seed=i) for i in range(rows)]
     batch = SamplingBatch(seqs, rows_of(seqs), np.zeros(rows, np.int64))
     Sampler()(torch.zeros(rows, vocab, device=device), batch)

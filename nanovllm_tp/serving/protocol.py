@@ -1,14 +1,20 @@
 """OpenAI request bodies (pydantic) and their mapping onto SamplingParams, with vLLM's extra fields.
 
 Field types are checked here; ranges are the engine's own validation (SamplingParams), so the HTTP API refuses
-exactly what the Python API refuses, with the same message.
+exactly what the Python API refuses, with the same message. A body field named as a SamplingParams field is that
+field (None: its default); the endpoints set the rest (max_tokens, logprobs, prompt_logprobs, output_kind) from
+OpenAI's names.
 """
+from dataclasses import fields
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm_tp.prompts import is_token_ids
 from nanovllm_tp.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+_SET_BY_ENDPOINT = ("max_tokens", "logprobs", "prompt_logprobs", "output_kind")
+_FROM_BODY = tuple(f.name for f in fields(SamplingParams) if f.init and f.name not in _SET_BY_ENDPOINT)
 
 
 class StreamOptions(BaseModel):
@@ -30,6 +36,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[int, float] | None = None     # token ids as JSON object keys (strings), as OpenAI sends them
     # vLLM's extra fields
     top_k: int | None = None
     min_p: float | None = None
@@ -40,23 +47,21 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream_interval: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        kw = dict(n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
-                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                  min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                  include_stop_str_in_output=self.include_stop_str_in_output,
-                  skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  stream_interval=self.stream_interval,
-                  output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(self, name) is not None:       # None: the engine's (vLLM's) default
-                kw[name] = getattr(self, name)
-        return SamplingParams(**kw)
+        kw = {name: value for name in _FROM_BODY if (value := getattr(self, name)) is not None}
+        return SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+if set(_FROM_BODY) - set(_Sampling.model_fields):      # every knob is the server's too
+    raise ImportError(f"SamplingParams fields the request bodies lack: {set(_FROM_BODY) - set(_Sampling.model_fields)}")
 
 
 class CompletionRequest(_Sampling):

@@ -6,10 +6,11 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once
                  {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle)
                  {"op": "dead", "why"}                                 (the engine stopped; nothing more comes)
 
-Sampling parameters travel as their constructor's fields and are validated again on arrival; outputs as their
-dataclasses' fields, logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids)
-travels with its first output only (None in the later ones, which the HTTP side fills in): at one token per step,
-the prompt would otherwise be most of every message.
+Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
+any key type) and are validated once on arrival, by LLM.add_request; outputs as their dataclasses' fields,
+logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids) travels with its first
+output only (None in the later ones, which the HTTP side fills in): at one token per step, the prompt would
+otherwise be most of every message.
 """
 from dataclasses import fields
 
@@ -37,7 +38,8 @@ def params_to_wire(p: SamplingParams) -> dict:
 
 
 def params_from_wire(d: dict) -> SamplingParams:
-    return SamplingParams(**d)
+    """Unvalidated: the engine validates them when it takes the request (LLM.add_request)."""
+    return SamplingParams.unvalidated(**d)
 
 
 def _positions_to_wire(positions):

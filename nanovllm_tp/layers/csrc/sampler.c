@@ -1,7 +1,8 @@
 /* Rank 0's sampler on CPU, over fp32 logits: per-row top-k, logprobs, and one pass per entry that applies the
- * penalties and min_tokens suppression, then takes the argmax or draws (temperature, top-k, min-p, top-p,
- * Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into one library (nanovllm_tp/layers/cpu_kernels.py);
- * nanovllm_tp/layers/sampler.py holds the same operations in numpy/torch: their reference, and the path off the CPU.
+ * entry's logit modifiers (allowed set, biases, penalties, suppressed tokens), then takes the argmax or draws
+ * (temperature, top-k, min-p, top-p, Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into one library
+ * (nanovllm_tp/layers/cpu_kernels.py); nanovllm_tp/layers/sampler.py holds the same operations in numpy/torch: their
+ * reference, and the path off the CPU.
  *
  * Built with -ffast-math, yet exact where the reference is: suppressed logits are -inf, so orderings go through
  * integer keys and exp's argument is clamped; divisions go through double, which rounds to the float32 quotient
@@ -239,21 +240,49 @@ static knobs_t read_knobs(const char *rec, const int64_t *off)
     return k;
 }
 
-/* Penalties at the tokens of mods (count >= 0: that many in the output), then -inf at the suppressed ones
- * (count < 0). Each op rounded as float32 numpy rounds it: no fused multiply-adds. */
-static void modify(float *row, const int64_t *token, const float *count, int64_t n, const knobs_t *k)
+/* ---------------------------------------------------------------- logit modifiers
+ * An entry's items (token, kind, value), kinds as scheduler/rows.py numbers them, applied kind by kind: ALLOW
+ * (only those tokens keep their logit), BIAS (+ value), PENALTY (value: the token's count in the output),
+ * SUPPRESS (-inf). A logit that is -inf stays so. Each op rounded as float32 numpy rounds it: no fused
+ * multiply-adds.
+ */
+enum { MOD_PENALTY, MOD_SUPPRESS, MOD_BIAS, MOD_ALLOW };
+
+INLINE int is_masked(float v) { return !is_finite_or_max(order_key(v)); }
+
+/* row <- the entry's modified copy of raw */
+static void modify(float *row, const float *raw, int64_t cols, const int64_t *token, const int32_t *kind,
+                   const float *value, int64_t n, const knobs_t *k)
 {
+    int allow_only = 0, biased = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (count[i] < 0.0f) continue;
+        allow_only |= kind[i] == MOD_ALLOW;
+        biased |= kind[i] == MOD_BIAS;
+    }
+    if (allow_only) {
+        for (int64_t c = 0; c < cols; c++) row[c] = -INFINITY;
+        for (int64_t i = 0; i < n; i++)
+            if (kind[i] == MOD_ALLOW) row[token[i]] = raw[token[i]];
+    } else {
+        memcpy(row, raw, sizeof(float) * (size_t)cols);
+    }
+    for (int64_t i = 0; biased && i < n; i++) {
         float *v = row + token[i];
-        volatile float value = *v > 0.0f ? div_exact(*v, k->repetition) : *v * k->repetition;
-        volatile float by_count = k->frequency * count[i];
-        volatile float by_presence = count[i] > 0.0f ? k->presence : 0.0f;
+        if (kind[i] != MOD_BIAS || is_masked(*v)) continue;
+        volatile float biased = *v + value[i];
+        *v = biased;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float *v = row + token[i];
+        if (kind[i] != MOD_PENALTY || is_masked(*v)) continue;
+        volatile float scaled = *v > 0.0f ? div_exact(*v, k->repetition) : *v * k->repetition;
+        volatile float by_count = k->frequency * value[i];
+        volatile float by_presence = value[i] > 0.0f ? k->presence : 0.0f;
         volatile float penalty = by_count + by_presence;
-        *v = value - penalty;
+        *v = scaled - penalty;
     }
     for (int64_t i = 0; i < n; i++)
-        if (count[i] < 0.0f) row[token[i]] = -INFINITY;
+        if (kind[i] == MOD_SUPPRESS) row[token[i]] = -INFINITY;
 }
 
 /* How many of n sorted scaled candidates (best first) min-p and top-p keep (at least one); total: the softmax
@@ -310,7 +339,9 @@ static int scaled_candidates(const float *row, int64_t cols, int k, float temper
 }
 
 /* A draw at the entry's temperature: among its top_k best (0 < top_k < cols), else over the whole vocabulary, where
- * top-p takes the best 64, 128, ... until the kept mass is reached. Returns -1 if scratch fails. */
+ * top-p takes the best 64, 128, ... until the kept mass is reached. A row of nothing but -inf gives column 0 (the
+ * argmax; the candidate draws take their first candidate, the lowest column of equal keys). Returns -1 if scratch
+ * fails. */
 static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_t counter)
 {
     const uint64_t row_key = splitmix64(splitmix64((uint64_t)k->seed) ^ (uint64_t)counter);
@@ -331,7 +362,7 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
                 pick = c;
             }
         }
-        return pick;
+        return pick >= 0 ? pick : argmax_row(row, cols);
     }
     float total = -1.0f;
     int want = limited ? k->top_k : (cols < 64 ? (int)cols : 64);
@@ -370,16 +401,17 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
  *   x [rows, cols] fp32 logits (row stride `stride`); entry e reads row row_of[e]
  *   records: the entries' ROW_DTYPE records (record_size bytes apart), offsets: their fields (enum above)
  *   counter [entries]: tokens each entry generated before (the noise counter)
- *   mod_start [entries + 1], mod_token, mod_count: the entry's penalty tokens and their output counts, and its
- *     suppressed tokens (count < 0), in a CSR layout
+ *   mod_start [entries + 1], mod_token, mod_kind, mod_value: each entry's logit modifiers, in a CSR layout
  * Out: tokens [entries]; for the entries with logprobs >= 0, in entry order: logprob, rank, and the top_n best of
- * the raw row (top_n = the largest logprobs asked). Rows are read, never written (a modified row is a copy).
+ * the raw row (top_n = the largest logprobs asked). Rows are read, never written (a modified row is a copy). An
+ * entry whose modifiers leave no logit above -inf takes the argmax of what is left (column 0), drawn or not.
  * Returns -1 if scratch fails.
  */
 int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, const int64_t *row_of,
                 const char *records, int64_t record_size, const int64_t *offsets, const int64_t *counter,
-                const int64_t *mod_start, const int64_t *mod_token, const float *mod_count, float min_temperature,
-                int64_t *tokens, int top_n, float *logprob, int64_t *rank, float *top_logprobs, int64_t *top_ids)
+                const int64_t *mod_start, const int64_t *mod_token, const int32_t *mod_kind, const float *mod_value,
+                float min_temperature, int64_t *tokens, int top_n, float *logprob, int64_t *rank,
+                float *top_logprobs, int64_t *top_ids)
 {
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)(entries > 0 ? entries : 1));
     if (!slot) return -1;
@@ -393,15 +425,14 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
         const knobs_t k = read_knobs(records + e * record_size, offsets);
         const float *raw = x + row_of[e] * stride, *row = raw;
         float *copy = NULL;
-        const int64_t mods = mod_start[e + 1] - mod_start[e];
+        const int64_t first = mod_start[e], mods = mod_start[e + 1] - first;
         if (mods > 0) {
             copy = malloc(sizeof(float) * (size_t)cols);
             if (!copy) {
                 failed = 1;
                 continue;
             }
-            memcpy(copy, raw, sizeof(float) * (size_t)cols);
-            modify(copy, mod_token + mod_start[e], mod_count + mod_start[e], mods, &k);
+            modify(copy, raw, cols, mod_token + first, mod_kind + first, mod_value + first, mods, &k);
             row = copy;
         }
         tokens[e] = k.temperature < min_temperature ? argmax_row(row, cols) : draw_row(row, cols, &k, counter[e]);
@@ -414,4 +445,17 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
     }
     free(slot);
     return failed ? -1 : 0;
+}
+
+/* The modified rows alone (what sample_rows draws from): out [entries, cols]; arguments as sample_rows's. */
+void modify_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, const int64_t *row_of,
+                 const char *records, int64_t record_size, const int64_t *offsets, const int64_t *mod_start,
+                 const int64_t *mod_token, const int32_t *mod_kind, const float *mod_value, float *out)
+{
+    for (int64_t e = 0; e < entries; e++) {
+        const knobs_t k = read_knobs(records + e * record_size, offsets);
+        const int64_t first = mod_start[e];
+        modify(out + e * cols, x + row_of[e] * stride, cols, mod_token + first, mod_kind + first, mod_value + first,
+               mod_start[e + 1] - first, &k);
+    }
 }

@@ -287,11 +287,14 @@ def _cmdline(pid: int) -> str:
 
 
 def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
-    port, ctx = start_server(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    # the running request lasts its whole 4095 tokens (seconds, more on a loaded machine), and HTTP keeps normal
+    # priority, so that other work on the machine cannot starve it while the engine runs
+    port, ctx = start_server(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                             "--max-model-len", "4096", "--http-priority", "normal")
     with ctx as proc:
         wait_ready(port, proc)
         url = f"http://127.0.0.1:{port}/v1/completions"
-        long = {"model": "tiny", "prompt": "a", "max_tokens": 3000, "ignore_eos": True}    # runs for seconds
+        long = {"model": "tiny", "prompt": "a", "max_tokens": 4095, "ignore_eos": True}
 
         async def run():
             async with httpx.AsyncClient(timeout=60) as http:
@@ -300,10 +303,11 @@ def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
                     while not (await lines.__anext__()).startswith("data:"):
                         pass                                   # the first request runs (max_num_seqs 1)
                     waiting = asyncio.ensure_future(http.post(url, json={**long, "max_tokens": 2}))
-                    for _ in range(50):                        # the second one waits behind it
-                        if metrics(port)['num_requests_waiting{model_name="tiny"}'] == 1:
-                            break
-                        await asyncio.sleep(0.1)
+                    deadline = time.monotonic() + 60
+                    while metrics(port)['num_requests_waiting{model_name="tiny"}'] != 1:
+                        assert time.monotonic() < deadline, "the second request never queued behind the first"
+                        await asyncio.sleep(0.1)           # the second one waits behind it
+                    assert metrics(port)['num_requests_running{model_name="tiny"}'] == 1
                     refused = await http.post(url, json={**long, "max_tokens": 2})
                 await asyncio.sleep(0)
                 return refused, await waiting

@@ -233,6 +233,9 @@ class EngineConfig:
     shm_allreduce: bool = knob(help="all-reduce through shared memory between same-node CPU ranks (off: gloo); "
                                     "default from $NANOVLLM_TP_SHM_ALLREDUCE",
                                default_factory=_env_flag("NANOVLLM_TP_SHM_ALLREDUCE"))
+    speculative_config: dict | None = knob(None, help="speculative decoding, as vLLM's dict: {\"method\": \"ngram\", "
+                                                      "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
+                                                      "\"prompt_lookup_min\": M}")
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -250,6 +253,8 @@ class EngineConfig:
                              "nanovllm_tp.launch.make_tiny DIR)")
         check_knobs(self)
         self._check_trace()
+        from nanovllm_tp.scheduler.speculative import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)
         from nanovllm_tp.layers.attention.registry import check_backend_name
         check_backend_name(self.attention_backend)
         mc = self.model_config = ModelConfig.from_pretrained(self.model)

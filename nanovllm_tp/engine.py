@@ -78,9 +78,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_completion_tokens: int | None = None) -> None:
         """End a request between steps (abort, stop string); its blocks are free at once."""
-        self.scheduler.finish(seq, reason, stop_reason)
+        self.scheduler.finish(seq, reason, stop_reason, num_completion_tokens)
 
     def stats(self) -> dict:
         """What this engine runs on and lifetime counters of what it has done (LLM.stats documents the keys)."""
@@ -93,6 +94,7 @@ class LLMEngine:
                 "num_kv_blocks": self.runner.num_kv_blocks,
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
+                "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
                 "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
                 "num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": sched.block_manager.usage()}

@@ -12,6 +12,7 @@ So a new knob is a field; LLM(...), generate, the benchmarks and serve take it w
 """
 import argparse
 import difflib
+import json
 import os
 import types
 import typing
@@ -61,6 +62,9 @@ def check_value(name: str, value, f) -> None:
             checks.number(name, value, k.minimum, k.maximum, k.open_minimum)
     elif kind is bool:
         checks.flag(name, value)
+    elif kind is dict:
+        if not (value is None and optional) and not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict{' or None' if optional else ''}, got {type(value).__name__}")
     elif not (value is None and optional):
         if not isinstance(value, (str, os.PathLike) if k.path else str):
             raise TypeError(f"{name} must be a {'path' if k.path else 'string'}{' or None' if optional else ''}, "
@@ -95,6 +99,16 @@ def _flags(f) -> tuple[str, ...]:
     return f.metadata["knob"].flags or ("--" + f.name.replace("_", "-"),)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def add_args(config_cls, parser: argparse.ArgumentParser) -> None:
     """Every knob of config_cls as a flag of `parser` (dest: the field's name). `--model` is optional here:
     the commands run the embedded tiny checkpoint without it."""
@@ -107,8 +121,9 @@ def add_args(config_cls, parser: argparse.ArgumentParser) -> None:
             group.add_argument(*_flags(f), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{help_text} (default: {'on' if default else 'off'})")
         else:
-            group.add_argument(*_flags(f), dest=f.name, type=str if kind is str else kind, default=default,
-                               choices=k.choices, metavar=k.metavar, help=help_text)
+            group.add_argument(*_flags(f), dest=f.name, type=_json_object if kind is dict else kind,
+                               default=default, choices=k.choices, metavar=k.metavar or ("JSON" if kind is dict else None),
+                               help=help_text)
 
 
 def kwargs_of(config_cls, args: argparse.Namespace) -> dict:
@@ -126,5 +141,5 @@ def argv_of(config_cls, args: argparse.Namespace) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
-            argv += [flag, str(value)]
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv

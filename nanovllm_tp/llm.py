@@ -178,9 +178,9 @@ class LLM:
         with trace.span("detokenize"):
             for seq in progressed:
                 state = self._by_seq[seq.seq_id]
-                stop = state.update(seq)
-                if stop is not None:
-                    self.engine.finish(seq, "stop", stop)
+                hit = state.update(seq)
+                if hit is not None:           # a stop string: the sequence ends at the token that completes it
+                    self.engine.finish(seq, "stop", *hit)
                     state.update(seq)
                 self._dirty[state.request_id] = None
         return num_tokens, is_prefill

@@ -111,23 +111,31 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.seq.is_finished for c in self.completions)
 
-    def update(self, seq) -> str | None:
-        """Detokenize what seq generated since the last call; a matched stop string is returned (the text is
-        already cut) and the caller ends the sequence."""
+    def update(self, seq) -> tuple[str, int] | None:
+        """Detokenize what seq generated since the last call. A stop string matched in it is returned with the
+        number of completion tokens that reach it (the text is already cut there); the caller ends the sequence
+        there, even one that has just finished by length. Tokens are matched one at a time, so of a step that
+        added several (speculative decoding) none after the stop string is kept."""
         if not (self.incremental or seq.is_finished):
             return None
         c = next(c for c in self.completions if c.seq is seq)
         ids = seq.completion_token_ids
-        new = ids[c.num_detok:]
+        done, new = c.num_detok, ids[c.num_detok:]
         p = self.params
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         if new and stopped_by_token and not p.include_stop_str_in_output:
             new = new[:-1]                      # an EOS / stop id ends the request without its text
         c.num_detok = len(ids)
-        grew = c.detok.add(new, final=seq.is_finished)
-        if not p.stop_strings or seq.is_finished or len(ids) <= p.min_tokens:
+        if not p.stop_strings or stopped_by_token:
+            c.detok.add(new, final=seq.is_finished)
             return None
-        return self._match_stop(c.detok, grew)
+        for i, t in enumerate(new):
+            grew = c.detok.add([t], final=seq.is_finished and i == len(new) - 1)
+            if done + i + 1 > p.min_tokens and (stop := self._match_stop(c.detok, grew)) is not None:
+                return stop, done + i + 1
+        if not new and seq.is_finished:
+            c.detok.add([], final=True)
+        return None
 
     def _match_stop(self, detok: Detokenizer, grew: int) -> str | None:
         p, text = self.params, detok.text

@@ -1,5 +1,6 @@
 """The plan of a step that is not pure decode: prompt chunks over cached prefixes, and in mixed steps decode
-rows too (one new token over num_tokens - 1 cached). Pure decode plans come from DecodeBatch."""
+rows too (one new token over num_tokens - 1 cached, and in a speculative step the row's proposed tokens after
+it). Pure decode plans come from DecodeBatch."""
 import numpy as np
 
 from nanovllm_tp.scheduler.plan import StepPlan, slot_mapping
@@ -11,7 +12,8 @@ from nanovllm_tp.scheduler.sequence import Sequence
 def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
                  block_copies: np.ndarray | None) -> ScheduledStep:
     """The step of the scheduled rows: its plan, its sampling entries, and the prompt chunks of the rows whose
-    every token gets logits (prompt logprobs)."""
+    every token gets logits (prompt logprobs). A row with proposed tokens (seq.draft) computes them after its last
+    token and samples at each of its positions."""
     rows = len(seqs)
     q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int32, rows)
     starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, rows)
@@ -19,16 +21,17 @@ def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
     block_tables = np.full((rows, width), -1, np.int32)
     for i, s in enumerate(seqs):
         block_tables[i, :len(s.block_table)] = s.block_table
-    input_ids = np.fromiter((t for s in seqs for t in
-                             s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]),
+    input_ids = np.fromiter((t for s in seqs for t in (s.token_ids[s.num_cached_tokens:] + s.draft if s.draft else
+                             s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens])),
                             np.int64, int(q_lens.sum()))
     row_of_token = np.repeat(np.arange(rows), q_lens)
     cu_seqlens_q = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
     positions = starts[row_of_token] + (np.arange(len(input_ids)) - cu_seqlens_q[row_of_token])
     slots = slot_mapping(block_tables, row_of_token, positions, block_size)
-    all_logits = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
+    prompt = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
+    all_logits = prompt | np.fromiter((bool(s.draft) for s in seqs), np.bool_, rows)
     logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
-    prompt_chunks = [chunk for i in np.flatnonzero(all_logits).tolist() if (chunk := _prompt_chunk(
+    prompt_chunks = [chunk for i in np.flatnonzero(prompt).tolist() if (chunk := _prompt_chunk(
         seqs[i], int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))) is not None]
     plan = StepPlan(
         step_id=step_id, kind=kind, input_ids=input_ids, positions=positions, slot_mapping=slots,
@@ -50,13 +53,16 @@ def _prompt_chunk(seq: Sequence, first_row: int, first_pos: int, count: int) -> 
 
 def _sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:
     """Rows whose prompt is complete after this step sample a token (a middle chunk does not); a prompt with
-    unstarted siblings samples theirs from the same logits."""
-    entries, logits_index = [], []
+    unstarted siblings samples theirs from the same logits; a row with proposed tokens samples at each of its
+    1 + k positions, as the next k + 1 decode steps would (token index and all)."""
+    entries, logits_index, index = [], [], []
     for i, seq in enumerate(seqs):
         if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
             continue
-        for s in (seq, *seq.forks):
-            entries.append(s)
-            logits_index.append(last_logits[i])
-    index = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
-    return SamplingBatch(entries, rows_of(entries), index, np.asarray(logits_index, np.int64))
+        k = len(seq.draft)
+        for j in range(k + 1):
+            for s in (seq, *seq.forks):
+                entries.append(s)
+                logits_index.append(last_logits[i] - k + j)
+                index.append(s.num_completion_tokens + j)
+    return SamplingBatch(entries, rows_of(entries), np.asarray(index, np.int64), np.asarray(logits_index, np.int64))

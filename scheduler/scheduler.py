@@ -20,6 +20,7 @@ from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
 from nanovllm_tp.scheduler.scheduled_step import ScheduledStep, TokenLogprobs
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
+from nanovllm_tp.scheduler.speculative import SpeculativeConfig, accept, attach_drafts, ordinals, propose
 
 _REASONS = {LENGTH: "length"}    # every other finish code is "stop"
 
@@ -37,12 +38,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]
     eos_token_ids: tuple[int, ...] = ()
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, num_kvcache_blocks: int) -> "SchedulerConfig":
         """From a validated EngineConfig (block size and max_model_len resolved)."""
         return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
-                   config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids)
+                   config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids,
+                   SpeculativeConfig.from_dict(config.speculative_config))
 
 
 class Scheduler:
@@ -65,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_mixed_steps = 0
         self.num_computed_tokens = 0    # lifetime: tokens run through the model (prompt chunks and decodes)
+        self.num_draft_tokens = self.num_accepted_tokens = 0    # speculative decoding: proposed, accepted
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; its n > 1 siblings (seq.forks) start from its prompt KV when its prefill ends."""
@@ -73,10 +77,16 @@ class Scheduler:
                              f"{self.config.max_model_len - 1} (max_model_len={self.config.max_model_len})")
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End an unfinished sequence from outside (abort, a stop string): it leaves its queue, its blocks are
-        freed at once, and siblings it has not started yet end with it."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_completion_tokens: int | None = None) -> None:
+        """End a sequence from outside (abort, a stop string): it leaves its queue, its blocks are freed at once,
+        and siblings it has not started yet end with it. A stop string found in the tokens of the step that just
+        finished it by length makes it a "stop"; `num_completion_tokens` drops the tokens after the stop."""
+        if num_completion_tokens is not None:
+            del seq.token_ids[seq.num_prompt_tokens + num_completion_tokens:]
         if seq.is_finished:
+            if reason == "stop" and isinstance(stop_reason, str):
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         if self.scheduled:
             raise RuntimeError("finish() between schedule() and postprocess()")
@@ -104,16 +114,17 @@ class Scheduler:
             decodes = self._schedule_decode() if self.running else []
             seqs = decodes + self._schedule_prefill(reserved=len(decodes))
             if seqs:
-                self.decode_batch = None
-                self.scheduled, self.scheduled_kind = seqs, MIXED if decodes else PREFILL
                 self.num_mixed_steps += bool(decodes)
-                self.step_id += 1
-                step = self.in_flight = prefill_step(
-                    seqs, self.scheduled_kind, self.step_id, self.block_size, self._take_copies())
-                self.num_computed_tokens += step.plan.num_tokens
-                return step
-        batch = self.decode_batch
-        if batch is None or not self._grow(batch):
+                return self._step_of(seqs, MIXED if decodes else PREFILL)
+        batch, spec = self.decode_batch, self.config.speculative
+        if spec is not None and (proposals := propose(self.running, spec)):
+            seqs = self._schedule_decode()
+            if attach_drafts(seqs, proposals, self.block_manager, self.config):
+                return self._step_of(seqs, MIXED)
+            batch = self.decode_batch = DecodeBatch(seqs, self.block_size) if seqs else None
+        elif batch is not None and not self._grow(batch):
+            batch = None
+        if batch is None:
             seqs = self._schedule_decode()
             if not seqs:
                 if self.has_unfinished():
@@ -128,6 +139,15 @@ class Scheduler:
         self.num_computed_tokens += plan.num_tokens
         self.in_flight = ScheduledStep(plan, batch.sampling(), [])
         return self.in_flight
+
+    def _step_of(self, seqs: list[Sequence], kind: int) -> ScheduledStep:
+        """A prefill, mixed or speculative step of these rows (not the decode fast path)."""
+        self.decode_batch = None
+        self.scheduled, self.scheduled_kind = seqs, kind
+        self.step_id += 1
+        step = self.in_flight = prefill_step(seqs, kind, self.step_id, self.block_size, self._take_copies())
+        self.num_computed_tokens += step.plan.num_tokens
+        return step
 
     def _take_copies(self) -> np.ndarray | None:
         copies, self._copies = self._copies, []
@@ -233,28 +253,46 @@ class Scheduler:
         if self.scheduled_kind == DECODE:
             return self._postprocess_decode(token_ids)
         bm, now = self.block_manager, time.perf_counter()
-        for seq in seqs:
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            bm.hash_blocks(seq)
-            seq.num_scheduled_tokens = 0
         for seq in entries:
             if seq.forks:
                 for child in seq.forks:
                     self._start_fork(seq, child)
                 seq.forks = []
-        for seq, token_id in zip(entries, token_ids):
+        tokens, rows = np.asarray(token_ids, np.int64), batch.rows
+        if self.scheduled_kind == MIXED and any(s.draft for s in seqs):    # a speculative step
+            keep, proposed, accepted = accept(entries, tokens)
+            self.num_draft_tokens, self.num_accepted_tokens = self.num_draft_tokens + proposed, \
+                self.num_accepted_tokens + accepted
+            entries, tokens, rows = [e for e, k in zip(entries, keep.tolist()) if k], tokens[keep], rows[keep]
+            ordinal = ordinals(entries)
+        else:
+            ordinal = np.zeros(len(entries), np.int64)
+        completion = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries)) + ordinal + 1
+        total = np.fromiter((s.num_tokens for s in entries), np.int64, len(entries)) + ordinal + 1
+        codes = finish_codes(entries, rows, tokens, completion, total, self._eos_array, self.config.max_model_len)
+        ended, progressed = {}, []
+        for seq, token_id, code in zip(entries, tokens.tolist(), codes.tolist()):
+            if seq.seq_id in ended:
+                continue                  # tokens after one that ended the sequence (a speculative row)
             seq.token_ids.append(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-        tokens = np.asarray(token_ids, np.int64)
-        completion = np.fromiter((s.num_completion_tokens for s in entries), np.int64, len(entries))
-        total = np.fromiter((s.num_tokens for s in entries), np.int64, len(entries))
-        codes = finish_codes(entries, batch.rows, tokens, completion, total, self._eos_array,
-                             self.config.max_model_len)
-        for e in np.flatnonzero(codes != RUNNING).tolist():
-            self._finish(entries[e], int(codes[e]), int(tokens[e]), now)
-        return entries
+            if not progressed or progressed[-1] is not seq:
+                progressed.append(seq)
+            if code != RUNNING:
+                ended[seq.seq_id] = (code, token_id)
+        for seq in seqs:
+            before = seq.num_cached_tokens
+            # a speculative row's KV holds its last token and the accepted proposals: all but the new last token
+            seq.num_cached_tokens = seq.num_tokens - 1 if seq.draft else before + seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = seq.num_cached_tokens - before
+            bm.hash_blocks(seq)
+            seq.num_scheduled_tokens, seq.draft = 0, []
+        for seq in progressed:
+            if seq.seq_id in ended:
+                self._finish(seq, *ended[seq.seq_id], now)
+        return progressed
 
     def _start_fork(self, parent: Sequence, child: Sequence) -> None:
         """A sibling of an n > 1 request joins with the parent's prompt KV: full blocks shared, the partly
@@ -337,3 +375,4 @@ def _record_logprobs(batch: SamplingBatch, lp: TokenLogprobs) -> None:
         seq = batch.seqs[e]
         seq.logprobs.append(position)
         seq.cumulative_logprob += position.logprob
+

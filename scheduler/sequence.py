@@ -17,7 +17,8 @@ class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
                  "num_scheduled_tokens", "block_table", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
-                 "seen", "arrival_time", "first_token_time", "last_token_time", "finish_time")
+                 "seen", "draft", "spec_wait", "spec_misses", "arrival_time", "first_token_time", "last_token_time",
+                 "finish_time")
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
                  seed: int = 0, index: int = 0, **sampling):
@@ -44,6 +45,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.seen = None                        # rows.SeenTokens, made when a penalty first reads it
+        self.draft: list[int] = []              # proposed tokens computed in the step being run (speculative)
+        self.spec_wait = 0                      # decode steps to skip proposing (after proposals that failed)
+        self.spec_misses = 0                    # proposing steps in a row that accepted nothing
         # perf_counter() timestamps, for latency figures (TTFT, TPOT)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -2,6 +2,7 @@
 defaults all come from that declaration."""
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -33,6 +34,8 @@ def other_value(f, tmp_path):
         return str(tmp_path / "out.json")
     if kind is bool:
         return not default
+    if kind is dict:
+        return {"method": "ngram", "num_speculative_tokens": 2}
     if k.choices:
         return next(c for c in k.choices if c != default)
     if kind is float:
@@ -44,7 +47,7 @@ def as_argv(f, value) -> list[str]:
     flag = knobs._flags(f)[0]
     if isinstance(value, bool):
         return [flag if value else "--no-" + flag[2:]]
-    return [flag, str(value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

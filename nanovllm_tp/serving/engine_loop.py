@@ -26,7 +26,8 @@ def scheduler_stats(llm) -> dict:
     """The figures /metrics shows, from LLM.stats()."""
     s = llm.stats()
     return {"running": s["num_running"], "waiting": s["num_waiting"], "preemptions": s["num_preemptions"],
-            "kv_usage": s["kv_cache_usage"]}
+            "kv_usage": s["kv_cache_usage"], "draft_tokens": s["num_draft_tokens"],
+            "accepted_tokens": s["num_accepted_tokens"]}
 
 
 class EngineLoop:

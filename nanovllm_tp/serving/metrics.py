@@ -27,9 +27,14 @@ class _SchedulerCollector:
         yield self._gauge("num_requests_waiting", "Sequences waiting (new or preempted).", s["waiting"])
         yield self._gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (1 = full).",
                           s["kv_usage"])
-        c = CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions by recompute.", labels=list(self.labels))
-        c.add_metric(list(self.labels.values()), s["preemptions"])
-        yield c
+        for name, doc, key in (("num_preemptions", "Preemptions by recompute.", "preemptions"),
+                               ("spec_decode_num_draft_tokens", "Tokens proposed (speculative decoding).",
+                                "draft_tokens"),
+                               ("spec_decode_num_accepted_tokens", "Proposed tokens accepted (speculative decoding).",
+                                "accepted_tokens")):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), s[key])
+            yield c
 
 
 class ServingMetrics:

@@ -6,10 +6,13 @@ from nanovllm_tp.context import Context
 from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
 
 
+AS_DECODE = 16     # a row of at most this many new tokens over cached KV runs as that many decode rows
+
+
 @register_backend
 class TorchBackend(AttentionBackend):
-    """Prefill row by row through SDPA (a mixed step's decode rows go through `decode`); decode over each row's
-    blocks gathered from the cache."""
+    """Prefill row by row through SDPA (rows of a few tokens over cached KV go through `decode`); decode over
+    each row's blocks gathered from the cache."""
     name = "torch"
     devices = ("cpu", "cuda")
     supports_graphs = False     # decode reads host-side lengths, which a captured graph cannot
@@ -20,17 +23,25 @@ class TorchBackend(AttentionBackend):
         starts = [0]
         for q_len in ctx.q_lens_cpu:
             starts.append(starts[-1] + q_len)
-        decode_rows = [row for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu))
-                       if q_len == 1 < kv_len]
-        if decode_rows:       # a mixed step: rows computing one token over cached KV attend as a decode batch
-            rows = torch.tensor(decode_rows, device=q.device)
-            tokens = torch.tensor([starts[row] for row in decode_rows], device=q.device)
-            decode_ctx = Context(is_prefill=False, context_lens=ctx.context_lens[rows],
-                                 block_tables=ctx.block_tables[rows],
-                                 context_lens_cpu=[ctx.context_lens_cpu[row] for row in decode_rows])
-            out[tokens] = self.decode(q[tokens], k_cache, v_cache, decode_ctx, scale)
+        short = [row for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu))
+                 if q_len <= AS_DECODE and q_len < kv_len]
+        if short:
+            # rows of a few tokens over cached KV (a mixed step's decode rows, a speculative row's proposals):
+            # each token attends as a decode row over the KV up to its own position
+            rows, tokens, lens = [], [], []
+            for row in short:
+                q_len, kv_len = ctx.q_lens_cpu[row], ctx.context_lens_cpu[row]
+                rows += [row] * q_len
+                tokens += range(starts[row], starts[row] + q_len)
+                lens += range(kv_len - q_len + 1, kv_len + 1)
+            index = torch.tensor(tokens, device=q.device)
+            decode_ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=q.device),
+                                 block_tables=ctx.block_tables[torch.tensor(rows, device=q.device)],
+                                 context_lens_cpu=lens)
+            out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale)
+        done = set(short)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
-            if q_len == 1 < kv_len:
+            if row in done:
                 continue
             start = starts[row]
             qi = q[start:start + q_len]

@@ -1,0 +1,121 @@
+"""Speculative decoding against plain decoding, both engines in this process, interleaved in the same run.
+
+    python -m nanovllm_tp.launch.bench_spec --model SmolLM2.gguf --dtype bfloat16 --repeats 3 \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+Two workloads, one request at a time (the single stream speculation is for):
+  copy    a passage of --passage-tokens tokens from the package's corpus and an instruction to repeat it
+          (through the chat template when the model has one): the output copies the prompt;
+  random  random prompt ids (ignore_eos): nothing repeats, which shows what proposing costs when it fails.
+Decode tok/s = (output tokens - 1) / (finish - first token); medians of the repeats. Greedy outputs of the two
+engines must be equal token for token (speculation is exact); the table says so.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+from nanovllm_tp.config import add_engine_args, engine_kwargs
+from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.launch.make_tiny import CORPUS
+
+NAME = "bench_spec"
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workloads", nargs="+", choices=["copy", "random"], default=["copy", "random"])
+    g.add_argument("--passage-tokens", type=int, default=300, help="length of the passage to copy")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                   help="random-weight checkpoint to use when --model is not given")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    bc.add_output_args(parser)
+    return parser
+
+
+def copy_prompt(tokenizer, passage_tokens: int, draw: int) -> list[int]:
+    """A passage of the corpus (a different one per draw) and the instruction to repeat it."""
+    text = CORPUS.read_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    start = random.Random(f"copy/{draw}").randrange(max(1, len(ids) - passage_tokens))
+    passage = tokenizer.decode(ids[start:start + passage_tokens])
+    ask = f"{passage}\n\nRepeat the text above exactly, word for word."
+    if getattr(tokenizer, "chat_template", None):
+        ask = tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
+                                            add_generation_prompt=True)
+        return tokenizer.encode(ask, add_special_tokens=False)
+    return tokenizer.encode(ask)
+
+
+def run_one(llm, prompt: list[int], params) -> dict:
+    before = llm.stats()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    after, m, c = llm.stats(), out.metrics, out.outputs[0]
+    decode_s = m.finish_time - m.first_token_time
+    return {"tokens": c.token_ids, "decode_tok_s": (len(c.token_ids) - 1) / decode_s if decode_s > 0 else None,
+            "seconds": m.finish_time - m.arrival_time,
+            "draft": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    bc.apply_threads(args)
+    args.model_source = args.model or f"preset {args.preset}"
+    args.model = bc.resolve_model(args)
+    from nanovllm_tp import LLM, SamplingParams
+    kwargs = engine_kwargs(args)
+    spec_config = kwargs.pop("speculative_config") or DEFAULT_SPEC
+    plain, spec = LLM(**kwargs), LLM(**kwargs, speculative_config=spec_config)
+    env = bc.environment()
+    try:
+        tok, vocab = plain.get_tokenizer(), plain.config.model_config.vocab_size
+        for llm in (plain, spec):                            # warm-up
+            llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+        runs = {(w, e): [] for w in args.workloads for e in ("plain", "spec")}
+        for r in range(args.repeats):
+            for w in args.workloads:
+                rng = random.Random(f"{args.seed}/random/{r}")
+                prompt = copy_prompt(tok, args.passage_tokens, r) if w == "copy" else \
+                    [rng.randrange(min(vocab, bc.MAX_TOKEN_ID)) for _ in range(args.passage_tokens)]
+                params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=r,
+                                        ignore_eos=w == "random")
+                for name, llm in (("plain", plain), ("spec", spec)):
+                    runs[w, name].append(run_one(llm, prompt, params))
+                    bc.log(args, f"[{r + 1}/{args.repeats}] {w} {name}: "
+                                 f"{bc.fmt(runs[w, name][-1]['decode_tok_s'])} tok/s")
+    finally:
+        plain.close()
+        spec.close()
+    figures = {}
+    for w in args.workloads:
+        p, s = runs[w, "plain"], runs[w, "spec"]
+        draft, accepted = sum(x["draft"] for x in s), sum(x["accepted"] for x in s)
+        figures[w] = {"plain_tok_s": bc.median(x["decode_tok_s"] for x in p),
+                      "spec_tok_s": bc.median(x["decode_tok_s"] for x in s),
+                      "ratio": bc.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(p, s)),
+                      "acceptance": accepted / draft if draft else None,
+                      "output_tokens": bc.median(len(x["tokens"]) for x in s),
+                      "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(p, s))}
+    result = {"name": NAME, "config": {**bc.config_dict(args), "speculative_config": spec_config},
+              "environment": bc.finish_environment(env), "figures": figures}
+    bc.save_result(args, bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME), result, lambda result: None)
+    rows = [[w, bc.fmt(f["plain_tok_s"]), bc.fmt(f["spec_tok_s"]), f"{f['ratio']:.2f}x",
+             "-" if f["acceptance"] is None else f"{f['acceptance']:.2f}", f["output_tokens"],
+             "yes" if f["same_tokens"] else "NO"] for w, f in figures.items()]
+    print(bc.format_table(["workload", "plain tok/s", "spec tok/s", "spec/plain", "acceptance", "out tokens",
+                           "same tokens"], rows, title=f"decode, one request, medians of {args.repeats}"),
+          flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

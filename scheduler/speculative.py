@@ -1,0 +1,147 @@
+"""Speculative decoding on rank 0: the configuration (vLLM's `speculative_config` dict) and the n-gram proposer.
+
+A running request whose context repeats itself gets up to k proposed tokens per step: the tokens that followed the
+earliest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min). The step
+then computes 1 + k positions of that row at once, and every position is sampled as a plain decode step would
+sample it (same request seed, same token index): a proposed token is accepted while it equals the token sampled
+at its position, and the first position that differs gives the request its next token. So the output is the one
+non-speculative decoding gives, greedy or sampled, and a step yields 1 to k + 1 tokens.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanovllm_tp.checks import integer
+
+METHODS = ("ngram",)
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
+        """Checked as vLLM reads it: method, num_speculative_tokens, and for ngram prompt_lookup_max / _min (each
+        defaults to the other, both to 5)."""
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                             f"(known: {', '.join(_KEYS)})")
+        method = d.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not implemented (implemented: "
+                             f"{', '.join(METHODS)})")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        k = d["num_speculative_tokens"]
+        integer("speculative_config num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
+        hi, lo = d.get("prompt_lookup_max"), d.get("prompt_lookup_min")
+        hi, lo = (hi if hi is not None else lo if lo is not None else 5), (lo if lo is not None else hi or 5)
+        integer("speculative_config prompt_lookup_max", hi, 1)
+        integer("speculative_config prompt_lookup_min", lo, 1, hi)
+        return cls(k, hi, lo, method)
+
+
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to k tokens that followed the earliest earlier occurrence of the context's last n tokens, for the
+    largest n in [min_n, max_n] that occurs; empty when none does."""
+    size = len(tokens)
+    if k <= 0 or size < min_n + 1:
+        return tokens[:0]
+    last = tokens[-1]
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # ends of earlier n-grams whose last token matches, then the whole n-gram, vectorized
+        ends = np.flatnonzero(tokens[n - 1:size - 1] == last) + (n - 1)
+        if n > 1 and len(ends):
+            window = tokens[ends[:, None] - np.arange(n - 1, -1, -1)]
+            ends = ends[(window == tokens[size - n:]).all(axis=1)]
+        if len(ends):
+            start = int(ends[0]) + 1
+            return tokens[start:start + k]
+    return tokens[:0]
+
+
+def speculates(params) -> bool:
+    """Whether a request may take proposals: every knob it uses reads only the logits of its position. Penalties
+    and logprobs read or report the tokens before it, which a proposed position does not have yet."""
+    return (params.logprobs is None and params.repetition_penalty == 1 and params.presence_penalty == 0
+            and params.frequency_penalty == 0)
+
+
+def propose(seqs, spec: SpeculativeConfig) -> dict[int, np.ndarray]:
+    """Proposals of the running sequences that may take them, by seq_id. A sequence whose proposals were all
+    rejected waits before proposing again (1, 3, 7, then 15 decode steps as misses repeat), so text that does not
+    repeat itself costs little."""
+    out = {}
+    for seq in seqs:
+        if seq.spec_wait:
+            seq.spec_wait -= 1
+        elif speculates(seq.params):
+            tokens = propose_ngram(np.asarray(seq.token_ids, np.int64), spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max, spec.num_speculative_tokens)
+            if len(tokens):
+                out[seq.seq_id] = tokens
+    return out
+
+
+def accept(entries: list, tokens: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(mask of the sampling entries whose token is kept, tokens proposed, tokens accepted). The entries of a
+    sequence with a draft of k tokens are its 1 + k positions in order: the leading positions whose sampled token
+    equals the proposed one are accepted, and the first that differs (or the last) gives one token more."""
+    keep = np.ones(len(entries), np.bool_)
+    proposed = accepted = i = 0
+    while i < len(entries):
+        seq = entries[i]
+        k = len(seq.draft)
+        if k:
+            match = tokens[i:i + k] == np.asarray(seq.draft, np.int64)
+            a = k if match.all() else int(np.argmin(match))
+            keep[i + a + 1:i + k + 1] = False
+            proposed, accepted = proposed + k, accepted + a
+            seq.spec_misses = 0 if a else seq.spec_misses + 1
+            seq.spec_wait = min(1 << seq.spec_misses, 16) - 1 if seq.spec_misses else 0
+        i += k + 1
+    return keep, proposed, accepted
+
+
+def attach_drafts(seqs: list, proposals: dict, block_manager, config) -> bool:
+    """Give the decode rows that have proposals as many of them as the step's token budget, the request's limits
+    and the free blocks allow (their KV slots are taken now); False when none got any."""
+    bm, bs = block_manager, config.kvcache_block_size
+    budget = config.max_num_batched_tokens - len(seqs)
+    for seq in seqs:
+        tokens = proposals.get(seq.seq_id)
+        if tokens is None or budget <= 0:
+            continue
+        limit = config.max_model_len - seq.num_tokens - 1
+        if seq.max_tokens is not None:
+            limit = min(limit, seq.max_tokens - seq.num_completion_tokens - 1)
+        room = (len(seq.block_table) + bm.num_free_blocks) * bs - seq.num_tokens
+        k = min(len(tokens), budget, limit, room)
+        if k <= 0:
+            continue
+        while (seq.num_tokens - 1 + k) // bs >= len(seq.block_table):
+            seq.block_table.append(bm.take_block())
+        seq.draft, seq.num_scheduled_tokens = tokens[:k].tolist(), 1 + k
+        budget -= k
+    return any(s.draft for s in seqs)
+
+
+def ordinals(entries: list) -> np.ndarray:
+    """Each sampling entry's place among the consecutive entries of its sequence (0, 1, .. along a row with a
+    draft; 0 elsewhere)."""
+    out = np.zeros(len(entries), np.int64)
+    for i in range(1, len(entries)):
+        if entries[i] is entries[i - 1]:
+            out[i] = out[i - 1] + 1
+    return out

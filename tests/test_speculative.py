@@ -1,0 +1,229 @@
+"""Speculative decoding with n-gram proposals: the proposer against a direct search, greedy output equal to
+transformers' through chunked prefill, prefix hits, preemption and TP, sampled tokens that follow the target
+distribution, and stop strings inside a step of several tokens."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.layers.sampler import Sampler
+from nanovllm_tp.sampling_params import RequestOutputKind
+from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
+from nanovllm_tp.scheduler.speculative import SpeculativeConfig, propose_ngram
+from tests.helpers import hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SMALL = dict(kvcache_block_size=16, kv_cache_memory=16 << 20)
+TEXTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world! Hello, world! Hello, world!"]
+
+
+def direct_proposal(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    for n in range(hi, lo - 1, -1):
+        if n >= len(tokens):
+            continue
+        tail = tokens[-n:]
+        for i in range(len(tokens) - n):          # an occurrence that ends before the last token
+            if tokens[i:i + n] == tail:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_proposals_match_a_direct_search():
+    rng = random.Random(0)
+    for case in range(400):
+        tokens = [rng.randrange(1 + case % 6) for _ in range(rng.randint(1, 40))]
+        lo = rng.randint(1, 3)
+        hi, k = rng.randint(lo, 5), rng.randint(1, 6)
+        got = propose_ngram(np.asarray(tokens, np.int64), lo, hi, k).tolist()
+        assert got == direct_proposal(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_speculative_config_is_checked_as_vllm_reads_it(tiny_model_dir):
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 3}) == SpeculativeConfig(3, 5, 5)
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_max": 4}) == SpeculativeConfig(3, 4, 4)
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_min": 2}) == SpeculativeConfig(3, 2, 2)
+    for bad, exc, match in [("ngram", TypeError, "speculative_config must be a dict"),
+                            ({"method": "ngram"}, ValueError, "needs num_speculative_tokens"),
+                            ({"method": "eagle", "num_speculative_tokens": 2}, ValueError, "'eagle' is not implemented"),
+                            ({"num_speculative_tokens": 2, "lookup": 3}, ValueError, "unknown key.*'lookup'"),
+                            ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens must be >= 1"),
+                            ({"num_speculative_tokens": 2.0}, TypeError, "num_speculative_tokens must be an int"),
+                            ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+                             ValueError, "prompt_lookup_min must be <= 2")]:
+        with pytest.raises(exc, match=match):
+            LLM(tiny_model_dir, speculative_config=bad)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_dir):
+    llm = LLM(tiny_model_dir, speculative_config=NGRAM, max_num_batched_tokens=64, **SMALL)
+    yield llm
+    llm.close()
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(spec_llm, hf_model):
+    tok = spec_llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS] + [tok.encode(TEXTS[3]) * 3]      # the last one is chunked (64)
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    before = spec_llm.stats()
+    for _ in range(2):                                          # the second round hits the prefix cache
+        out = spec_llm.generate(prompts, greedy, use_tqdm=False)
+        for p, o in zip(prompts, out):
+            assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 80)
+    stats = spec_llm.stats()
+    assert stats["num_accepted_tokens"] - before["num_accepted_tokens"] > 20      # proposals were taken
+    assert stats["num_draft_tokens"] > stats["num_accepted_tokens"]               # and some rejected
+    assert stats["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
+    assert stats["kv_cache_usage"] == 0.0
+
+
+def test_greedy_equals_transformers_under_preemption(tiny_model_dir, hf_model):
+    llm = LLM(tiny_model_dir, speculative_config=NGRAM, kvcache_block_size=16, kv_cache_memory=700_000,
+              max_model_len=256)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in TEXTS] * 2
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0, stats
+        for p, o in zip(prompts, out):
+            assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 120)
+        assert stats["kv_cache_usage"] == 0.0
+    finally:
+        llm.close()
+
+
+def test_greedy_equals_transformers_at_tp2(tiny_model_dir, hf_model):
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, speculative_config=NGRAM, **SMALL)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in TEXTS]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+        for p, o in zip(prompts, out):
+            assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 60)
+        assert llm.stats()["num_accepted_tokens"] > 0
+    finally:
+        llm.close()
+
+
+def test_requests_with_penalties_or_logprobs_take_no_proposals(spec_llm, hf_model):
+    tok = spec_llm.get_tokenizer()
+    prompt = tok.encode(TEXTS[3])
+    before = spec_llm.stats()["num_draft_tokens"]
+    out = spec_llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+                                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                              repetition_penalty=1.0001)], use_tqdm=False)
+    assert spec_llm.stats()["num_draft_tokens"] == before
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 40)
+    assert len(out[0].outputs[0].logprobs) == 40
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    """Fixed logits, the real scheduler and sampler: the prompt makes the n-gram propose [d1, d2]; over many seeds
+    the token at the first proposed position follows softmax(L0) and, where d1 was accepted, the next follows
+    softmax(L1) (chi-square, p = 0.001)."""
+    vocab, d1, d2, n = 8, 3, 6, 3000
+    rng = np.random.default_rng(0)
+    fixed = rng.normal(0, 1, (3, vocab)).astype(np.float32)
+    fixed[0, d1] += 1.0                                     # d1 likely, not certain
+    spec = SpeculativeConfig(2, 2, 1)
+    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=n * 2 + 8, kvcache_block_size=16, max_model_len=64,
+                                      max_num_seqs=n, max_num_batched_tokens=n * 8, speculative=spec))
+    for s in range(n):
+        sched.add(Sequence(s, [5, d1, d2, 7, 5], SamplingParams(temperature=1.0, max_tokens=8), seed=s))
+    sampler = Sampler()
+    step = sched.schedule()                                 # the prefill: every row's first token is 5
+    logits = torch.full((n, vocab), -1e9)
+    logits[:, 5] = 0
+    tokens, _ = sampler(logits, step.sampling)
+    sched.postprocess(tokens)
+    step = sched.schedule()
+    assert step.plan.num_tokens == 3 * n and all(s.draft == [d1, d2] for s in step.sampling.seqs[::3])
+    rows = torch.from_numpy(np.tile(fixed, (n, 1)))
+    tokens, _ = sampler(rows, step.sampling)
+    progressed = sched.postprocess(tokens)
+    first = np.array([s.token_ids[6] for s in progressed])
+    second = np.array([s.token_ids[7] for s in progressed if s.token_ids[6] == d1])
+    assert len(second) > n // 10
+    assert sched.num_accepted_tokens == len(second) + int((np.array([s.token_ids[7] for s in progressed
+                                                                     if s.token_ids[6] == d1]) == d2).sum())
+    for got, row in ((first, fixed[0]), (second, fixed[1])):
+        p = np.exp(row - row.max())
+        p /= p.sum()
+        counts = np.bincount(got, minlength=vocab)
+        chi2 = (((counts - len(got) * p) ** 2) / (len(got) * p)).sum()
+        assert chi2 < 24.32, (chi2, counts, len(got) * p)       # 7 degrees of freedom, p = 0.001
+
+
+def test_a_stop_string_inside_a_step_of_several_tokens(spec_llm, hf_model):
+    """The stop string ends the output at the token that completes it, however many tokens the step added:
+    text, token ids and streamed deltas all stop there."""
+    tok = spec_llm.get_tokenizer()
+    prompt = tok.encode(TEXTS[3])
+    ref = hf_greedy(hf_model, prompt, 80)
+    stop_at = 60                                            # deep in a repeating stretch: several tokens a step
+    stop = tok.decode(ref[stop_at - 2:stop_at])
+    text = tok.decode(ref)
+    cut = text.index(stop)
+    want_ids = next(ref[:i] for i in range(1, 81) if stop in tok.decode(ref[:i]))
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+        params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop], output_kind=kind)
+        rid = spec_llm.add_request(prompt, params)
+        deltas, final = [], None
+        while spec_llm.has_unfinished_requests():
+            for o in spec_llm.step():
+                if o.request_id == rid:
+                    deltas.append(o.outputs[0].text)
+                    final = o if o.finished else final
+        c = final.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        if kind == RequestOutputKind.DELTA:
+            assert "".join(deltas) == text[:cut]
+        else:
+            assert c.text == text[:cut] and c.token_ids == want_ids
+
+
+def test_a_stop_string_on_the_last_allowed_token_stops(tiny_llm, hf_model):
+    """The token that max_tokens allows last completes a stop string: the reason is "stop" and the text is cut
+    (it used to say "length" and keep the stop)."""
+    tok = tiny_llm.get_tokenizer()
+    for text_prompt in TEXTS:                 # a case where the last token's text occurs first at the end
+        prompt = tok.encode(text_prompt)
+        ref = hf_greedy(hf_model, prompt, 12)
+        text, stop = tok.decode(ref), tok.decode(ref[11:]).strip()
+        if stop and text.find(stop) == len(text.rstrip()) - len(stop) and text.endswith(stop):
+            break
+    else:
+        raise AssertionError("no prompt of TEXTS ends its first 12 greedy tokens with a fresh string")
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == text[:len(text) - len(stop)] and out.token_ids == ref
+
+
+def test_the_server_streams_speculative_output(tiny_model_dir, hf_model):
+    """Through the `openai` client: streamed chunks of a server with n-gram speculation concatenate to
+    transformers' greedy text, also with a stop string met inside a step."""
+    import json as _json
+
+    from tests.test_serve import client, metrics, start_server, wait_ready
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = TEXTS[3]
+    ref = hf_greedy(hf_model, tok.encode(prompt), 60)
+    text = tok.decode(ref)
+    stop = tok.decode(ref[50:52])
+    port, ctx = start_server(tiny_model_dir, "--api-key", "k", "--speculative-config", _json.dumps(NGRAM))
+    with ctx as proc:
+        wait_ready(port, proc)
+        api = client(port, "k")
+        for stops, want in ((None, text), ([stop], text[:text.index(stop)])):
+            chunks = api.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stream=True,
+                                            stop=stops, extra_body={"ignore_eos": True})
+            got = "".join(c.choices[0].text for c in chunks)
+            assert got == want
+        m = metrics(port)
+        accepted = m["spec_decode_num_accepted_tokens_total{model_name=\"tiny\"}"]
+        assert 0 < accepted <= m["spec_decode_num_draft_tokens_total{model_name=\"tiny\"}"]

@@ -108,13 +108,15 @@ def test_greedy_equals_transformers_at_tp2(tiny_model_dir, hf_model):
         llm.close()
 
 
-def test_requests_with_penalties_or_logprobs_take_no_proposals(spec_llm, hf_model):
+def test_requests_with_penalties_bad_words_or_logprobs_take_no_proposals(spec_llm, hf_model):
     tok = spec_llm.get_tokenizer()
     prompt = tok.encode(TEXTS[3])
     before = spec_llm.stats()["num_draft_tokens"]
-    out = spec_llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-                                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                              repetition_penalty=1.0001)], use_tqdm=False)
+    out = spec_llm.generate([prompt] * 3, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+                                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                          repetition_penalty=1.0001),
+                                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                          bad_words=["zzzz"])], use_tqdm=False)
     assert spec_llm.stats()["num_draft_tokens"] == before
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 40)
     assert len(out[0].outputs[0].logprobs) == 40

@@ -207,6 +207,7 @@ def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path)
     assert not segments_of(result["pid"])
 
 
+@pytest.mark.spawn
 @pytest.mark.slow
 def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
     from nanovllm_tp.launch import bench, bench_latency, bench_serve, bench_tp, generate, serve

@@ -87,6 +87,7 @@ def test_missing_peer_python_fails_before_loading_anything():
 
 
 @pytest.mark.spawn
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_VLLM, reason="checks the refusal of an interpreter without vLLM")
 def test_peer_python_without_vllm_is_refused_and_leaves_nothing():
     already = set(children())           # e.g. a resource tracker an earlier test of this session started

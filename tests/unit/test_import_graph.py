@@ -8,7 +8,7 @@ Module names follow setup.cfg's mapping: `scheduler/`, `workers/` and `launch/` 
 import ast
 import pathlib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ROOTS = {"nanovllm_tp": REPO / "nanovllm_tp", "nanovllm_tp.scheduler": REPO / "scheduler",
          "nanovllm_tp.workers": REPO / "workers", "nanovllm_tp.launch": REPO / "launch"}
 

@@ -53,7 +53,9 @@ def tiny_gguf(tiny_ggufs):
 
 
 # llama: q/k rows permuted by llama.cpp; qwen2: q/k/v biases, 1-D tensors sliced across ranks
-@pytest.mark.parametrize("arch, tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+@pytest.mark.parametrize("arch, tp", [("llama", 1),
+                                      pytest.param("llama", 2, marks=(pytest.mark.spawn, pytest.mark.slow)),
+                                      pytest.param("qwen2", 2, marks=(pytest.mark.spawn, pytest.mark.slow))])
 def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
     path, hf = tiny_ggufs(arch)
     prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
@@ -130,6 +132,7 @@ def generate(model, texts, **knobs):
         llm.close()
 
 
+@pytest.mark.slow
 @smollm2
 def test_tp1_gguf_file_matches_transformers(chats, reference):
     outs = generate(GGUF, chats[0])
@@ -138,6 +141,8 @@ def test_tp1_gguf_file_matches_transformers(chats, reference):
     assert outs[0].outputs[0].text.startswith("The capital of France is Paris.")
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 @smollm2
 def test_tp3_directory_holding_the_gguf_matches_transformers(chats, reference):
     # 9 heads and 3 kv heads over 3 ranks: one kv head per rank
@@ -145,6 +150,7 @@ def test_tp3_directory_holding_the_gguf_matches_transformers(chats, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+@pytest.mark.slow
 @smollm2
 def test_convert_writes_a_plain_hf_directory(tmp_path, chats, reference):
     from nanovllm_tp.launch.convert import main

@@ -2,12 +2,16 @@
 generation, and writes the JSON with the right lengths; the server process is gone afterwards."""
 import json
 
+import pytest
+
 from nanovllm_tp.config import engine_argv
 from nanovllm_tp.launch import bench_serve, serve_process
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "3", "6", "--kv-cache-memory", str(32 << 20)]
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_bench_serve_launch_with_offline_comparison(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "serve.json"
     result = bench_serve.main(["--launch", "--compare-offline", "--model", tiny_model_dir, *TINY,
@@ -39,6 +43,8 @@ def test_bench_serve_needs_a_url_or_launch():
         bench_serve.main(["--base-url", "http://127.0.0.1:1/v1", "--compare-offline"])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, tmp_path, capsys):
     args = bench_serve.build_parser().parse_args(["--model", tiny_model_dir, "--api-key", "k",
                                                   "--kv-cache-memory", str(32 << 20)])

@@ -5,10 +5,10 @@ import httpx
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-from tests.test_lifecycle import N, greedy_with, hf_reference
-from tests.test_logits_modifiers import bad_word_spellings, direct
-from tests.test_serve import KEY, PROMPTS, client, server  # noqa: F401  (this module's server)
-from tests.test_validation import assert_refused, baseline  # noqa: F401  (the refusal check and its baseline)
+from tests.engine.test_lifecycle import N, greedy_with, hf_reference
+from tests.unit.test_logits_modifiers import bad_word_spellings, direct
+from tests.serving.test_serve import KEY, PROMPTS, client, server  # noqa: F401  (this module's server)
+from tests.engine.test_validation import assert_refused, baseline  # noqa: F401  (the refusal check and its baseline)
 
 KINDS = ("logit_bias", "logit_bias + repetition_penalty", "allowed_token_ids", "bad_words")
 
@@ -75,6 +75,8 @@ def test_each_knob_greedy_equals_transformers_over_the_knobs_logits(tiny_llm, ca
     assert all(set(d) <= {9, 99, 999} for d in draws) and len({tuple(d) for d in draws}) > 1
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_tp2_on_both_samplers_equals_the_references(tiny_model_dir, cases, references, both_paths):
     def run():
         llm = LLM(tiny_model_dir, tensor_parallel_size=2, kvcache_block_size=16, kv_cache_memory=64 << 20)
@@ -87,6 +89,7 @@ def test_tp2_on_both_samplers_equals_the_references(tiny_model_dir, cases, refer
     assert all(set(d) <= {9, 99, 999} for d in fast_hot + slow_hot)
 
 
+@pytest.mark.spawn
 def test_server_takes_the_knobs_as_offline_generate_does(server, tiny_llm, cases):  # noqa: F811
     """logit_bias with token ids as string keys (OpenAI's form), allowed_token_ids and bad_words as extra fields,
     on both endpoints, streamed or not: the offline texts."""
@@ -124,6 +127,7 @@ def test_server_takes_the_knobs_as_offline_generate_does(server, tiny_llm, cases
     ("chat/completions", {"bad_words": ["fox", ""]}, "bad_words cannot contain an empty or blank string"),
     ("chat/completions", {"logit_bias": {"2003": 1.0}}, "logit_bias [2003] are outside the vocabulary"),
 ])
+@pytest.mark.spawn
 def test_bad_knob_values_get_a_400_naming_the_field(server, path, body, message):  # noqa: F811
     base = {"model": "tiny", "max_tokens": 2}
     base.update({"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]})

@@ -46,6 +46,8 @@ def test_greedy_matches_transformers(kind, tmp_path, vocab):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24)
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama3-rope", "mistral"])
 def test_tp2_chunked_prefill_and_prefix_hits_match_transformers(kind, tmp_path, vocab):
     hf = save_random_hf_model(kind, tmp_path / kind)
@@ -76,6 +78,8 @@ def test_rope_frequencies_match_transformers(params):
     assert not torch.allclose(ours, rope_inv_freq(128, params["rope_theta"], None)[0])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,extra", [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True})],
                          ids=["qwen2-qkv-bias", "llama-attention-and-mlp-bias"])
 def test_biases_at_tp2_match_transformers(kind, extra, tmp_path, tiny_model_dir):
@@ -214,7 +218,7 @@ def test_moe_config_and_routing(moe, vocab):
     assert loads.max() >= 3 * loads.min(), loads
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=(pytest.mark.spawn, pytest.mark.slow))])
 def test_moe_greedy_matches_transformers(tp, moe, vocab):
     path, hf = moe
     llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=48, **KV)    # 130 tokens: 3 chunks

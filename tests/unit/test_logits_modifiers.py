@@ -8,7 +8,7 @@ import torch
 from nanovllm_tp.layers.sampler import Sampler
 from nanovllm_tp.loader import load_tokenizer
 from nanovllm_tp.sampling_params import MAX_BAD_WORDS, SamplingParams
-from tests.test_sampler import batch_of, chi_square_ok, draws, softmax
+from tests.unit.test_sampler import batch_of, chi_square_ok, draws, softmax
 
 VOCAB = 2003                  # the tiny checkpoint's, so bad words tokenize into it
 EOS = 7

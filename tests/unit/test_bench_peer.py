@@ -74,6 +74,7 @@ def test_ratios_and_throughput_from_real_runs():
     assert r["of_medians"] == pytest.approx((1 / 1.0 + 1 / 2.0) / 2 / (1 / 2.0))
 
 
+@pytest.mark.spawn
 def test_missing_peer_python_fails_before_loading_anything():
     out = subprocess.run([sys.executable, "-m", "nanovllm_tp.launch.bench", "--compare", "vllm", "--peer-python",
                           "/nonexistent", "--model", "/nonexistent/model"], capture_output=True, text=True,
@@ -85,6 +86,8 @@ def test_missing_peer_python_fails_before_loading_anything():
         bench.main(["--compare", "vllm", "--model", "/nonexistent/model"])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_VLLM, reason="checks the refusal of an interpreter without vLLM")
 def test_peer_python_without_vllm_is_refused_and_leaves_nothing():
     already = set(children())           # e.g. a resource tracker an earlier test of this session started
@@ -137,6 +140,7 @@ def stopped(pid: int) -> bool:
         time.sleep(0.01)
 
 
+@pytest.mark.spawn
 def test_the_peer_is_stopped_except_while_it_answers(tmp_path):
     """Idle vLLM processes poll; the driver keeps the peer's process group stopped between its runs, so it takes
     no CPU from the engine being timed, and close() still ends it (driven here through a stand-in `vllm`)."""

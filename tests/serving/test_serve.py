@@ -19,6 +19,8 @@ import pytest
 from nanovllm_tp import SamplingParams
 from tests.procs import free_port, our_shm_segments, python_cmd, started, wait_gone
 
+pytestmark = pytest.mark.spawn     # a server process, or several
+
 KEY = "test-key"
 PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning", "Once upon a time there"]
 ENGINE_ARGS = ["--block-size", "16", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
@@ -184,6 +186,7 @@ def test_64_concurrent_streams_all_finish_right(server, tiny_llm):
     assert asyncio.run(run()) == want
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_has_its_request_aborted(tiny_model_dir):
     """The engine runs beside the HTTP process and can run far ahead of a client, so the request is long
     enough (4,000 tokens) that it cannot finish before the disconnect reaches it."""
@@ -233,6 +236,7 @@ def test_api_key_is_required(server):
     assert httpx.get(f"http://127.0.0.1:{server}/version", timeout=10).json()["version"]
 
 
+@pytest.mark.slow
 def test_tp2_server_same_outputs_then_a_dead_rank_gives_503_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
     port, ctx = start_server(tiny_model_dir, "--tp", "2")
     with ctx as proc:
@@ -263,6 +267,7 @@ def test_tp2_server_same_outputs_then_a_dead_rank_gives_503_and_sigterm_leaves_n
     assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_tp2_server_and_its_worker(tiny_model_dir):
     port, ctx = start_server(tiny_model_dir, "--tp", "2")
     with ctx as proc:
@@ -286,6 +291,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
     # the running request lasts its whole 4095 tokens (seconds, more on a loaded machine), and HTTP keeps normal
     # priority, so that other work on the machine cannot starve it while the engine runs
@@ -321,6 +327,7 @@ def _frontend(pid: int) -> int:
     return next(p for p in _children(pid) if "nanovllm_tp.serving.frontend" in _cmdline(p))
 
 
+@pytest.mark.slow
 def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir):
     port, ctx = start_server(tiny_model_dir)
     with ctx as proc:
@@ -330,6 +337,7 @@ def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir):
         assert not rundirs(proc.pid)
 
 
+@pytest.mark.slow
 def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir):
     port, ctx = start_server(tiny_model_dir)
     with ctx as proc:
@@ -340,6 +348,7 @@ def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir
         assert not rundirs(proc.pid)
 
 
+@pytest.mark.slow
 def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
     """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans."""
     port = free_port()
@@ -358,6 +367,7 @@ def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_
         assert not [d for p in pids for d in rundirs(p)]
 
 
+@pytest.mark.slow
 def test_on_cpu_the_http_process_runs_on_what_the_engine_leaves_idle(tiny_model_dir, monkeypatch):
     """Without --threads or OMP_NUM_THREADS the engine takes every core and the HTTP process (every thread of it)
     runs at idle priority; libgomp's spin before sleeping is short (GOMP_SPINCOUNT, set before torch loads it:

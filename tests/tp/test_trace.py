@@ -15,9 +15,9 @@ from nanovllm_tp import LLM, SamplingParams, trace
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import alive, python_cmd, segments_of, started, wait_gone
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-SCRIPT = os.path.join(HERE, "tp_scripts", "generate_tokens.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
+SCRIPT = os.path.join(TESTS, "tp_scripts", "generate_tokens.py")
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ENGINE_SPANS = {"step", "schedule", "encode_plan", "publish", "execute", "prepare", "forward", "lm_head",
@@ -61,6 +61,8 @@ def prompts(tiny_llm):
     return mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(1, 7, 33, 100))
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_tp2_trace_holds_both_ranks_with_nested_spans(tiny_model_dir, tiny_llm, hf_model, prompts, tmp_path):
     untraced = tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
     path = tmp_path / "out.json"
@@ -144,6 +146,7 @@ def test_bad_trace_arguments_are_refused(tiny_model_dir, kwargs, error):
     assert not trace.enabled
 
 
+@pytest.mark.spawn
 def test_monotonic_clock_is_shared_by_processes():
     before = time.monotonic_ns()
     child = int(subprocess.check_output(python_cmd("-c", "import time; print(time.monotonic_ns())")))
@@ -151,6 +154,8 @@ def test_monotonic_clock_is_shared_by_processes():
     assert before < child < after
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_dead_rank_leaves_rank0_trace_and_a_log_line(tiny_model_dir, tmp_path, caplog):
     path = tmp_path / "out.json"
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, trace_path=str(path), **SMALL_KV)
@@ -176,6 +181,8 @@ def test_dead_rank_leaves_rank0_trace_and_a_log_line(tiny_model_dir, tmp_path, c
     assert sorted(os.listdir(tmp_path)) == ["out.json"]
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path):
     out, path = tmp_path / "tokens.json", tmp_path / "run.json"
     engine = dict(SMALL_KV, trace_path=str(path))
@@ -200,6 +207,8 @@ def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path)
     assert not segments_of(result["pid"])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
     from nanovllm_tp.launch import bench, bench_latency, bench_serve, bench_tp, generate, serve
     tiny = ["--model", tiny_model_dir, "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "4", "8",

@@ -14,8 +14,10 @@ from nanovllm_tp.distributed.channel import PeerError
 from tests.procs import (LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of, session_pids, started,
                          wait_gone)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "tp_scripts", "generate_tokens.py")
+pytestmark = pytest.mark.spawn
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "tp_scripts", "generate_tokens.py")
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
@@ -24,8 +26,9 @@ def long_prompts(n=64):
     return [[(7 * i + j) % 1500 for j in range(50)] for i in range(n)]
 
 
+@pytest.mark.slow
 def test_worker_exception_reaches_caller(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.path.join(HERE, "tp_scripts", "fault_injection") + os.pathsep
+    monkeypatch.setenv("PYTHONPATH", os.path.join(TESTS, "tp_scripts", "fault_injection") + os.pathsep
                        + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("NVTP_TEST_FAIL_RANK", "1")
     monkeypatch.setenv("NVTP_TEST_FAIL_STEP", "3")
@@ -46,7 +49,7 @@ def test_worker_exception_reaches_caller(tiny_model_dir, monkeypatch):
 
 
 def test_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.path.join(HERE, "tp_scripts", "fault_injection") + os.pathsep
+    monkeypatch.setenv("PYTHONPATH", os.path.join(TESTS, "tp_scripts", "fault_injection") + os.pathsep
                        + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("NVTP_TEST_EXIT_AT_START", "1")
     before = set(os.listdir("/dev/shm"))
@@ -57,6 +60,7 @@ def test_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_model_dir
     assert set(os.listdir("/dev/shm")) <= before
 
 
+@pytest.mark.slow
 def test_sigkill_worker_mid_generation(tiny_model_dir):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
     worker = llm.engine.children[0].pid
@@ -120,6 +124,7 @@ def wait_for_pids(pids_file, proc, timeout=90):
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
 def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir, tmp_path, tp):
     cmd, pids_file = start_rank0(tiny_model_dir if tp == 2 else tp3_model_dir, tmp_path, tp)
@@ -133,6 +138,7 @@ def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir,
     assert not segments_of(pids["rank0"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm-rank0"])
 def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
     cmd, pids_file = start_rank0(tiny_model_dir, tmp_path)
@@ -147,6 +153,7 @@ def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
     assert not segments_of(pids["rank0"])
 
 
+@pytest.mark.slow
 def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     cmd, pids_file = start_rank0(tiny_model_dir, tmp_path, launcher=torchrun)
@@ -160,6 +167,7 @@ def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
     assert not segments_of(pids["rank0"])
 
 
+@pytest.mark.slow
 def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
     # Two one-rank "nodes": rank 1 reads plans over ZMQ and all-reduces over gloo, whose own timeout is 120 s.
     port = free_port()

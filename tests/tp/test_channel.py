@@ -105,7 +105,7 @@ def writer_exit_proc(q, port, key):
 # have already imported this module; each runs exactly one job and exits, and a replacement starts
 # warming up as soon as one is taken.  Children are plain subprocesses; jobs and results travel as
 # length-prefixed msgpack frames over two extra pipes (nothing is pickled).
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FRAME = struct.Struct("<I")
 
 
@@ -172,7 +172,7 @@ class _Child:
         job_r, job_w = os.pipe()
         msg_r, msg_w = os.pipe()
         code = (f"import sys; sys.path.insert(0, {REPO!r}); "
-                f"from tests.test_channel import _child_entry; _child_entry({job_r}, {msg_w})")
+                f"from tests.tp.test_channel import _child_entry; _child_entry({job_r}, {msg_w})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(job_r, msg_w), cwd=REPO)
         os.close(job_r)
         os.close(msg_w)
@@ -311,6 +311,8 @@ def store():
 
 
 # ---------------------------------------------------------------- tests
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_order_1000_plans_two_local_readers(spawn, store):
     for rank in (1, 2):
         spawn(reader_proc, store.port, KEY, rank, True, 1000)
@@ -328,6 +330,7 @@ def test_order_1000_plans_two_local_readers(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
 def test_wraparound_overflow_and_mixed_sizes(spawn, store):
     sizes = [0, 1, 500, 4096 - _HEAD.size, 4097, 20_000, 3 << 20, 7, 5 << 20 | 3, 64]
     plan_sizes = [sizes[i % len(sizes)] for i in range(60)]
@@ -346,6 +349,7 @@ def test_wraparound_overflow_and_mixed_sizes(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
 def test_local_and_remote_readers_then_shutdown_wakes_quickly(spawn, store):
     spawn(reader_proc, store.port, KEY, 1, True, 200)
     spawn(reader_proc, store.port, KEY, 2, False, 200)
@@ -366,6 +370,7 @@ def test_local_and_remote_readers_then_shutdown_wakes_quickly(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
 def test_reader_timeout(store, spawn):
     writer = PlanWriter(store, [1], [2], key=KEY, secret=SECRET)
     readers = []
@@ -392,6 +397,8 @@ def test_reader_timeout(store, spawn):
         writer.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_writer_killed_readers_get_closed(spawn, store):
     proc = spawn(writer_proc, store.port, KEY, 3)
     results, ready = {}, {1: threading.Event(), 2: threading.Event()}
@@ -444,6 +451,7 @@ def _forget_tracked_segments(store):
     resource_tracker.unregister("/" + name, "shared_memory")
 
 
+@pytest.mark.spawn
 def test_local_reader_killed_blocked_publish_raises(spawn, store):
     proc = spawn(reader_proc, store.port, KEY, 1, True, 1, 0.0, None, "hang")
     writer = PlanWriter(store, [1], [], num_slots=2, slot_bytes=4096, key=KEY, secret=SECRET)
@@ -462,6 +470,8 @@ def test_local_reader_killed_blocked_publish_raises(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_remote_reader_killed_check_readers_raises(spawn, store):
     proc = spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, None, "hang")
     writer = PlanWriter(store, [], [2], key=KEY, secret=SECRET, reader_timeout_s=4.0)
@@ -484,6 +494,7 @@ def test_remote_reader_killed_check_readers_raises(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
 def test_report_error_reaches_writer(spawn, store):
     spawn(reader_proc, store.port, KEY, 2, False, 1, 0.0, "CUDA OOM on rank 2 — ünïcode")
     writer = PlanWriter(store, [1], [2], key=KEY, secret=SECRET)
@@ -510,6 +521,7 @@ def test_report_error_reaches_writer(spawn, store):
         writer.close()
 
 
+@pytest.mark.spawn
 def test_writer_exit_without_close_unlinks(spawn, store):
     proc = spawn(writer_exit_proc, store.port, KEY)
     (name,) = spawn.collect("created", 1)[0]
@@ -521,6 +533,8 @@ def test_writer_exit_without_close_unlinks(spawn, store):
 STRANGER = os.path.join(REPO, "tests", "tp_scripts", "stranger.py")
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_strangers_neither_steer_nor_read(spawn, store):
     """A local process that is no rank sends random bytes and forged err/bye/hello/hb messages to the back
     channel and subscribes to the plan stream without keys, with made-up keys and with the (leaked) server
@@ -567,6 +581,8 @@ def test_reader_with_another_secret_refuses_the_bootstrap_record(store):
         writer.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_lagging_remote_reader_is_named_and_memory_stays_bounded(spawn, store):
     """Send buffers hold at most ``hwm`` plans per remote reader: one that stops reading loses plans instead of
     growing rank 0's memory, and its next receive says which rank fell behind."""

@@ -63,6 +63,7 @@ def spec_llm(tiny_model_dir):
     llm.close()
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(spec_llm, hf_model):
     tok = spec_llm.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS] + [tok.encode(TEXTS[3]) * 3]      # the last one is chunked (64)
@@ -79,6 +80,7 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(spec_ll
     assert stats["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_under_preemption(tiny_model_dir, hf_model):
     llm = LLM(tiny_model_dir, speculative_config=NGRAM, kvcache_block_size=16, kv_cache_memory=700_000,
               max_model_len=256)
@@ -95,6 +97,8 @@ def test_greedy_equals_transformers_under_preemption(tiny_model_dir, hf_model):
         llm.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_greedy_equals_transformers_at_tp2(tiny_model_dir, hf_model):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, speculative_config=NGRAM, **SMALL)
     try:
@@ -205,12 +209,14 @@ def test_a_stop_string_on_the_last_allowed_token_stops(tiny_llm, hf_model):
     assert out.text == text[:len(text) - len(stop)] and out.token_ids == ref
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_the_server_streams_speculative_output(tiny_model_dir, hf_model):
     """Through the `openai` client: streamed chunks of a server with n-gram speculation concatenate to
     transformers' greedy text, also with a stop string met inside a step."""
     import json as _json
 
-    from tests.test_serve import client, metrics, start_server, wait_ready
+    from tests.serving.test_serve import client, metrics, start_server, wait_ready
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = TEXTS[3]

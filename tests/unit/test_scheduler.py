@@ -669,6 +669,7 @@ def test_abort_all_frees_everything():
     assert sched.schedule() is None
 
 
+@pytest.mark.spawn
 def test_scheduler_import_does_not_pull_in_torch():
     code = ("import sys, nanovllm_tp.scheduler, nanovllm_tp.sampling_params; "
             "sys.exit(3 if 'torch' in sys.modules else 0)")

@@ -15,8 +15,10 @@ from nanovllm_tp.distributed.trust import ChannelKeys
 from tests.helpers import mixed_prompts
 from tests.procs import free_port, python_cmd, started
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+pytestmark = pytest.mark.spawn
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -71,13 +73,14 @@ def test_spawned_engine_listens_on_loopback_only(tp2):
         assert addresses <= LOOPBACK, (pid, addresses)
 
 
+@pytest.mark.slow
 def test_stranger_cannot_stop_or_steer_the_engine(tp2, prompts, reference, caplog):
     """Random bytes and forged err/bye/hello/hb messages (plain, made-up keys, leaked server key) while the
     engine generates: same tokens, still serving, everything turned away is counted and logged."""
     writer = tp2.engine.writer
     env = dict(os.environ, STRANGER_SERVER_KEY=ChannelKeys(tp2.engine.info.secret).server()[0].decode())
     caplog.set_level(logging.WARNING, logger="nanovllm_tp")
-    with started(python_cmd(os.path.join(HERE, "tp_scripts", "stranger.py"), "back", writer._back.endpoint, "3"),
+    with started(python_cmd(os.path.join(TESTS, "tp_scripts", "stranger.py"), "back", writer._back.endpoint, "3"),
                  env=env, stdout=subprocess.PIPE, text=True) as stranger:
         during = tokens(tp2.generate(prompts, GREEDY, use_tqdm=False))
         stranger.communicate(timeout=60)
@@ -133,10 +136,11 @@ def _two_node_agents(tiny_model_dir, out):
     port = free_port()
     return [python_cmd("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                        "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                       os.path.join(HERE, "tp_scripts", "generate_tokens.py"), tiny_model_dir, str(out), "2",
+                       os.path.join(TESTS, "tp_scripts", "generate_tokens.py"), tiny_model_dir, str(out), "2",
                        "--engine-json", json.dumps(SMALL_KV)) for node in range(2)]
 
 
+@pytest.mark.slow
 def test_two_node_refuses_to_start_without_a_secret(tiny_model_dir, tmp_path):
     env = {"NANOVLLM_TP_SECRET": "", "NANOVLLM_TP_SECRET_FILE": ""}
     a, b = _two_node_agents(tiny_model_dir, tmp_path / "never.json")
@@ -149,6 +153,7 @@ def test_two_node_refuses_to_start_without_a_secret(tiny_model_dir, tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
+@pytest.mark.slow
 def test_two_node_with_a_secret_file(tiny_model_dir, tmp_path, tiny_llm):
     """The secret from a 0600 file on each node; a group- or world-readable one is refused."""
     secret = tmp_path / "secret"
@@ -175,6 +180,7 @@ def test_two_node_with_a_secret_file(tiny_model_dir, tmp_path, tiny_llm):
     assert result["tokens"] == tokens(want)
 
 
+@pytest.mark.slow
 def test_tp1_and_shm_path_never_import_zmq(tiny_model_dir):
     code = (
         "import sys; sys.modules['zmq'] = None\n"      # any 'import zmq' now raises ImportError

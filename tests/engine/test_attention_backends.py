@@ -1,6 +1,6 @@
 """The attention backend interface: every backend module registers itself, the choice per device, dtype and
 block size, the config field reaching every rank, and engines on explicitly chosen backends against
-transformers. CUDA-only choices are checked here through their host-side policy (tests/test_gpu_path_cpu.py
+transformers. CUDA-only choices are checked here through their host-side policy (tests/unit/test_gpu_path_cpu.py
 holds the block-size rules; tests/gpu what runs on a device)."""
 import importlib
 import inspect
@@ -89,7 +89,8 @@ def test_flash_prepare_gives_varlen_key_offsets():
     assert decode.cu_seqlens_k is None and ctx.cu_seqlens_k is None
 
 
-@pytest.mark.parametrize("backend,tp", [("torch", 1), ("cpu", 1), ("torch", 2)])
+@pytest.mark.parametrize("backend,tp", [("torch", 1), ("cpu", 1),
+                                        pytest.param("torch", 2, marks=(pytest.mark.spawn, pytest.mark.slow))])
 def test_engine_on_a_chosen_backend_matches_transformers(tiny_model_dir, hf_model, backend, tp):
     llm = LLM(tiny_model_dir, tensor_parallel_size=tp, attention_backend=backend, **SMALL)
     try:
@@ -102,6 +103,8 @@ def test_engine_on_a_chosen_backend_matches_transformers(tiny_model_dir, hf_mode
         llm.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_auto_resolves_to_a_name_the_workers_get(tiny_model_dir, monkeypatch):
     """Rank 0 writes its choice (and block size) into the config the workers start from: a worker that cannot
     run the named backend fails by name instead of quietly running another one."""

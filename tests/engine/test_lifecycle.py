@@ -18,15 +18,45 @@ def greedy_with(**kw) -> SamplingParams:
     return SamplingParams(**{"temperature": 0, "max_tokens": N, "ignore_eos": True, **kw})
 
 
+# The lifecycle must not depend on how the model is sharded: a test marked AT_TP_1_AND_2 runs once on TP=1
+# engines and once on TP=2 ones (spawned workers); every other test at TP=1.
+AT_TP_1_AND_2 = pytest.mark.parametrize(
+    "tp_size", [1, pytest.param(2, marks=(pytest.mark.spawn, pytest.mark.slow))], ids=["tp1", "tp2"], indirect=True)
+_tp2: dict[str, LLM] = {}
+
+
 @pytest.fixture(scope="module")
-def tp_size():
-    """Engines these tests build themselves; tests/test_lifecycle_tp.py runs the same tests at TP=2."""
-    return 1
+def tp_size(request):
+    """The TP size of the engines a test uses: 1, or its AT_TP_1_AND_2 parameter."""
+    return getattr(request, "param", 1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_tp2():
+    yield
+    if "llm" in _tp2:
+        _tp2.pop("llm").close()
+
+
+@pytest.fixture
+def tiny_llm(tiny_llm, tp_size, tiny_model_dir):
+    """The shared engine at the test's TP size: the session's TP=1 one, or this module's TP=2 one (one multi-rank
+    engine per process at a time, so it is closed while a test builds its own, and built again when needed)."""
+    if tp_size == 1:
+        return tiny_llm
+    llm = _tp2.get("llm")
+    if llm is None:
+        llm = _tp2["llm"] = LLM(tiny_model_dir, tensor_parallel_size=tp_size, kvcache_block_size=16,
+                                kv_cache_memory=64 << 20)
+        assert llm.engine.local_ranks == [1]
+    return llm
 
 
 @pytest.fixture
 def make_llm(tiny_model_dir, tp_size):
-    """Engines built by one test at the module's TP size, closed after it."""
+    """Engines built by one test at its TP size, closed after it."""
+    if tp_size > 1 and "llm" in _tp2:
+        _tp2.pop("llm").close()
     made = []
 
     def make(**kw):
@@ -74,6 +104,7 @@ def run_steps(llm) -> dict:
 
 # ---------------------------------------------------------------- penalties
 
+@AT_TP_1_AND_2
 def test_repetition_penalty_greedy_equals_transformers_generate(tiny_llm, hf_model, prompts):
     outs = tiny_llm.generate(prompts, greedy_with(repetition_penalty=1.8), use_tqdm=False)
     gen = GenerationConfig(do_sample=False, max_new_tokens=N, min_new_tokens=N, repetition_penalty=1.8,
@@ -87,6 +118,7 @@ def test_repetition_penalty_greedy_equals_transformers_generate(tiny_llm, hf_mod
     assert changed, "the penalty changed nothing: the test would not see it ignored"
 
 
+@AT_TP_1_AND_2
 def test_presence_and_frequency_penalties_equal_a_direct_computation(tiny_llm, hf_model, prompts):
     pres, freq = 1.5, 0.7
 
@@ -104,6 +136,7 @@ def test_presence_and_frequency_penalties_equal_a_direct_computation(tiny_llm, h
 
 # ---------------------------------------------------------------- logprobs
 
+@AT_TP_1_AND_2
 def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(tiny_llm, hf_model, prompts):
     p = prompts[1]
     out = tiny_llm.generate([p], greedy_with(max_tokens=8, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
@@ -131,6 +164,7 @@ def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(tiny_llm, h
         assert len(plp[i]) in (2, 3)          # top-2, plus the prompt token when it is not among them
 
 
+@AT_TP_1_AND_2
 def test_prompt_logprobs_are_whole_across_chunks_and_prefix_hits(make_llm, hf_model, prompts):
     """A chunked prompt, and a prompt whose prefix is cached, still report every prompt position."""
     p = prompts[3]
@@ -149,6 +183,7 @@ def test_prompt_logprobs_are_whole_across_chunks_and_prefix_hits(make_llm, hf_mo
 
 # ---------------------------------------------------------------- stops
 
+@AT_TP_1_AND_2
 def test_stop_strings_split_across_tokens_cut_the_text(tiny_llm, prompts):
     tok = tiny_llm.get_tokenizer()
     base = tiny_llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].outputs[0]
@@ -167,6 +202,7 @@ def test_stop_strings_split_across_tokens_cut_the_text(tiny_llm, prompts):
     assert_all_blocks_free(tiny_llm)
 
 
+@AT_TP_1_AND_2
 def test_stop_token_ids_and_min_tokens(tiny_llm, hf_model, prompts):
     base = tiny_llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0]
     t = base.token_ids[3]
@@ -227,6 +263,7 @@ def test_detokenizer_never_shows_a_broken_character(tiny_llm, library):
     assert d.text == text
 
 
+@AT_TP_1_AND_2
 def test_streamed_deltas_concatenate_to_the_final_text(tiny_llm, prompts):
     tok = tiny_llm.get_tokenizer()
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, output_kind=RequestOutputKind.DELTA,
@@ -248,6 +285,7 @@ def test_streamed_deltas_concatenate_to_the_final_text(tiny_llm, prompts):
             assert "ab" not in text
 
 
+@AT_TP_1_AND_2
 def test_cumulative_and_final_only_outputs(tiny_llm, prompts):
     a = tiny_llm.add_request(prompts[0], greedy_with(max_tokens=5))
     b = tiny_llm.add_request(prompts[1], greedy_with(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY))
@@ -288,6 +326,7 @@ def test_stream_interval_groups_tokens_as_vllm_documents(make_llm, tiny_llm, hf_
 
 # ---------------------------------------------------------------- abort
 
+@AT_TP_1_AND_2
 def test_abort_in_every_state_frees_blocks_and_leaves_others_exact(make_llm, hf_model, tp_size):
     """Waiting, running, preempted and mid-chunked-prefill requests are aborted; the others still equal
     transformers and every block is free at the end."""
@@ -334,6 +373,7 @@ def test_abort_in_every_state_frees_blocks_and_leaves_others_exact(make_llm, hf_
 
 # ---------------------------------------------------------------- n > 1
 
+@AT_TP_1_AND_2
 def test_n_completions_share_one_prefill(make_llm, hf_model, prompts):
     llm = make_llm(kv_cache_memory=8 << 20, max_model_len=512)
     sched = llm.engine.scheduler
@@ -356,6 +396,7 @@ def test_n_completions_share_one_prefill(make_llm, hf_model, prompts):
 
 # ---------------------------------------------------------------- API
 
+@AT_TP_1_AND_2
 def test_chat_renders_the_template(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     conv = [{"role": "user", "content": "What is the capital of France?"}]
@@ -376,6 +417,7 @@ def test_chat_renders_the_template(tiny_llm):
             tok.chat_template = saved
 
 
+@AT_TP_1_AND_2
 def test_requests_added_before_generate_are_not_lost(tiny_llm, hf_model, prompts):
     rid = tiny_llm.add_request(prompts[0], GREEDY)
     out = tiny_llm.generate([prompts[1]], GREEDY, use_tqdm=False)

@@ -17,9 +17,9 @@ from nanovllm_tp.context import Context
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.workers.cuda_graph import DecodeInputs
 from tests.helpers import random_paged_cache, random_paged_decode
-from tests.test_gpu_path_cpu import make_decode_plan
+from tests.unit.test_gpu_path_cpu import make_decode_plan
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- Triton decode kernel via the interpreter
@@ -69,13 +69,15 @@ def run_interpreter_child(function: str) -> list[dict]:
     """Run one of this module's *_child functions in a fresh interpreter under Triton's CPU interpreter."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)
-    code = f"import tests.triton_interpret\nimport tests.test_triton_kernels as t\nt.{function}()"
+    code = f"import tests.triton_interpret\nimport tests.unit.test_triton_kernels as t\nt.{function}()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_triton_decode_kernel_matches_torch_backend_in_interpreter():
     report = run_interpreter_child("_interpreter_child")
     assert len(report) == len(DECODE_CONFIGS)
@@ -146,6 +148,8 @@ def _stale_columns_decode_check() -> dict:
             "stale_columns": int((ctx.block_tables[:3, 2:] >= 0).sum())}
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_triton_prefill_kernel_matches_torch_backend_in_interpreter():
     report = run_interpreter_child("_prefill_interpreter_child")
     assert len(report) == len(PREFILL_CONFIGS) + 1
@@ -187,6 +191,7 @@ def _ptxas_report(fn, dtype: str, constexprs: dict, num_warps: int) -> tuple[int
         int(re.search(r"(\d+) bytes spill stores", text).group(1))
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_sm90_without_register_spills():
     """The tile no longer grows with the page size: block 16, 128 and 256 compile to the same kernel shape
     with no spills (the old [group, block, head_dim] tile spilled ~18 KB per thread at block 128)."""

@@ -12,7 +12,7 @@ from nanovllm_tp.scheduler import DECODE, MIXED, PREFILL, Scheduler, SchedulerCo
 from nanovllm_tp.scheduler.plan import PlanError
 from nanovllm_tp.workers.plan_check import PlanLimits, check_plan
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = PlanLimits(num_blocks=64, block_size=16, max_model_len=256, vocab_size=1000)
 
 
@@ -120,10 +120,12 @@ def test_unknown_fields_are_ignored_and_missing_ones_named():
             StepPlan.decode(junk)
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_fuzz_decode_check_and_run(tiny_model_dir):
     """10,000 mutated real plans and random byte strings through decode + check on a real runner, in a child
     process (a crash would be its exit signal): only PlanError; accepted mutants run through the CPU kernels."""
-    script = os.path.join(HERE, "tp_scripts", "fuzz_plans.py")
+    script = os.path.join(TESTS, "tp_scripts", "fuzz_plans.py")
     proc = subprocess.run([sys.executable, script, tiny_model_dir, "10000", "0"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

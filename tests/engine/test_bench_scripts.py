@@ -11,7 +11,7 @@ from nanovllm_tp.launch import bench, bench_common, bench_latency, bench_tp
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
 SMALL_KV = ["--kv-cache-memory", str(32 << 20)]
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def last_block(text: str) -> list[str]:
@@ -47,6 +47,7 @@ def test_workload_is_seeded_and_in_range():
     assert s["mean"] == 2.5 and s["p50"] == 2.5 and s["p90"] == pytest.approx(3.7) and s["p99"] <= 4.0
 
 
+@pytest.mark.slow
 def test_bench_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--repeats", "2", "--compare", "hf",
@@ -104,6 +105,8 @@ def test_bench_latency_poisson(tiny_model_dir, tmp_path, capsys):
     assert run["ttft"]["p50"] > 0 and run["tpot"]["p99"] > 0 and run["queue_delay"]["min"] >= 0
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
     result = bench_tp.main(["--tp-list", "1", "2", "--model", tiny_model_dir, *TINY, *SMALL_KV,
                             "--out", str(tmp_path / "tp.json"), "--quiet"])
@@ -117,6 +120,8 @@ def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
     assert any(line.startswith("TP=2") for line in table)
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
     """`./torchrun.sh 2 -m nanovllm_tp.launch.bench_latency --tp 2`: rank 1 serves, rank 0 measures and prints."""
     out = tmp_path / "tr.json"
@@ -131,6 +136,8 @@ def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
     assert data["figures"]["runs"][0]["lengths_ok"]
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_broadcast_latency_micro_benchmark_runs_and_cleans_up():
     import os
 

@@ -83,6 +83,7 @@ def test_kernel_reads_only_the_rows_blocks():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_build_is_cached_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -14,6 +14,8 @@ import torch
 
 from tests.procs import alive, segments_of
 
+pytestmark = [pytest.mark.spawn, pytest.mark.slow]
+
 SHAPES = [(1,), (7,), (3, 5, 17), (64, 1024), (256, 1024)]     # (256, 1024) fp32 = exactly 1 MiB
 
 
@@ -110,7 +112,7 @@ def _child(scenario, rank, world, tmp, q=_Stdout):
         q.put((rank, "error", traceback.format_exc()))
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(scenario, world, tmp_path, timeout=120):
@@ -120,7 +122,7 @@ def _run(scenario, world, tmp_path, timeout=120):
     sel = selectors.DefaultSelector()
     try:
         for rank in range(world):
-            code = (f"import sys; sys.path.insert(0, {REPO!r}); from tests.test_shm_allreduce import _child; "
+            code = (f"import sys; sys.path.insert(0, {REPO!r}); from tests.tp.test_shm_allreduce import _child; "
                     f"_child({scenario!r}, {rank}, {world}, {str(tmp_path)!r})")
             proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
             procs.append(proc)

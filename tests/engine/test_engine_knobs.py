@@ -19,7 +19,7 @@ from tests.helpers import hf_greedy, mixed_prompts
 COMMANDS = {"generate": generate.build_parser, "bench": bench.build_parser, "bench_latency": bench_latency.build_parser,
             "bench_serve": bench_serve.build_parser, "serve": serve.build_parser}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def other_value(f, tmp_path):
@@ -186,6 +186,8 @@ def test_cpu_kernels_is_per_engine(tiny_model_dir, hf_model):
         fast.close()
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_shm_allreduce_off_keeps_gloo_and_the_tokens(tiny_model_dir, hf_model):
     from nanovllm_tp.distributed import shm_allreduce
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, kvcache_block_size=16, kv_cache_memory=16 << 20,

@@ -3,6 +3,7 @@ SamplingParams only, whatever its neighbours ask for, and sampled frequencies fo
 of transformers' logits at each row's own temperature."""
 import collections
 
+import pytest
 import torch
 
 from nanovllm_tp import LLM, SamplingParams
@@ -35,12 +36,9 @@ def assert_each_row_as_if_alone(llm, hf_model):
         [p for p, sp in zip(PROMPTS, PARAMS) if sp.temperature > 0], hot)), "sampled rows never left greedy"
 
 
-def test_mixed_batch_rows_equal_alone_tp1(tiny_llm, hf_model):
-    assert_each_row_as_if_alone(tiny_llm, hf_model)
-
-
-def test_mixed_batch_rows_equal_alone_tp2(tiny_model_dir, hf_model):
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2, kvcache_block_size=16, kv_cache_memory=16 << 20)
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=(pytest.mark.spawn, pytest.mark.slow))], ids=["tp1", "tp2"])
+def test_mixed_batch_rows_equal_alone(tiny_model_dir, hf_model, tp):
+    llm = LLM(tiny_model_dir, tensor_parallel_size=tp, kvcache_block_size=16, kv_cache_memory=16 << 20)
     try:
         assert_each_row_as_if_alone(llm, hf_model)
     finally:

@@ -10,10 +10,10 @@ from nanovllm_tp import LLM, SamplingParams
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import free_port, python_cmd, segments_of, started
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "tp_scripts", "generate_tokens.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tp_scripts", "generate_tokens.py")
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tokens(outputs):
@@ -34,6 +34,8 @@ def test_vocab_does_not_divide_by_tp(tiny_llm):
     assert tiny_llm.config.model_config.vocab_size % 2 == 1     # the padded last shard is exercised
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_tp2_spawn_matches_tp1_and_transformers(tiny_model_dir, hf_model, prompts, tp1_tokens):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
     try:
@@ -49,6 +51,8 @@ def test_tp2_spawn_matches_tp1_and_transformers(tiny_model_dir, hf_model, prompt
     assert not segments_of(os.getpid())
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_tp2_chunked_prefix_preemption_matches_tp1(tiny_model_dir, prompts, tp1_tokens):
     # each rank holds one of the two kv heads: a block is 16 KiB per rank, so this is a 32-block pool (small
     # enough that the running rows outgrow it while later prompts are admitted in mixed steps)
@@ -68,6 +72,8 @@ def test_tp2_chunked_prefix_preemption_matches_tp1(tiny_model_dir, prompts, tp1_
     assert first == second == tp1_tokens
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path, prompts):
     from nanovllm_tp.launch.make_tiny import make_tiny
     model = str(make_tiny(tmp_path / "mqa", num_key_value_heads=1))
@@ -93,6 +99,8 @@ def run_and_read(cmd, out, timeout=180, env=None):
         return json.load(f)
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_torchrun_matches_tp1(tiny_model_dir, tmp_path, tp1_tokens):
     out = tmp_path / "tokens.json"
     result = run_and_read(python_cmd("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -103,6 +111,8 @@ def test_torchrun_matches_tp1(tiny_model_dir, tmp_path, tp1_tokens):
     assert not segments_of(result["pid"])
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_two_node_torchrun_crosses_zmq(tiny_model_dir, tmp_path, tp1_tokens):
     out = tmp_path / "tokens.json"
     port = free_port()
@@ -122,6 +132,8 @@ def test_two_node_torchrun_crosses_zmq(tiny_model_dir, tmp_path, tp1_tokens):
     assert result["tokens"] == tp1_tokens
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_spawn_script_and_torchrun_wrapper(tiny_model_dir, tmp_path, tp1_tokens):
     out = tmp_path / "spawned.json"
     result = run_and_read(python_cmd(SCRIPT, tiny_model_dir, str(out), "2", "--engine-json", json.dumps(SMALL_KV)),

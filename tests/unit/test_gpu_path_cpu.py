@@ -2,7 +2,7 @@
 input buffers, KV sizing and the profile steps, block-size checks and the choice of CUDA backend (flash-attn
 present or not), teardown order, graph-capture fallback, the flash-attn pin and the GPU check script.
 
-Nothing here needs a GPU; tests/test_triton_kernels.py checks the Triton kernels, tests/gpu what needs a device.
+Nothing here needs a GPU; tests/unit/test_triton_kernels.py checks the Triton kernels, tests/gpu what needs a device.
 """
 import json
 import math
@@ -20,7 +20,7 @@ from nanovllm_tp.scheduler.plan import DECODE, StepPlan
 from nanovllm_tp.workers.cuda_graph import DecodeInputs, block_table_width, graph_batch_sizes, padded_batch_size
 from nanovllm_tp.workers.kv_cache import blocks_for_budget, gpu_kv_budget, kv_block_bytes
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- graph ladder and padding
@@ -306,6 +306,8 @@ def _load_teardown_recorder():
     return module
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_teardown_releases_runner_before_destroying_the_process_group(tiny_model_dir, tmp_path, monkeypatch):
     """Rank 0 and the worker each drop graphs + KV cache before destroy_process_group (NCCL hangs destroying
     a communicator that live graphs captured), with no ModelRunner holding a KV cache left at that moment."""
@@ -394,6 +396,7 @@ def test_cuda_extra_pins_flash_attn_to_the_checked_range():
     assert not any(req.specifier.contains(v) for v in ("2.8.4", "2.9.0", "3.0.0", "2.5.9"))
 
 
+@pytest.mark.spawn
 def test_gpu_check_script_uses_python3_when_python_is_absent(tmp_path):
     """A fresh image has python3 only: the script must start the check with it (here just --help)."""
     import shutil

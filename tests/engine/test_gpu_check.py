@@ -19,7 +19,7 @@ from nanovllm_tp.launch import gpu_check
 from nanovllm_tp.launch.bench_hf import hf_greedy
 from tests.procs import segments_of, started
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TPUT_ROWS = ["engine tok/s, graphs", "engine tok/s, eager", "graphs vs eager tokens (float32)", "graph speed-up",
              "transformers CB tok/s"]
 
@@ -65,6 +65,8 @@ def marked_run(tmp_path, *args, **kwargs):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
     with marked_run(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as (proc, _):
         out, err = proc.communicate(timeout=300)
@@ -90,6 +92,8 @@ def test_dry_run_checks_every_row_and_writes_the_table(tmp_path):
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
 def test_stopping_the_check_stops_its_parts(tmp_path):
     """SIGTERM to the check while its TP=2 part runs an engine: it exits, and takes the part and its worker along,
     and the workers' rendezvous directory too."""

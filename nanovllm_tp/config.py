@@ -230,6 +230,10 @@ class EngineConfig:
                                    "bf16 (pack bf16 weights only), onednn, off (F.linear); default from "
                                    "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "bf16", "onednn", "off"),
                               default_factory=_env_packed_linear)
+    quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0 and Q4_1 tensors stay quantized on "
+                                          "CPU, run by AVX-512 VNNI kernels; dequantized at load where those "
+                                          "cannot run, with a log line), none (dequantize at load)",
+                             choices=("auto", "none"))
     shm_allreduce: bool = knob(help="all-reduce through shared memory between same-node CPU ranks (off: gloo); "
                                     "default from $NANOVLLM_TP_SHM_ALLREDUCE",
                                default_factory=_env_flag("NANOVLLM_TP_SHM_ALLREDUCE"))
@@ -275,6 +279,16 @@ class EngineConfig:
         if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={mc.num_key_value_heads} must "
                              "divide one another (kv heads are replicated when tp exceeds them)")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """A quantized .gguf on CPU keeps its blocks whole on every rank (on CUDA it is dequantized)."""
+        from nanovllm_tp.gguf_checkpoint import check_block_split, find_gguf
+        gguf = find_gguf(self.model)
+        if self.quantization == "auto" and gguf and self.device != "cuda":
+            import torch
+            if self.device == "cpu" or not torch.cuda.is_available():
+                check_block_split(gguf, self.tensor_parallel_size)
 
     def _check_trace(self) -> None:
         if self.trace_path is None:

@@ -3,6 +3,7 @@
 Every rank runs the same code on the same plan; only rank 0 receives logits (gathered from the LM head).
 """
 import gc
+import logging
 
 import torch
 
@@ -13,11 +14,14 @@ from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
-from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights
+from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantization_of
+from nanovllm_tp.layers.quant import keep_gguf_blocks
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
+
+log = logging.getLogger("nanovllm_tp")
 
 
 class ModelRunner:
@@ -33,8 +37,12 @@ class ModelRunner:
                 self.model = model_class(mc.architecture)(mc)
         finally:
             torch.set_default_dtype(previous)
-        load_model(self.model, config.model)
+        keep_blocks, message = keep_gguf_blocks(config, device)
+        if message and tp_rank() == 0:
+            log.info(message)
+        load_model(self.model, config.model, keep_blocks)
         pack_cpu_weights(self.model, config.packed_linear)
+        self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:
@@ -138,5 +146,5 @@ class ModelRunner:
 
     def describe(self) -> str:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
-                f"{self.backend.name}, linear {linear_paths(self.model)}, {self.num_kv_blocks} KV blocks of "
-                f"{self.block_size}")
+                f"{self.backend.name}, linear {linear_paths(self.model)}, quantization {self.quantization}, "
+                f"{self.num_kv_blocks} KV blocks of {self.block_size}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
 # GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
@@ -216,6 +217,28 @@ def quantized_types(path: str) -> tuple[set[str], set[str]]:
     plain = {"F32", "F16", "BF16", "F64"}
     return ({names[k] for k in kinds if k in GGUF_TYPES},
             {names[k] for k in kinds if k not in GGUF_TYPES and names[k] not in plain})
+
+
+def keep_gguf_blocks(config, device: torch.device) -> tuple[bool, str | None]:
+    """Whether this rank loads the GGUF tensors of the types layers/quant.py runs as blocks (quantization "auto" on CPU,
+    where the C kernels run them or, with cpu_kernels off, the torch reference), and what to log about it."""
+    gguf = find_gguf(config.model) if config.quantization == "auto" else None
+    if gguf is None:
+        return False, None
+    runs, others = quantized_types(gguf)
+    other = f"; {'+'.join(sorted(others))} tensors dequantized (no kernels for them yet)" if others else ""
+    if not runs:
+        return False, f"GGUF weights dequantized at load{other}" if others else None
+    kernels = cpu_kernels.load() if config.cpu_kernels else None
+    why = (f"no quantized kernels on {device.type}" if device.type != "cpu"
+           else None if not config.cpu_kernels
+           else "the CPU kernels did not build" if kernels is None
+           else None if kernels.quant_types else "this CPU has no AVX-512 VNNI")
+    kinds = "+".join(sorted(runs))
+    if why:
+        return False, f"GGUF {kinds} weights dequantized at load: {why}{other}"
+    how = "csrc/linear_q.c" if config.cpu_kernels else "the torch reference (cpu_kernels off)"
+    return True, f"GGUF {kinds} weights stay quantized, run by {how}{other}"
 
 
 def check_block_split(path: str, tp: int) -> None:

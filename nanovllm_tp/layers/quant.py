@@ -10,10 +10,9 @@ written; `linear.pack_cpu_weights` then makes the form the matmul reads (`pack_b
 - `QuantReference` (cpu_kernels off): the torch reference of the same math, dequantized weights in fp32 against
   activations rounded the way the kernel rounds them (`round_activations`).
 
-Where neither runs (CUDA, a CPU without VNNI) the reader dequantizes at load instead (`keep_gguf_blocks` decides,
-the runner logs it).
+Where neither runs (CUDA, a CPU without VNNI) the reader dequantizes at load instead (gguf_checkpoint's
+`keep_gguf_blocks` decides, the runner logs it).
 """
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels
 
-log = logging.getLogger("nanovllm_tp")
 BLOCK = 32
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}      # ggml type -> name: the types that stay quantized
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
@@ -89,29 +87,6 @@ def pack_blocks(blocks: QuantBlocks):
         data = kernels.pack_quant_weight(blocks.data, blocks.qtype, blocks.in_features)
         return QuantWeight(data, blocks.qtype, *blocks.shape)
     return QuantReference(blocks.dequantize(), blocks.qtype)
-
-
-def keep_gguf_blocks(config, device: torch.device) -> tuple[bool, str | None]:
-    """Whether this rank loads the model's GGUF tensors of the types above as blocks (quantization "auto" on CPU,
-    where the C kernels run them or, with cpu_kernels off, the torch reference), and what to log about it."""
-    from nanovllm_tp.gguf_checkpoint import find_gguf, quantized_types
-    gguf = find_gguf(config.model) if config.quantization == "auto" else None
-    if gguf is None:
-        return False, None
-    runs, others = quantized_types(gguf)
-    other = f"; {'+'.join(sorted(others))} tensors dequantized (no kernels for them yet)" if others else ""
-    if not runs:
-        return False, f"GGUF weights dequantized at load{other}" if others else None
-    kernels = cpu_kernels.load() if config.cpu_kernels else None
-    why = (f"no quantized kernels on {device.type}" if device.type != "cpu"
-           else None if not config.cpu_kernels
-           else "the CPU kernels did not build" if kernels is None
-           else None if kernels.quant_types else "this CPU has no AVX-512 VNNI")
-    kinds = "+".join(sorted(runs))
-    if why:
-        return False, f"GGUF {kinds} weights dequantized at load: {why}{other}"
-    how = "csrc/linear_q.c" if config.cpu_kernels else "the torch reference (cpu_kernels off)"
-    return True, f"GGUF {kinds} weights stay quantized, run by {how}{other}"
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

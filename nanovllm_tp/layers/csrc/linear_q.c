@@ -151,7 +151,9 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int
             v1 = _mm512_loadu_ps(p + 16);
         }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax * INV127, id = d > 0.f ? 1.0f / d : 0.f;
+        float d = amax * INV127;
+        __asm__("" : "+v"(d));     /* -ffast-math would turn 1 / (amax * c) into (1 / c) / amax: other bits */
+        const float id = d > 0.f ? 1.0f / d : 0.f;
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));   /* nearest even */
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(q0));

@@ -12,22 +12,22 @@ import torch.nn.functional as F
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import matmul
-from nanovllm_tp.layers.quant import (QuantBlocks, QuantReference, QuantWeight, pack_blocks, quant_embedding,
-                                      round_activations)
-from tests.helpers import hf_greedy, mixed_prompts
+from nanovllm_tp.layers.quant import (INT8, QuantBlocks, QuantReference, QuantWeight, int8_blocks, pack_blocks,
+                                      quant_embedding, round_activations)
+from tests.quant_reference import assert_follows_reference, rounded_reference
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 KERNEL_TYPES = cpu_kernels.load().quant_types if cpu_kernels.load() else ()
 needs_kernels = pytest.mark.skipif(not KERNEL_TYPES, reason="csrc/linear_q.c needs AVX-512 VNNI")
 TYPES = ["Q8_0", "Q4_0", "Q4_1"]
-TOKENS = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 
 
 def random_blocks(n: int, k: int, name: str, seed: int) -> QuantBlocks:
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
     if name == "Q4_1":
         w += 0.05       # blocks whose min is not -max
+    if name == "int8":
+        return int8_blocks(torch.from_numpy(w))
     kind = gguf.GGMLQuantizationType[name]
     return QuantBlocks(torch.from_numpy(gguf.quants.quantize(w, kind)), int(kind), k)
 
@@ -35,7 +35,7 @@ def random_blocks(n: int, k: int, name: str, seed: int) -> QuantBlocks:
 def magnitude(blocks: QuantBlocks) -> torch.Tensor:
     """|d * q| + |m| per weight (float64): what a weight's terms in the kernel's sums are bounded by."""
     w = blocks.dequantize().double()
-    if gguf.GGMLQuantizationType(blocks.qtype).name != "Q4_1":
+    if blocks.qtype != 3:      # Q4_1
         return w.abs()
     n, k = blocks.shape
     mins = blocks.data.view(n, k // 32, 20)[:, :, 2:4].contiguous().view(torch.float16).double()
@@ -44,7 +44,7 @@ def magnitude(blocks: QuantBlocks) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", TYPES + ["int8"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 33, 70])
 @pytest.mark.parametrize("n, k", [(1, 32), (17, 64), (50, 96), (600, 576), (33, 1536)])
 def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
@@ -62,7 +62,7 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
     bias = torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        rounded = round_activations(xd).double()
+        rounded = round_activations(xd, k if name == "int8" else 32).double()     # int8: one scale per row
         for b in (None, bias.to(dtype)):
             want = F.linear(rounded, w, None if b is None else b.double())
             bound = (rounded.abs() @ size.T) * (k // 32 + 4) * 2.0 ** -24
@@ -92,6 +92,15 @@ def test_kernel_rounds_activations_as_the_reference(dtype):
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[:, ::37] *= 50.0
     assert torch.equal(matmul(x.float(), torch.empty(0, k), packed), round_activations(x))
+
+
+def test_int8_weights_round_per_output_channel():
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 2, 40)[:, None]
+    blocks = int8_blocks(w.bfloat16())
+    scale = w.bfloat16().float().abs().amax(1, keepdim=True) / 127
+    assert blocks.qtype == INT8 and blocks.shape == (40, 96) and blocks.data.shape == (40, 4 + 96)
+    assert ((blocks.dequantize() - w.bfloat16().float()).abs() <= scale * (0.5 + 1e-6)).all()
+    assert (blocks.dequantize().abs().amax(1, keepdim=True) - scale * 127).abs().max() < 1e-6
 
 
 def test_activations_round_per_block_of_32():
@@ -146,69 +155,25 @@ def quantized_ggufs(tmp_path_factory, tiny_model_dir):
             hf = make_tiny_arch(out / "hf", arch, tie_word_embeddings=tied, **overrides)
             path = write_gguf(hf, pathlib.Path(tiny_model_dir), out / "tiny.gguf", arch=arch, qtype=qtype)
             ref = AutoModelForCausalLM.from_pretrained(str(out), gguf_file="tiny.gguf", dtype=torch.float32).eval()
-            for m in ref.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.register_forward_pre_hook(lambda module, args: (round_activations(args[0]),))
-            made[key] = path, ref
+            made[key] = path, rounded_reference(ref)
         return made[key]
     return get
-
-
-GAP = 0.25        # a reference step whose top two logits are closer than this is a near tie (see below)
-LOGPROB_TOL = 0.3
-
-
-def reference_run(ref, prompt: list[int]) -> tuple[list[int], list[float], torch.Tensor]:
-    """The reference's greedy tokens, the gap between its two best logits at each step, and its logprobs of those
-    tokens (teacher-forced)."""
-    tokens = hf_greedy(ref, prompt, TOKENS)
-    with torch.no_grad():
-        logits = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()
-    top = logits.topk(2, -1).values
-    logprobs = torch.log_softmax(logits, -1)[torch.arange(TOKENS), torch.tensor(tokens)]
-    return tokens, (top[:, 0] - top[:, 1]).tolist(), logprobs
 
 
 @pytest.mark.parametrize("arch, qtype, tied, tp, kernels", [
     ("llama", "Q4_1", True, 1, True), ("llama", "Q4_1", True, 2, True), ("llama", "Q4_0", False, 2, True),
     ("qwen2", "Q8_0", False, 1, True), ("llama", "Q4_1", True, 1, False), ("llama", "Q4_0", False, 2, False)])
 def test_greedy_tokens_are_the_rounded_math(arch, qtype, tied, tp, kernels, quantized_ggufs):
-    """The engine's greedy tokens (kernels: csrc/linear_q.c; else the torch reference, cpu_kernels off) are
-    transformers' with every linear input rounded the same way, token for token up to the first near tie of the
-    reference; and the engine's logprobs of the reference's tokens are within LOGPROB_TOL of its own everywhere.
-
-    Why near ties end the comparison: rounding is a step function, so two sums of the same numbers in another
-    order (a kernel's, a TP split's), a few fp32 ulps apart, may round one activation to neighbouring steps;
-    that moves the next layers' inputs by up to a step, they round differently in turn, and the logits of the two
-    computations then differ by the order of the rounding's own error (about 0.1 on this random model), not by
-    fp32 noise. Only the torch reference at TP 1 sums in transformers' order, and equals it exactly."""
+    """The engine (kernels: csrc/linear_q.c; else the torch reference, cpu_kernels off) against transformers with
+    every linear input rounded the same way (see tests/quant_reference.py for what is compared)."""
     if kernels and not KERNEL_TYPES:
         pytest.skip("csrc/linear_q.c needs AVX-512 VNNI")
     path, ref = quantized_ggufs(arch, qtype, tied)
-    prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
-    runs = [reference_run(ref, p) for p in prompts]
-    llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=32, kvcache_block_size=16,
-              kv_cache_memory=32 << 20, cpu_kernels=kernels)
-    try:
-        stats = llm.stats()
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        forced = llm.generate([p + tokens for p, (tokens, *_) in zip(prompts, runs)],
-                              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    finally:
-        llm.close()
+    stats = assert_follows_reference(str(path), ref, exact=tp == 1 and not kernels, tensor_parallel_size=tp,
+                                     cpu_kernels=kernels)
     types = sorted({qtype, "Q8_0"})
     assert stats["quantization"] == "+".join(types)
     assert stats["linear"] == "+".join(t.lower() + ("" if kernels else "-torch") for t in types)
-    compared = 0
-    for prompt, out, done, (tokens, gaps, logprobs) in zip(prompts, outs, forced, runs):
-        decisive = next((i for i, gap in enumerate(gaps) if gap < GAP), TOKENS)
-        assert out.outputs[0].token_ids[:decisive] == tokens[:decisive]
-        compared += decisive
-        ours = torch.tensor([done.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(tokens)])
-        assert (ours.double() - logprobs).abs().max() < LOGPROB_TOL
-        if tp == 1 and not kernels:
-            assert out.outputs[0].token_ids == tokens
-    assert compared >= TOKENS      # the data leave at least a prompt's worth of decisive steps
 
 
 def test_a_tp_size_that_splits_a_block_is_refused(quantized_ggufs):
@@ -218,5 +183,8 @@ def test_a_tp_size_that_splits_a_block_is_refused(quantized_ggufs):
                                          r"blk.0.ffn_down.weight \(Q4_0, 288 inputs: 144 per rank\)"):
         EngineConfig.from_kwargs(str(path), tensor_parallel_size=2, device="cpu").validate()
     EngineConfig.from_kwargs(str(path), tensor_parallel_size=2, device="cpu", quantization="none").validate()
-    with pytest.raises(ValueError, match="quantization must be one of 'auto', 'none'"):
+    with pytest.raises(ValueError, match="quantization must be one of 'auto', 'none', 'int8', got 'q4'"):
         EngineConfig.from_kwargs(str(path), quantization="q4").validate()
+    with pytest.raises(ValueError, match=r"quantization='int8' quantizes a bf16/fp32 checkpoint; .* is quantized "
+                                         r"already \(Q4_0\+Q8_0\): use quantization='auto'"):
+        EngineConfig.from_kwargs(str(path), quantization="int8", device="cpu").validate()

@@ -13,7 +13,9 @@ from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
+from nanovllm_tp.layers.quant import INT8
 from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantization_of
 from nanovllm_tp.gguf_checkpoint import keep_gguf_blocks
 from nanovllm_tp.loader import load_model
@@ -41,7 +43,7 @@ class ModelRunner:
         if message and tp_rank() == 0:
             log.info(message)
         load_model(self.model, config.model, keep_blocks)
-        pack_cpu_weights(self.model, config.packed_linear)
+        pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config))
         self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -49,6 +51,19 @@ class ModelRunner:
             attn.backend = backend
         self.num_kv_blocks = 0
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
+
+    def _int8(self, config: EngineConfig) -> bool:
+        """quantization "int8": through csrc/linear_q.c, or its torch reference with cpu_kernels off; dense where
+        the kernels cannot run (logged)."""
+        if config.quantization != "int8":
+            return False
+        kernels = cpu_kernels.load() if config.cpu_kernels else None
+        if config.cpu_kernels and (kernels is None or INT8 not in kernels.quant_types):
+            if tp_rank() == 0:
+                log.warning("quantization='int8': the weights stay %s, the int8 kernels cannot run here (%s)",
+                            self.dtype, "no C compiler" if kernels is None else "no AVX-512 VNNI")
+            return False
+        return True
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]

@@ -109,12 +109,13 @@ def pack_weight(w: torch.Tensor, mode: str):
     return None
 
 
-def pack_cpu_weights(model: nn.Module, mode: str) -> int:
+def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
     """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head, the embedding):
     block-quantized weights for csrc/linear_q.c (or its torch reference: `quant.pack_blocks`), dense ones where
-    `pack_weight` has a form for them (not the embedding's, looked up as it is). A weight two layers share is
-    packed once. What the packed form replaces is freed: a quantized weight's blocks, a linear layer's dense copy
-    (the LM head's dense weight may be the embedding's too: kept). Returns how many layers were packed."""
+    `pack_weight` has a form for them (not the embedding's, looked up as it is), or with int8 quantized to int8
+    per output channel first (whole blocks of 32 inputs only). A weight two layers share is packed once. What the
+    packed form replaces is freed: a quantized weight's blocks, a linear layer's dense copy (the LM head's dense
+    weight may be the embedding's too: kept). Returns how many layers were packed."""
     count, done = 0, {}
     for m in model.modules():
         if not hasattr(m, "packed"):
@@ -125,8 +126,12 @@ def pack_cpu_weights(model: nn.Module, mode: str) -> int:
             packed = done[id(w)]
         elif blocks is not None:
             packed = quant.pack_blocks(blocks)
+        elif not m.packs_dense:
+            continue
+        elif int8 and w.shape[1] % quant.BLOCK == 0:
+            packed = quant.pack_blocks(quant.int8_blocks(w))
         else:
-            packed = pack_weight(w, mode) if m.packs_dense else None
+            packed = pack_weight(w, mode)
         if packed is None:
             continue
         m.packed = done[id(w)] = packed

@@ -1,5 +1,6 @@
 """Weights that stay block-quantized on CPU: GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 inputs, an fp16 scale d per
-block, and a min m for Q4_1).
+block, and a min m for Q4_1), and int8 per output channel made at load from a dense checkpoint (quantization
+"int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output, activations quantized per token).
 
 A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
 as the file stores them); `linear.load_rows` keeps them beside the parameter, whose dense storage is never
@@ -8,7 +9,8 @@ written; `linear.pack_cpu_weights` then makes the form the matmul reads (`pack_b
 - `QuantWeight`: csrc/linear_q.c's layout, where the kernels run (AVX-512 VNNI): activations quantized per row
   and block of 32 to int8 on the fly, integer dot products, fp32 sums;
 - `QuantReference` (cpu_kernels off): the torch reference of the same math, dequantized weights in fp32 against
-  activations rounded the way the kernel rounds them (`round_activations`).
+  activations rounded the way the kernel rounds them (`round_activations`: per block of 32 for the GGUF types, per
+  row for int8).
 
 Where neither runs (CUDA, a CPU without VNNI) the reader dequantizes at load instead (gguf_checkpoint's
 `keep_gguf_blocks` decides, the runner logs it).
@@ -24,6 +26,8 @@ from nanovllm_tp.layers import cpu_kernels
 BLOCK = 32
 GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}      # ggml type -> name: the types that stay quantized
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+INT8 = 100          # csrc/linear_q.c's code for int8 per output channel: rows of [fp32 scale][in_features int8]
+NAMES = {**GGUF_TYPES, INT8: "int8"}
 INV127 = torch.tensor(np.float32(1) / np.float32(127))     # the kernel's 1.0f / 127.0f
 
 
@@ -55,9 +59,18 @@ class QuantBlocks:
                            size)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [rows, in_features]: d * q (+ m), as llama.cpp (the gguf package's dequantizer)."""
+        """fp32 [rows, in_features]: d * q (+ m), as llama.cpp (the gguf package's dequantizer); int8: scale * q."""
+        if self.qtype == INT8:
+            return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
         from gguf import dequantize
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype).reshape(self.shape).copy())
+
+
+def int8_blocks(w: torch.Tensor) -> QuantBlocks:
+    """A dense weight [out, in] as int8 per output channel: scale = max |row| * (1/127), q = round(w / scale)."""
+    scale, q = _symmetric(w.float(), w.shape[1])
+    data = torch.cat([scale.reshape(-1, 1).view(torch.uint8), q.reshape(w.shape).to(torch.int8).view(torch.uint8)], dim=1)
+    return QuantBlocks(data, INT8, w.shape[1])
 
 
 @dataclass(slots=True)
@@ -77,7 +90,7 @@ class QuantReference:
 
 
 def type_name(packed) -> str:
-    return GGUF_TYPES[packed.qtype]
+    return NAMES[packed.qtype]
 
 
 def pack_blocks(blocks: QuantBlocks):
@@ -89,20 +102,28 @@ def pack_blocks(blocks: QuantBlocks):
     return QuantReference(blocks.dequantize(), blocks.qtype)
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [..., k] (k a multiple of 32) as csrc/linear_q.c quantizes it, in fp32: per row and block of 32,
-    d = max|x| * (1/127), q = round-half-even(x * (1/d)), the value q * d."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) * INV127
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(blocks * inv) * d).reshape(x.shape)
+def _symmetric(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x [..., k] in blocks of `block`: (scale per block, q as floats): scale = max |x| * (1/127),
+    q = round-half-even(x * (1/scale)), csrc/linear_q.c's operations in its order."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    scale = blocks.abs().amax(-1, keepdim=True) * INV127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return scale, torch.round(blocks * inverse)
+
+
+def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x [..., k] as csrc/linear_q.c quantizes it, in fp32: per row and block of `block` (32 for the GGUF types,
+    k for int8), scale = max |x| * (1/127), q = round-half-even(x * (1/scale)), the value q * scale."""
+    scale, q = _symmetric(x.float(), block)
+    return (q * scale).reshape(x.shape)
 
 
 def quant_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ w.T (+ bias) in x's dtype, with fp32 sums and one rounding at the end."""
     if isinstance(packed, QuantWeight):
         return cpu_kernels.load().linear_quant(x, packed.data, packed.qtype, packed.out_features, bias)
-    y = F.linear(round_activations(x), packed.weight, None if bias is None else bias.float())
+    block = x.shape[-1] if packed.qtype == INT8 else BLOCK
+    y = F.linear(round_activations(x, block), packed.weight, None if bias is None else bias.float())
     return y.to(x.dtype)
 
 

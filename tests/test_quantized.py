@@ -4,6 +4,8 @@ same math (the gguf package's dequantized weights against activations rounded pe
 tiny GGUF with every linear layer's input rounded that way for the engine's greedy tokens (TP 1 and 2, through the
 C kernels and through the torch reference). Also the embedding's row gather, the refusals, and SmolLM2's Q4_1
 file run quantized."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import matmul
 from nanovllm_tp.layers.quant import (INT8, QuantBlocks, QuantReference, QuantWeight, int8_blocks, pack_blocks,
                                       quant_embedding, round_activations)
+from tests.helpers import GGUF, smollm2
 from tests.quant_reference import assert_follows_reference, rounded_reference
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
@@ -188,3 +191,24 @@ def test_a_tp_size_that_splits_a_block_is_refused(quantized_ggufs):
     with pytest.raises(ValueError, match=r"quantization='int8' quantizes a bf16/fp32 checkpoint; .* is quantized "
                                          r"already \(Q4_0\+Q8_0\): use quantization='auto'"):
         EngineConfig.from_kwargs(str(path), quantization="int8", device="cpu").validate()
+
+
+@smollm2
+def test_smollm2_runs_quantized_in_the_files_bytes():
+    """SmolLM2's Q4_1 file: its linear layers stay Q4_1, its tied embedding and LM head Q8_0 (one packed copy), the
+    weights take about the file's bytes, and greedy chat answers are sensible."""
+    llm = LLM(GGUF, max_model_len=256, kv_cache_memory=32 << 20)
+    try:
+        stats = llm.stats()
+        model = llm.engine.runner.model
+        packed = {id(m.packed): m.packed.data.nbytes for m in model.modules()
+                  if isinstance(getattr(m, "packed", None), QuantWeight)}
+        held = sum(packed.values()) + sum(p.nbytes for p in model.parameters())
+        outs = llm.chat([[{"role": "user", "content": q}] for q in ("What is the capital of Germany?",
+                                                                    "What is 2 + 3?")],
+                        SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    finally:
+        llm.close()
+    assert stats["quantization"] == "Q4_1+Q8_0" and stats["linear"] == "q4_1+q8_0"
+    assert len(packed) == 30 * 4 + 1 and 0.9 < held / os.path.getsize(GGUF) < 1.01
+    assert "Berlin" in outs[0].outputs[0].text and "5" in outs[1].outputs[0].text

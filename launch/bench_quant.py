@@ -1,7 +1,8 @@
-"""Weights that stay quantized against the same file dequantized, and optionally llama.cpp, on one GGUF file.
+"""Weights that stay quantized against the same model dequantized, and optionally llama.cpp, on one model.
 
     python -m nanovllm_tp.launch.bench_quant --model FILE.gguf --repeats 5
     python -m nanovllm_tp.launch.bench_quant --model FILE.gguf --llama-cpp DIR   # DIR: llama-bench, llama-batched-bench
+    python -m nanovllm_tp.launch.bench_quant --model HF_DIR --engines int8:bfloat16 none:bfloat16
 
 Engines (`--engines`, each QUANTIZATION:DTYPE) are built in this process on the same file, with the other engine
 flags as given: by default `auto:bfloat16` (the file's Q8_0/Q4_0/Q4_1 tensors stay quantized) and `none:bfloat16`
@@ -91,17 +92,19 @@ def llama_cpp(args) -> dict:
                              capture_output=True, text=True, check=True)
     row = json.loads([line for line in batched.stdout.splitlines() if line.startswith("{")][-1])
     return {"decode_tok_s": json.loads(tg.stdout)[0]["avg_ts"], "total_tok_s": row["speed"],
-            "output_tok_s": row["speed_tg"]}
+            "output_tok_s": row["pl"] * row["tg"] / row["t"]}
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if not args.model:
-        raise SystemExit("--model FILE.gguf is needed")
+        raise SystemExit("--model (a .gguf file or HF directory) is needed")
+    if args.llama_cpp and not args.model.endswith(".gguf"):
+        raise SystemExit("--llama-cpp runs on a .gguf file: give one as --model")
     bc.apply_threads(args)
     from nanovllm_tp import LLM
-    from nanovllm_tp.gguf_checkpoint import hf_config
-    args.vocab_size = hf_config(os.path.abspath(args.model)).vocab_size
+    from nanovllm_tp.config import ModelConfig
+    args.vocab_size = ModelConfig.from_pretrained(args.model).vocab_size
     env, names, llms, runs = bc.environment(), [], [], {}
     try:
         for quantization, dtype in engine_specs(args.engines):

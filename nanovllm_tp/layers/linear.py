@@ -168,6 +168,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
     """x @ weight.T (+ bias): through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and isinstance(packed, (QuantWeight, QuantReference)):      # the usual case, without reshapes
+        return quant.quant_matmul(x, packed, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(packed, BlockedWeight):
         y = cpu_kernels.load().linear(x2, packed.data, packed.out_features, bias)

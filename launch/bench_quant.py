@@ -13,9 +13,10 @@ flags as given: by default `auto:bfloat16` (the file's Q8_0/Q4_0/Q4_1 tensors st
   batch       --batch requests of --batch-prompt-len prompt and --batch-tokens output tokens at once: total
               tok/s = (prompt + output tokens) / wall time, llama-batched-bench's S, and output tok/s.
 
-Each repeat runs every engine on both workloads, one after the other, then llama.cpp's `llama-bench -p 0 -n N`
-and `llama-batched-bench -npp P -ntg N -npl B` with --threads threads when --llama-cpp is given (an outside
-build; nothing here depends on it). Medians over the repeats, and each figure's ratio to the first engine's.
+Each repeat runs every engine on the --workloads (both by default), one after the other, then llama.cpp's
+`llama-bench -p 0 -n N` and `llama-batched-bench -npp P -ntg N -npl B` with --threads threads when --llama-cpp is
+given (an outside build; nothing here depends on it). Medians over the repeats, and each figure's ratio to the
+first engine's.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engines", nargs="+", default=["auto:bfloat16", "none:bfloat16"],
                         metavar="QUANTIZATION:DTYPE", help="engines to compare (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", choices=["stream", "batch"], default=["stream", "batch"])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPU threads, for the engines and llama.cpp alike (default: the usable cores)")
     g = parser.add_argument_group("workloads")
@@ -70,7 +72,8 @@ def one_stream(llm, args, draw: int) -> dict:
 
 def batch(llm, args, draw: int) -> dict:
     from nanovllm_tp import SamplingParams
-    prompts = bc.make_workload(args.batch, (args.batch_prompt_len,) * 2, (1, 1), args.seed, args.vocab_size).prompts(draw)
+    workload = bc.make_workload(args.batch, (args.batch_prompt_len,) * 2, (1, 1), args.seed, args.vocab_size)
+    prompts = workload.prompts(draw)
     params = SamplingParams(temperature=0, max_tokens=args.batch_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -81,18 +84,27 @@ def batch(llm, args, draw: int) -> dict:
 
 
 def llama_cpp(args) -> dict:
-    """llama-bench's tg test and llama-batched-bench's S on the same file and threads."""
-    tg = subprocess.run([os.path.join(args.llama_cpp, "llama-bench"), "-m", args.model, "-p", "0",
-                         "-n", str(args.stream_tokens), "-t", str(args.threads), "-r", "1", "-o", "json"],
-                        capture_output=True, text=True, check=True)
-    batched = subprocess.run([os.path.join(args.llama_cpp, "llama-batched-bench"), "-m", args.model,
-                              "-c", str(args.batch * (args.batch_prompt_len + args.batch_tokens)),
-                              "-npp", str(args.batch_prompt_len), "-ntg", str(args.batch_tokens),
-                              "-npl", str(args.batch), "-t", str(args.threads), "--output-format", "jsonl"],
-                             capture_output=True, text=True, check=True)
-    row = json.loads([line for line in batched.stdout.splitlines() if line.startswith("{")][-1])
-    return {"decode_tok_s": json.loads(tg.stdout)[0]["avg_ts"], "total_tok_s": row["speed"],
-            "output_tok_s": row["pl"] * row["tg"] / row["t"]}
+    """llama-bench's tg test and llama-batched-bench's S on the same file and threads (the workloads asked for)."""
+    out = {}
+    if "stream" in args.workloads:
+        tg = subprocess.run([os.path.join(args.llama_cpp, "llama-bench"), "-m", args.model, "-p", "0",
+                             "-n", str(args.stream_tokens), "-t", str(args.threads), "-r", "1", "-o", "json"],
+                            capture_output=True, text=True, check=True)
+        out["decode_tok_s"] = json.loads(tg.stdout)[0]["avg_ts"]
+    if "batch" in args.workloads:
+        batched = subprocess.run([os.path.join(args.llama_cpp, "llama-batched-bench"), "-m", args.model,
+                                  "-c", str(args.batch * (args.batch_prompt_len + args.batch_tokens)),
+                                  "-npp", str(args.batch_prompt_len), "-ntg", str(args.batch_tokens),
+                                  "-npl", str(args.batch), "-t", str(args.threads), "--output-format", "jsonl"],
+                                 capture_output=True, text=True, check=True)
+        row = json.loads([line for line in batched.stdout.splitlines() if line.startswith("{")][-1])
+        out.update(total_tok_s=row["speed"], output_tok_s=row["pl"] * row["tg"] / row["t"])
+    return out
+
+
+def run_engine(llm, args, draw: int) -> dict:
+    return {**(one_stream(llm, args, draw) if "stream" in args.workloads else {}),
+            **(batch(llm, args, draw) if "batch" in args.workloads else {})}
 
 
 def main(argv=None) -> dict:
@@ -115,12 +127,12 @@ def main(argv=None) -> dict:
                          f" {dtype}")
             llms.append(llm)
             bc.log(args, f"{names[-1]}: {llm.engine.runner.describe()}")
-            one_stream(llm, args, 0), batch(llm, args, 0)      # warm-up
+            run_engine(llm, args, 0)      # warm-up
         if args.llama_cpp:
             names.append(f"llama.cpp ({os.path.basename(args.llama_cpp.rstrip('/'))})")
         for r in range(args.repeats):
             for name, llm in zip(names, llms):
-                run = {**one_stream(llm, args, r + 1), **batch(llm, args, r + 1)}
+                run = run_engine(llm, args, r + 1)
                 runs.setdefault(name, []).append(run)
                 bc.log(args, f"[{r + 1}/{args.repeats}] {name}: {run}")
             if args.llama_cpp:
@@ -130,9 +142,11 @@ def main(argv=None) -> dict:
         for llm in llms:
             llm.close()
     keys = ("decode_tok_s", "total_tok_s", "output_tok_s")
-    figures = {name: {k: bc.median(run[k] for run in rs) for k in keys} | {"runs": rs} for name, rs in runs.items()}
+    figures = {name: {k: bc.median(run.get(k) for run in rs) for k in keys} | {"runs": rs}
+               for name, rs in runs.items()}
     first = figures[names[0]]
-    rows = [[name] + [x for k in keys for x in (f[k], f"{first[k] / f[k]:.2f}x")] for name, f in figures.items()]
+    rows = [[name] + [x for k in keys for x in (f[k], f"{first[k] / f[k]:.2f}x" if f[k] and first[k] else "-")]
+            for name, f in figures.items()]
     title = (f"{NAME}: {os.path.basename(args.model)}, {args.threads} threads, median of {args.repeats}; one stream: "
              f"{args.stream_prompt_len}-token prompt, {args.stream_tokens} tokens; batch: {args.batch} x "
              f"{args.batch_prompt_len}/{args.batch_tokens}; ratio = {names[0]} / this")

@@ -69,7 +69,8 @@ class QuantBlocks:
 def int8_blocks(w: torch.Tensor) -> QuantBlocks:
     """A dense weight [out, in] as int8 per output channel: scale = max |row| * (1/127), q = round(w / scale)."""
     scale, q = _symmetric(w.float(), w.shape[1])
-    data = torch.cat([scale.reshape(-1, 1).view(torch.uint8), q.reshape(w.shape).to(torch.int8).view(torch.uint8)], dim=1)
+    q = q.reshape(w.shape).to(torch.int8)
+    data = torch.cat([scale.reshape(-1, 1).view(torch.uint8), q.view(torch.uint8)], dim=1)
     return QuantBlocks(data, INT8, w.shape[1])
 
 

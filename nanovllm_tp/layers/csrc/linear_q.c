@@ -17,9 +17,9 @@
  * in fp32: the same numbers as dequantizing both operands (layers/quant.py's torch reference does that), summed
  * in another order. I8 (int8 per output channel, layers/quant.py's quantization="int8") stores q + 128 like Q8_0
  * and one fp32 scale per output; its activations take one scale per row, and each output is one integer dot
- * product over all of k, scaled once: (sw * dx) * (dot - 128 * sum(q)). One kernel serves decode (bound by reading the weights) and prefill (chunks of ROWS rows reuse
- * a unit's weights from cache). Without AVX-512 VNNI at compile time linear_q_available() says 0 and the weights
- * are dequantized at load instead.
+ * product over all of k, scaled once: (sw * dx) * (dot - 128 * sum(q)). One kernel serves decode (bound by reading
+ * the weights) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without AVX-512 VNNI at
+ * compile time linear_q_available() says 0 and the weights are dequantized at load instead.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -240,7 +240,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512i v = _mm512_loadu_si512(wq + b * uq + t * tq + g * 64);
                     #pragma GCC unroll 4
                     for (int r = 0; r < ROWS; r++)
-                        if (r < rows) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
+                        if (r < rows)
+                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
                 }
         for (int t = 0; t < 2; t++) {
             const __m512 sw = _mm512_loadu_ps((const float *)ws + 16 * t);
@@ -264,7 +265,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
                     #pragma GCC unroll 4
                     for (int r = 0; r < ROWS; r++)
-                        if (r < rows) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
+                        if (r < rows)
+                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
                 }
         } else {
             #pragma GCC unroll 4
@@ -330,8 +332,10 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
     #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; r++) {
         int8_t *q = xq + r * k;
-        if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, xd + r * nb, xc + r * nb, xs + r * nb, whole);
-        else quantize_row((const float *)x + r * k, 0, nb, off, q, xd + r * nb, xc + r * nb, xs + r * nb, whole);
+        float *d = xd + r * nb, *s = xs + r * nb;
+        int32_t *c = xc + r * nb;
+        if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, whole);
+        else quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, whole);
     }
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for collapse(2) schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)

@@ -220,8 +220,8 @@ def quantized_types(path: str) -> tuple[set[str], set[str]]:
 
 
 def keep_gguf_blocks(config, device: torch.device) -> tuple[bool, str | None]:
-    """Whether this rank loads the GGUF tensors of the types layers/quant.py runs as blocks (quantization "auto" on CPU,
-    where the C kernels run them or, with cpu_kernels off, the torch reference), and what to log about it."""
+    """Whether this rank loads the GGUF tensors of the types layers/quant.py runs as blocks (quantization "auto"
+    on CPU, where the C kernels run them or, with cpu_kernels off, the torch reference), and what to log."""
     gguf = find_gguf(config.model) if config.quantization == "auto" else None
     if gguf is None:
         return False, None

@@ -223,15 +223,15 @@ INLINE __m512i bcast4(const int8_t *p)
  * from the unit's first one on */
 INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32_t *xc, const float *xs, int64_t k,
                     int64_t nb, const uint8_t *wq, const uint8_t *ws, int rows, const float *bias, void *out,
-                    int64_t n, int64_t left, const int bf16)
+                    int64_t n, int64_t left, const int bf16, const int R)
 {
     const int64_t uq = unit_quant_bytes(qt), us = unit_scale_bytes(qt), tq = uq / 2;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[ROWS][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     if (qt == I8) {       /* one integer sum over all of k, scaled once: row scale x output channel's scale */
         __m512i dot[ROWS][2];
-        for (int r = 0; r < ROWS; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         for (int64_t b = 0; b < nb; b++)
             #pragma GCC unroll 8
             for (int g = 0; g < 8; g++)
@@ -239,7 +239,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                 for (int t = 0; t < 2; t++) {
                     const __m512i v = _mm512_loadu_si512(wq + b * uq + t * tq + g * 64);
                     #pragma GCC unroll 4
-                    for (int r = 0; r < ROWS; r++)
+                    for (int r = 0; r < R; r++)
                         if (r < rows)
                             dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
                 }
@@ -256,7 +256,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         const uint8_t *w = wq + b * uq;
         const uint16_t *s = (const uint16_t *)(ws + b * us);
         __m512i dot[ROWS][2];
-        for (int r = 0; r < ROWS; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
         if (qt == Q8_0) {
             #pragma GCC unroll 8
             for (int g = 0; g < 8; g++)
@@ -264,7 +264,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                 for (int t = 0; t < 2; t++) {
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
                     #pragma GCC unroll 4
-                    for (int r = 0; r < ROWS; r++)
+                    for (int r = 0; r < R; r++)
                         if (r < rows)
                             dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
                 }
@@ -276,7 +276,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
                     const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     #pragma GCC unroll 4
-                    for (int r = 0; r < ROWS; r++)
+                    for (int r = 0; r < R; r++)
                         if (r < rows) {
                             const int8_t *xr = xq + r * k + b * QK + 4 * g;
                             dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo, bcast4(xr));
@@ -290,7 +290,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
             const __m512 mw = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32 + 16 * t)))
                                          : _mm512_setzero_ps();
             #pragma GCC unroll 4
-            for (int r = 0; r < ROWS; r++)
+            for (int r = 0; r < R; r++)
                 if (r < rows) {
                     __m512i c = dot[r][t];
                     if (qt != Q4_1) c = _mm512_sub_epi32(c, _mm512_set1_epi32(xc[r * nb + b]));
@@ -312,8 +312,10 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
     }
 }
 
-#define CHUNK(QT, BF16) q_chunk(QT, xq + r * k, xd + r * nb, xc + r * nb, xs + r * nb, k, nb, wq, ws, rows, bias_u, \
-                                (char *)out + (r * n + col) * (BF16 ? 2 : 4), n, n - col, BF16)
+#define CHUNK_R(QT, BF16, R) q_chunk(QT, xq + r * k, xd + r * nb, xc + r * nb, xs + r * nb, k, nb, wq, ws, rows, \
+                                     bias_u, (char *)out + (r * n + col) * (BF16 ? 2 : 4), n, n - col, BF16, R)
+/* one row (decode) gets a copy of its own, with no registers kept for the other rows */
+#define CHUNK(QT, BF16) do { if (rows == 1) CHUNK_R(QT, BF16, 1); else CHUNK_R(QT, BF16, ROWS); } while (0)
 
 /* x [m, k] and out [m, n] contiguous, fp32 (bf16 != 0: bf16); packed from pack_q_weight; bias [n] fp32 or NULL.
  * Returns 0, or -1 when the activations' scratch cannot be allocated. */

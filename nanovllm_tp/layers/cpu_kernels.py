@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 log = logging.getLogger("nanovllm_tp")
-SOURCES = [importlib.resources.files("nanovllm_tp.layers") / "csrc" / name for name in ("cpu_kernels.c", "sampler.c",
-                                                                                       "linear.c")]
+_CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
+SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c")]
+HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them and part of the build's key
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
@@ -41,6 +42,11 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "linear_f32_available": (_int, []),
     "pack_f32_weight": (None, [_ptr, _ptr, _i64, _i64]),
     "linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "linear_q_available": (_int, []),
+    "q_packed_bytes": (_i64, [_i64, _i64, _int]),
+    "pack_q_weight": (None, [_ptr, _ptr, _i64, _i64, _int]),
+    "linear_q": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]),
+    "gather_q_rows": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr,
                            _int, _ptr, _ptr, _ptr, _ptr]),
@@ -65,7 +71,7 @@ def _cpu_signature() -> str:
 
 def build_library(compiler: str) -> pathlib.Path:
     """Compile the kernels unless a build for these sources, compiler, flags and CPU exists; return its path."""
-    sources = {src.name: src.read_bytes() for src in SOURCES}
+    sources = {src.name: src.read_bytes() for src in SOURCES + HEADERS}
     key = hashlib.sha256(b"\0".join([*sources.values(), compiler.encode(), " ".join(CFLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
@@ -73,10 +79,9 @@ def build_library(compiler: str) -> pathlib.Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        paths = []
         for name, text in sources.items():
-            paths.append(str(pathlib.Path(tmp) / name))
-            pathlib.Path(paths[-1]).write_bytes(text)
+            (pathlib.Path(tmp) / name).write_bytes(text)
+        paths = [str(pathlib.Path(tmp) / src.name) for src in SOURCES]
         built = pathlib.Path(tmp) / target.name
         result = subprocess.run([compiler, *CFLAGS, "-o", str(built), *paths, "-lm"], capture_output=True,
                                 text=True, timeout=120)
@@ -99,6 +104,8 @@ class CpuKernels:
         # the dtypes csrc/linear.c was built for here (AVX-512 BF16 for bf16, AVX-512F for fp32)
         self.linear_dtypes = tuple(dt for dt, ok in ((torch.bfloat16, self._linear_bf16_available()),
                                                      (torch.float32, self._linear_f32_available())) if ok)
+        # what csrc/linear_q.c runs (built with AVX-512 VNNI): ggml's Q4_0, Q4_1, Q8_0, and int8 (its code 100)
+        self.quant_types = (2, 3, 8, 100) if self._linear_q_available() else ()
 
     def pack_linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         """w [n, k] (a dtype in linear_dtypes; k even for bf16) in csrc/linear.c's layout, flat: blocks of 16
@@ -121,6 +128,38 @@ class CpuKernels:
         run = self._linear_bf16 if x.dtype is torch.bfloat16 else self._linear_f32
         run(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n,
             x.shape[1])
+        return out
+
+    def pack_quant_weight(self, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """raw: a weight's rows as GGUF blocks of `qtype` ([n, k / 32 * block bytes] uint8; int8: [n, 4 + k]), in
+        csrc/linear_q.c's layout (units of 32 rows; see there)."""
+        n = raw.shape[0]
+        size = self._q_packed_bytes(n, k, qtype)
+        if size < 0:
+            raise ValueError(f"csrc/linear_q.c does not run ggml type {qtype} with {k} inputs")
+        raw = raw.contiguous()
+        packed = torch.empty(size, dtype=torch.uint8)
+        self._pack_q_weight(raw.data_ptr(), packed.data_ptr(), n, k, qtype)
+        return packed
+
+    def linear_quant(self, x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, bias=None) -> torch.Tensor:
+        """x [m, k] (fp32 or bf16) @ w.T (+ bias) for a weight packed by pack_quant_weight; out in x's dtype."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        if bias is not None:
+            bias = bias.float().contiguous()
+        if self._linear_q(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                          out.data_ptr(), x.shape[0], n, x.shape[1], qtype, _bf16(x)):
+            raise MemoryError("the quantized linear kernel could not allocate its activation scratch")
+        return out
+
+    def gather_quant_rows(self, packed: torch.Tensor, ids: torch.Tensor, qtype: int, n: int, k: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """Rows ids (each in [0, n)) of a weight packed by pack_quant_weight, dequantized into dtype."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=dtype)
+        self._gather_q_rows(packed.data_ptr(), ids.data_ptr(), out.data_ptr(), ids.numel(), n, k, qtype,
+                            int(dtype is torch.bfloat16))
         return out
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:

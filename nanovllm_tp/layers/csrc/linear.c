@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "simd.h"
 
 #define ROWS 6            /* rows per chunk: 2 x ROWS accumulators + 2 weight registers stay in registers */
 #define GROUP_ROWS 48     /* rows per work unit: the unit's weight stays in L1/L2 across its chunks */
@@ -37,19 +37,10 @@ void pack_bf16_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
             }
 }
 
-static inline __m256i to_bf16(__m512 v)     /* round to nearest even */
-{
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 static inline __m512 bias_of(const uint16_t *bias, __mmask16 mask)
 {
     if (!bias) return _mm512_setzero_ps();
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return from_bf16(_mm256_maskz_loadu_epi16(mask, bias));
 }
 
 /* rows (<= ROWS) rows of x (k/2 int32 pairs apart) against blocks w0 and w1; w1's outputs are masked off when

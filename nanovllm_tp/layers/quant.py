@@ -1,0 +1,137 @@
+"""Weights that stay block-quantized on CPU: GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 inputs, an fp16 scale d per
+block, and a min m for Q4_1), and int8 per output channel made at load from a dense checkpoint (quantization
+"int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output, activations quantized per token).
+
+A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
+as the file stores them); `linear.load_rows` keeps them beside the parameter, whose dense storage is never
+written; `linear.pack_cpu_weights` then makes the form the matmul reads (`pack_blocks`):
+
+- `QuantWeight`: csrc/linear_q.c's layout, where the kernels run (AVX-512 VNNI): activations quantized per row
+  and block of 32 to int8 on the fly, integer dot products, fp32 sums;
+- `QuantReference` (cpu_kernels off): the torch reference of the same math, dequantized weights in fp32 against
+  activations rounded the way the kernel rounds them (`round_activations`: per block of 32 for the GGUF types, per
+  row for int8).
+
+Where neither runs (CUDA, a CPU without VNNI) the reader dequantizes at load instead (gguf_checkpoint's
+`keep_gguf_blocks` decides, the runner logs it).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanovllm_tp.layers import cpu_kernels
+
+BLOCK = 32
+GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}      # ggml type -> name: the types that stay quantized
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+INT8 = 100          # csrc/linear_q.c's code for int8 per output channel: rows of [fp32 scale][in_features int8]
+NAMES = {**GGUF_TYPES, INT8: "int8"}
+INV127 = torch.tensor(np.float32(1) / np.float32(127))     # the kernel's 1.0f / 127.0f
+
+
+@dataclass(slots=True)
+class QuantBlocks:
+    """Rows of a block-quantized weight as GGUF stores them: data [rows, in_features / 32 * block bytes] uint8
+    of ggml type qtype."""
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    @classmethod
+    def zeros(cls, rows: int, in_features: int, qtype: int) -> "QuantBlocks":
+        return cls(torch.zeros(rows, in_features // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8), qtype,
+                   in_features)
+
+    def columns(self, start: int, size: int, name: str) -> "QuantBlocks":
+        """Inputs start..start+size; a rank's slice must hold whole blocks."""
+        if start % BLOCK or size % BLOCK:
+            raise ValueError(f"{name}: a slice of inputs {start}..{start + size} splits its blocks of {BLOCK} "
+                             f"({GGUF_TYPES[self.qtype]}); choose a tensor_parallel_size that divides "
+                             f"{self.in_features} into multiples of {BLOCK}, or quantization='none'")
+        per = BLOCK_BYTES[self.qtype]
+        return QuantBlocks(self.data[:, start // BLOCK * per:(start + size) // BLOCK * per].contiguous(), self.qtype,
+                           size)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, in_features]: d * q (+ m), as llama.cpp (the gguf package's dequantizer); int8: scale * q."""
+        if self.qtype == INT8:
+            return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
+        from gguf import dequantize
+        return torch.from_numpy(dequantize(self.data.numpy(), self.qtype).reshape(self.shape).copy())
+
+
+def int8_blocks(w: torch.Tensor) -> QuantBlocks:
+    """A dense weight [out, in] as int8 per output channel: scale = max |row| * (1/127), q = round(w / scale)."""
+    scale, q = _symmetric(w.float(), w.shape[1])
+    q = q.reshape(w.shape).to(torch.int8)
+    data = torch.cat([scale.reshape(-1, 1).view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return QuantBlocks(data, INT8, w.shape[1])
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A weight packed for csrc/linear_q.c, and its logical shape."""
+    data: torch.Tensor
+    qtype: int
+    out_features: int
+    in_features: int
+
+
+@dataclass(slots=True)
+class QuantReference:
+    """The torch reference of a quantized weight: dequantized, fp32 [out, in]."""
+    weight: torch.Tensor
+    qtype: int
+
+
+def type_name(packed) -> str:
+    return NAMES[packed.qtype]
+
+
+def pack_blocks(blocks: QuantBlocks):
+    """The form the matmul reads: the kernels' layout where they run, else the torch reference."""
+    kernels = cpu_kernels.active()
+    if kernels is not None and blocks.qtype in kernels.quant_types:
+        data = kernels.pack_quant_weight(blocks.data, blocks.qtype, blocks.in_features)
+        return QuantWeight(data, blocks.qtype, *blocks.shape)
+    return QuantReference(blocks.dequantize(), blocks.qtype)
+
+
+def _symmetric(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x [..., k] in blocks of `block`: (scale per block, q as floats): scale = max |x| * (1/127),
+    q = round-half-even(x * (1/scale)), csrc/linear_q.c's operations in its order."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    scale = blocks.abs().amax(-1, keepdim=True) * INV127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return scale, torch.round(blocks * inverse)
+
+
+def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x [..., k] as csrc/linear_q.c quantizes it, in fp32: per row and block of `block` (32 for the GGUF types,
+    k for int8), scale = max |x| * (1/127), q = round-half-even(x * (1/scale)), the value q * scale."""
+    scale, q = _symmetric(x.float(), block)
+    return (q * scale).reshape(x.shape)
+
+
+def quant_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ w.T (+ bias) in x's dtype, with fp32 sums and one rounding at the end."""
+    if isinstance(packed, QuantWeight):
+        return cpu_kernels.load().linear_quant(x, packed.data, packed.qtype, packed.out_features, bias)
+    block = x.shape[-1] if packed.qtype == INT8 else BLOCK
+    y = F.linear(round_activations(x, block), packed.weight, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def quant_embedding(ids: torch.Tensor, packed, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids of a quantized weight (the embedding's lookup), dequantized into dtype."""
+    if isinstance(packed, QuantWeight):
+        rows = cpu_kernels.load().gather_quant_rows(packed.data, ids, packed.qtype, packed.out_features,
+                                                    packed.in_features, dtype)
+        return rows.view(*ids.shape, packed.in_features)
+    return F.embedding(ids, packed.weight).to(dtype)

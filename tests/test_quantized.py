@@ -103,7 +103,7 @@ def test_int8_weights_round_per_output_channel():
     scale = w.bfloat16().float().abs().amax(1, keepdim=True) / 127
     assert blocks.qtype == INT8 and blocks.shape == (40, 96) and blocks.data.shape == (40, 4 + 96)
     assert ((blocks.dequantize() - w.bfloat16().float()).abs() <= scale * (0.5 + 1e-6)).all()
-    assert (blocks.dequantize().abs().amax(1, keepdim=True) - scale * 127).abs().max() < 1e-6
+    torch.testing.assert_close(blocks.dequantize().abs().amax(1, keepdim=True), scale * 127, rtol=1e-6, atol=0)
 
 
 def test_activations_round_per_block_of_32():

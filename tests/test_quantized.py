@@ -133,6 +133,26 @@ def test_embedding_rows_are_the_dequantized_rows(name, dtype):
                                                                  want.to(dtype))
 
 
+def test_parts_of_two_kinds_turn_a_merged_weight_dense():
+    """A merged layer (q, k, v) whose parts come in different types, or one part dense, is dequantized whole."""
+    from nanovllm_tp.layers.linear import load_rows
+    a, b = random_blocks(4, 64, "Q4_0", seed=0), random_blocks(2, 64, "Q8_0", seed=1)
+    same = torch.nn.Parameter(torch.empty(8, 64), requires_grad=False)
+    load_rows(same, 0, a)
+    load_rows(same, 4, a)
+    assert same.blocks.qtype == a.qtype and torch.equal(same.blocks.data, torch.cat([a.data, a.data]))
+    for second in (b, b.dequantize()):
+        mixed = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+        load_rows(mixed, 0, a)
+        load_rows(mixed, 4, second)
+        assert mixed.blocks is None
+        assert torch.equal(mixed.data, torch.cat([a.dequantize(), b.dequantize()]))
+    dense_first = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+    load_rows(dense_first, 4, b.dequantize())
+    load_rows(dense_first, 0, a)
+    assert dense_first.blocks is None and torch.equal(dense_first.data[:4], a.dequantize())
+
+
 def test_a_slice_inside_a_block_is_refused():
     blocks = random_blocks(4, 96, "Q4_0", seed=0)
     assert blocks.columns(32, 64, "w").shape == (4, 64)

@@ -103,7 +103,7 @@ def test_int8_weights_round_per_output_channel():
     scale = w.bfloat16().float().abs().amax(1, keepdim=True) / 127
     assert blocks.qtype == INT8 and blocks.shape == (40, 96) and blocks.data.shape == (40, 4 + 96)
     assert ((blocks.dequantize() - w.bfloat16().float()).abs() <= scale * (0.5 + 1e-6)).all()
-    assert (blocks.dequantize().abs().amax(1, keepdim=True) - scale * 127).abs().max() < 1e-6
+    torch.testing.assert_close(blocks.dequantize().abs().amax(1, keepdim=True), scale * 127, rtol=1e-6, atol=0)
 
 
 def test_activations_round_per_block_of_32():
@@ -131,6 +131,26 @@ def test_embedding_rows_are_the_dequantized_rows(name, dtype):
         reference = pack_blocks(blocks)
     assert isinstance(reference, QuantReference) and torch.equal(quant_embedding(ids, reference, dtype),
                                                                  want.to(dtype))
+
+
+def test_parts_of_two_kinds_turn_a_merged_weight_dense():
+    """A merged layer (q, k, v) whose parts come in different types, or one part dense, is dequantized whole."""
+    from nanovllm_tp.layers.linear import load_rows
+    a, b = random_blocks(4, 64, "Q4_0", seed=0), random_blocks(2, 64, "Q8_0", seed=1)
+    same = torch.nn.Parameter(torch.empty(8, 64), requires_grad=False)
+    load_rows(same, 0, a)
+    load_rows(same, 4, a)
+    assert same.blocks.qtype == a.qtype and torch.equal(same.blocks.data, torch.cat([a.data, a.data]))
+    for second in (b, b.dequantize()):
+        mixed = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+        load_rows(mixed, 0, a)
+        load_rows(mixed, 4, second)
+        assert mixed.blocks is None
+        assert torch.equal(mixed.data, torch.cat([a.dequantize(), b.dequantize()]))
+    dense_first = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+    load_rows(dense_first, 4, b.dequantize())
+    load_rows(dense_first, 0, a)
+    assert dense_first.blocks is None and torch.equal(dense_first.data[:4], a.dequantize())
 
 
 def test_a_slice_inside_a_block_is_refused():

@@ -39,12 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def copy_prompt(tokenizer, passage_tokens: int, draw: int) -> list[int]:
-    """A passage of the corpus (a different one per draw) and the instruction to repeat it."""
-    text = CORPUS.read_text()
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    start = random.Random(f"copy/{draw}").randrange(max(1, len(ids) - passage_tokens))
-    passage = tokenizer.decode(ids[start:start + passage_tokens])
+def copy_prompt(tokenizer, corpus_ids: list[int], passage_tokens: int, draw: int) -> list[int]:
+    """A passage of the corpus (its token ids; a different passage per draw) and the instruction to repeat it."""
+    start = random.Random(f"copy/{draw}").randrange(max(1, len(corpus_ids) - passage_tokens))
+    passage = tokenizer.decode(corpus_ids[start:start + passage_tokens])
     ask = f"{passage}\n\nRepeat the text above exactly, word for word."
     if getattr(tokenizer, "chat_template", None):
         ask = tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
@@ -78,13 +76,14 @@ def main(argv=None) -> dict:
     env = bc.environment()
     try:
         tok, vocab = plain.get_tokenizer(), plain.config.model_config.vocab_size
+        corpus_ids = tok.encode(CORPUS.read_text(), add_special_tokens=False)     # once, not per repeat
         for llm in (plain, spec):                            # warm-up
             llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
         runs = {(w, e): [] for w in args.workloads for e in ("plain", "spec")}
         for r in range(args.repeats):
             for w in args.workloads:
                 rng = random.Random(f"{args.seed}/random/{r}")
-                prompt = copy_prompt(tok, args.passage_tokens, r) if w == "copy" else \
+                prompt = copy_prompt(tok, corpus_ids, args.passage_tokens, r) if w == "copy" else \
                     [rng.randrange(min(vocab, bc.MAX_TOKEN_ID)) for _ in range(args.passage_tokens)]
                 params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=r,
                                         ignore_eos=w == "random")

@@ -7,8 +7,10 @@ talk over ZMQ on local sockets in a directory only this user can enter.
     python -m nanovllm_tp.launch.serve --model DIR --port 8000 --api-key KEY
     ./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 --model DIR     # rank 0 serves HTTP, rank 1 plans
 
-Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the server and every rank at once
-(open requests are not drained).
+Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the server and every rank between two
+steps: open requests end with an error (not drained), the command exits with 0. A step that does not end within
+--shutdown-timeout seconds (a stuck rank) is not waited for: every rank is killed, what they shared removed, and
+the command exits with 143.
 
 On CPU the engine and the HTTP process share every core. The engine's ranks take all of them, as offline
 generation does, and the HTTP process runs at idle priority (SCHED_IDLE): it gets a core whenever an engine thread
@@ -31,6 +33,8 @@ from nanovllm_tp import envs
 from nanovllm_tp.config import add_engine_args
 from nanovllm_tp.launch.bench_common import apply_threads
 from nanovllm_tp.launch.generate import build_llm
+from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, server_config
+from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
 
@@ -38,20 +42,7 @@ GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (se
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=envs.get("NANOVLLM_TP_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_TP_API_KEY)")
-    parser.add_argument("--served-model-name", help="the model name clients use (default: --model or 'tiny')")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="beyond this many waiting requests, new ones get 429")
-    parser.add_argument("--log-level", default="warning")
-    parser.add_argument("--threads", type=int,
-                        help="CPU threads per rank (default: $OMP_NUM_THREADS, else this node's cores shared by its "
-                             "ranks; the HTTP process uses what they leave idle)")
-    parser.add_argument("--http-priority", choices=["auto", "idle", "normal"], default="auto",
-                        help="the HTTP process's CPU priority: idle runs it only where nothing else wants a core; "
-                             "auto: idle when the engine runs on CPU, else normal")
+    add_server_args(parser)
     return parser
 
 
@@ -66,43 +57,46 @@ def engine_threads(args) -> bool:
     return on_cpu
 
 
-def start_front(args, commands: str, outputs: str, idle: bool) -> subprocess.Popen:
+def start_front(server: ServerConfig, name: str, commands: str, outputs: str, idle: bool) -> subprocess.Popen:
     """The HTTP process (at idle priority if asked): it imports and connects while the engine loads, and serves
-    once told what."""
+    once told what. The API key goes in its environment, never on its command line."""
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
-    if args.api_key:
-        env["NANOVLLM_TP_API_KEY"] = args.api_key
+    if server.api_key:
+        env["NANOVLLM_TP_API_KEY"] = server.api_key
     return subprocess.Popen(
         [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
-         "--name", args.served_model_name or args.model or "tiny", "--host", args.host, "--port", str(args.port),
-         "--max-waiting-requests", str(args.max_waiting_requests), "--log-level", args.log_level,
-         *(["--idle-priority"] if idle else [])], env=env)
+         "--name", name, "--config", server.to_json(), *(["--idle-priority"] if idle else [])], env=env)
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    if args.max_waiting_requests < 1:
-        raise SystemExit("--max-waiting-requests must be >= 1")
+    try:
+        server = server_config(args)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"serve: {exc}") from None
+    server.api_key = server.api_key or envs.get("NANOVLLM_TP_API_KEY") or None
     if args.device != "cuda":            # before torch loads libgomp (a GPU rank hardly runs OpenMP regions)
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    on_cpu = engine_threads(args)        # refuses --threads < 1 (apply_threads)
+    on_cpu = engine_threads(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if int(os.environ.get("RANK", "0")) != 0:
-        build_llm(args)            # under torchrun, ranks > 0 serve plans in here and exit with rank 0
+        serve_plans(args)          # under torchrun, ranks > 0 serve plans in here and exit with rank 0
         return
     from nanovllm_tp.distributed.launch import stop_children
     from nanovllm_tp.serving.engine_loop import EngineLoop
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
-    stop, front, llm, loop = [], None, None, None
+    front, llm, loop, signals = None, None, None, None
     try:
-        idle = args.http_priority == "idle" or (args.http_priority == "auto" and on_cpu)
-        front = start_front(args, commands, outputs, idle)
+        idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+        front = start_front(server, server.served_model_name or args.model or "tiny", commands, outputs, idle)
         llm = build_llm(args)
-        for sig in (signal.SIGTERM, signal.SIGINT):     # from now on, stop between two steps, not inside one
-            signal.signal(sig, lambda signum, frame: stop.append(signum))
+        # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
+        signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
         loop = EngineLoop(llm, commands, outputs)
-        loop.run(lambda: not stop and front.poll() is None)
+        loop.run(lambda: not signals.received and front.poll() is None)
+        if signals.received:
+            loop.stop(f"the server is shutting down ({signal.Signals(signals.received[0]).name})")
     finally:
         if front is not None:
             stop_children([front], timeout=0)        # SIGTERM, then SIGKILL if it lingers
@@ -111,9 +105,24 @@ def main(argv=None) -> None:
         if llm is not None:
             llm.close()
         shutil.rmtree(rundir, ignore_errors=True)
-    if not stop:
+        if signals is not None:
+            signals.done.set()
+    if not signals.received:
         raise SystemExit(f"the HTTP process exited with {front.returncode}")
+    logging.getLogger("nanovllm_tp").info("rank 0: stopped by %s", signal.Signals(signals.received[0]).name)
     sys.exit(0)
+
+
+def serve_plans(args) -> None:
+    """A torchrun rank > 0: run plans until rank 0 shuts the engine down; SIGTERM (torchrun passes it on to every
+    rank) ends it quietly, with one line."""
+    try:
+        build_llm(args)
+    except SystemExit as exc:
+        if exc.code != 128 + signal.SIGTERM:
+            raise
+        logging.getLogger("nanovllm_tp").info("rank %s: stopped by SIGTERM", os.environ.get("RANK"))
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -109,10 +109,10 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def add_args(config_cls, parser: argparse.ArgumentParser) -> None:
-    """Every knob of config_cls as a flag of `parser` (dest: the field's name). `--model` is optional here:
-    the commands run the embedded tiny checkpoint without it."""
-    group = parser.add_argument_group("engine")
+def add_args(config_cls, parser: argparse.ArgumentParser, title: str = "engine") -> None:
+    """Every knob of config_cls as a flag of `parser` (dest: the field's name), in an argument group of that
+    title. `--model` is optional here: the commands run the embedded tiny checkpoint without it."""
+    group = parser.add_argument_group(title)
     for f in knob_fields(config_cls):
         k, (kind, _) = f.metadata["knob"], _base_type(f.type)
         default = None if f.name == "model" else _default(f)

@@ -10,7 +10,7 @@ from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
-from nanovllm_tp.prompts import is_token_ids, render_chat
+from nanovllm_tp.prompts import check_prompt_length, is_token_ids, render_chat
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
@@ -58,7 +58,6 @@ class LLM:
 
     def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         vocab = self.config.model_config.vocab_size
-        limit = self.config.max_model_len - 1
         if isinstance(p, dict):
             p = p.get("prompt_token_ids", p.get("prompt"))
         if isinstance(p, str):
@@ -79,9 +78,7 @@ class LLM:
             raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        if len(ids) > limit:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_model_len="
-                             f"{self.config.max_model_len} at most {limit} fit (one slot is for output)")
+        check_prompt_length(i, len(ids), self.config.max_model_len)
         return text, ids
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -128,11 +125,26 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one request for step()-driven serving; returns its request id."""
-        if request_id is not None and (not isinstance(request_id, str) or request_id in self._requests):
-            raise ValueError(f"request_id must be a new string, got {request_id!r}")
-        text, token_ids = self._normalize_prompt(0, prompt)
+        return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id])[0]
+
+    def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
+                     request_ids: list[str] | None = None) -> list[str]:
+        """Queue one request per prompt, all with the same sampling parameters, all or none: every prompt, id and
+        parameter is checked before the first is queued. Returns their request ids."""
+        if not isinstance(prompts, list) or not prompts:
+            raise TypeError("prompts must be a non-empty list (one entry per request)")
+        ids = [None] * len(prompts) if request_ids is None else request_ids
+        if not isinstance(ids, list) or len(ids) != len(prompts):
+            raise ValueError(f"request_ids must be a list of {len(prompts)} ids, got {request_ids!r}")
+        seen = set()
+        for rid in ids:
+            if rid is not None and (not isinstance(rid, str) or rid in self._requests or rid in seen):
+                raise ValueError(f"request_id must be a new string, got {rid!r}")
+            seen.add(rid)
+        items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
-        return self._add(text, token_ids, sp, request_id, incremental=sp.output_kind != RequestOutputKind.FINAL_ONLY)
+        incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
+        return [self._add(text, token_ids, sp, rid, incremental) for (text, token_ids), rid in zip(items, ids)]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and

@@ -7,6 +7,14 @@ def is_token_ids(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) for t in p)
 
 
+def check_prompt_length(i: int, num_tokens: int, max_model_len: int, at_least: bool = False) -> None:
+    """ValueError when prompt i (`num_tokens` long, or at least that long) leaves no room for output."""
+    limit = max_model_len - 1
+    if num_tokens > limit:
+        raise ValueError(f"prompt {i} has {'at least ' if at_least else ''}{num_tokens} tokens; with max_model_len="
+                         f"{max_model_len} at most {limit} fit (one slot is for output)")
+
+
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
                 chat_template_kwargs: dict | None = None) -> str:
     """A conversation ({"role", "content"} dicts) as prompt text, through the tokenizer's chat template (or

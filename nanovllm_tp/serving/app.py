@@ -1,10 +1,12 @@
 """The HTTP layer: FastAPI routes of the OpenAI API over an EngineClient (in the HTTP process). Handlers only
-validate, submit and await their requests' outputs; a client that goes away has its requests aborted."""
+validate (limits.py), tokenize in worker threads (inputs.py), submit and await their requests' outputs; a client
+that goes away has every request of its own aborted."""
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -12,14 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_tp.prompts import render_chat
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
+from nanovllm_tp.serving.inputs import PromptEncoder
+from nanovllm_tp.serving.limits import BodyLimit, check_request
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
+from nanovllm_tp.serving.server_config import ServerConfig
 
 log = logging.getLogger("nanovllm_tp")
 VERSION = "0.1.0"
+DISCONNECT_CHECK_S = 0.5     # how often a handler waiting for whole outputs looks for its client
 
 
 class ApiError(Exception):
@@ -56,18 +61,22 @@ class ServedModel:
     tokenizer: object          # for chat templates and echo
 
 
-def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = None) -> FastAPI:
+def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
     model_name, tokenizer = model.name, model.tokenizer
     metrics = ServingMetrics(lambda: engine.stats, model_name)
     engine.on_finished = metrics.on_finished
+    encoder = PromptEncoder(tokenizer, model.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
         yield
         engine.close()
+        encoder.close()
 
-    app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan)
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan, **docs)
     app.state.engine = engine
 
     @app.exception_handler(ApiError)
@@ -85,39 +94,37 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
     async def _http(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "error")
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyCheck, expected=f"Bearer {api_key}".encode())
+    app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
+    if config.api_key:                      # outermost: 401 before a body is read
+        app.add_middleware(ApiKeyCheck, expected=f"Bearer {config.api_key}".encode())
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model")
 
-    async def submit_all(request_id: str, prompts: list, params) -> list[RequestStream]:
-        """One engine request per prompt, their streams sharing one `ready` event."""
-        streams, ids, ready = [], [], asyncio.Event()
+    async def submit_all(request_id: str, prompts: list[list[int]], params) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`), queued all or none."""
         try:
-            for i, prompt in enumerate(prompts):
-                ids.append(f"{request_id}-{i}")
-                streams.append(await engine.submit(ids[-1], prompt, params, ready))
+            return await engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)
         except (ValueError, TypeError) as exc:
-            _abort(ids[:len(streams)])
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
-            _abort(ids[:len(streams)])
             raise ApiError(429, str(exc), "rate_limit_error") from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
-        return streams
 
-    def _abort(ids) -> None:
-        for rid in ids:
-            engine.abort(rid)
+    def aborter(request_id: str, count: int):
+        return lambda which=range(count): engine.abort([f"{request_id}-{i}" for i in which])
 
     @app.get("/health")
     async def health():
         if engine.dead:
             return _error(503, engine.dead, "service_unavailable")
+        silent = engine.silent_for()
+        if silent > config.engine_iteration_timeout:
+            return _error(503, f"the engine loop has not answered for {silent:.0f} s (--engine-iteration-timeout "
+                               f"{config.engine_iteration_timeout:g})", "service_unavailable")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -139,15 +146,18 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
         check_model(body.model)
         try:
             params, prompts = body.sampling_params(), body.prompts()
+            check_request(config, params, len(prompts))
+            encoded = await encoder.completions(prompts)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
-        streams = await submit_all(rid, prompts, params)
+        streams = await submit_all(rid, [ids for _, ids in encoded], params)
         builder = ResponseBuilder("completion", rid, model_name, params.n)
         top_n = body.logprobs or 0
 
         def choice(i, out, c, sent):
-            prefix = (out.prompt or tokenizer.decode(out.prompt_token_ids)) \
+            text = encoded[i][0]
+            prefix = (text if text is not None else tokenizer.decode(out.prompt_token_ids)) \
                 if body.echo and not sent else ""
             lp = None
             if body.logprobs is not None:
@@ -158,23 +168,26 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
             return builder.choice(i, c, prefix, lp, delta=body.stream)
 
         if body.stream:
-            return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)
-        outputs = await _finals(request, streams, lambda: _abort(f"{rid}-{i}" for i in range(len(streams))))
+            return _stream(streams, builder, body.include_usage, choice, aborter(rid, len(streams)))
+        outputs = await _finals(request, streams, aborter(rid, len(streams)))
         return builder.response([choice(i, o, c, False) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        if "chat_template" in (body.chat_template_kwargs or {}) and not config.trust_request_chat_template:
+            raise ApiError(400, "chat templates sent in requests are refused: this server renders its model's own "
+                                "(the operator allows request templates with --trust-request-chat-template)",
+                           param="chat_template_kwargs.chat_template")
         try:
             params = body.sampling_params()
-            text = render_chat(tokenizer, [m.as_template_message() for m in body.messages],
-                               add_generation_prompt=body.add_generation_prompt,
-                               chat_template_kwargs=body.chat_template_kwargs)
+            check_request(config, params)
+            prompt = await encoder.chat([m.as_template_message() for m in body.messages],
+                                        body.add_generation_prompt, body.chat_template_kwargs)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors (jinja raises its own types)
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
-        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         rid = engine.new_request_id("chatcmpl")
         streams = await submit_all(rid, [prompt], params)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
@@ -185,27 +198,31 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
             return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
 
         if body.stream:
-            return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)
-        outputs = await _finals(request, streams, lambda: _abort([f"{rid}-0"]))
+            return _stream(streams, builder, body.include_usage, choice, aborter(rid, 1))
+        outputs = await _finals(request, streams, aborter(rid, 1))
         return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
 
     return app
 
 
 async def _finals(request: Request, streams: list[RequestStream], abort) -> list:
-    """The final output of every stream; the requests are aborted if the client goes away meanwhile."""
+    """The final output of every stream; every request is aborted if the client goes away meanwhile (looked for
+    every DISCONNECT_CHECK_S, however busy the streams are)."""
     ready, finals = streams[0].ready, [None] * len(streams)
+    next_check = time.monotonic() + DISCONNECT_CHECK_S
     try:
         while not all(s.done for s in streams):
-            ready.clear()
             for i, s in enumerate(streams):
                 out = s.take()
                 finals[i] = out if out is not None else finals[i]
             if all(s.done for s in streams):
                 break
-            try:
-                await asyncio.wait_for(ready.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
+            ready.clear()
+            if not any(s.has_news for s in streams):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ready.wait(), timeout=max(0.0, next_check - time.monotonic()))
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_CHECK_S
                 if await request.is_disconnected():
                     abort()
                     raise ApiError(499, "the client closed the connection") from None
@@ -214,15 +231,14 @@ async def _finals(request: Request, streams: list[RequestStream], abort) -> list
     return finals
 
 
-def _stream(request: Request, streams: list[RequestStream], builder: ResponseBuilder, include_usage: bool,
-            choice, abort, rid: str) -> StreamingResponse:
+def _stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage: bool, choice,
+            abort) -> StreamingResponse:
     """Server-sent events: a chunk each time any of the streams has news (a stream's outputs not yet sent are
     merged into one chunk), a usage chunk if asked, then [DONE]."""
     async def events():
         ready, finals, started = streams[0].ready, {}, set()
         try:
             while not all(s.done for s in streams):
-                ready.clear()
                 choices = []
                 for i, s in enumerate(streams):
                     try:
@@ -239,7 +255,8 @@ def _stream(request: Request, streams: list[RequestStream], builder: ResponseBui
                         finals[i] = item
                 if choices:
                     yield _sse(builder.chunk(choices))
-                if not all(s.done for s in streams):
+                ready.clear()
+                if not all(s.done for s in streams) and not any(s.has_news for s in streams):
                     await ready.wait()
             if include_usage:
                 yield _sse(builder.chunk([], builder.usage([finals[i] for i in sorted(finals)])))
@@ -247,7 +264,7 @@ def _stream(request: Request, streams: list[RequestStream], builder: ResponseBui
         finally:
             open_ids = [i for i, s in enumerate(streams) if not s.done]
             if open_ids:                     # the client went away (or the engine failed) mid-stream
-                abort([f"{rid}-{i}" for i in open_ids])
+                abort(open_ids)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -8,6 +8,7 @@ serving costs less per token as the load grows.
 import asyncio
 import itertools
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -53,6 +54,11 @@ class RequestStream:
         self.ready.set()
 
     @property
+    def has_news(self) -> bool:
+        """take() would return an output or raise the engine's error."""
+        return self.pending is not None or (self.error is not None and not self.ended)
+
+    @property
     def done(self) -> bool:
         """The last output was put and read: nothing more will come."""
         return self.pending is None and self.ended
@@ -92,10 +98,12 @@ class EngineClient:
         self._accepting: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._receiver: asyncio.Task | None = None
+        self._last_heard = time.monotonic()
 
     async def wait_ready(self) -> dict:
         """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
         msg = wire.unpack(await self._outputs.recv())
+        self._last_heard = time.monotonic()
         if msg["op"] != "ready":
             raise RuntimeError(f"the engine's first message was {msg['op']!r}, not 'ready'")
         return msg
@@ -115,38 +123,49 @@ class EngineClient:
     def num_waiting(self) -> int:
         return self.stats["waiting"] + len(self._accepting)
 
-    async def submit(self, request_id: str, prompt, params: SamplingParams,
-                     ready: asyncio.Event | None = None) -> RequestStream:
-        """Hand a request to the engine; returns its stream (which sets `ready` when it has news) once the
-        engine accepted it. Validation's ValueError / TypeError propagate; EngineDead and Overloaded say why
-        nothing was queued."""
+    async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
+        their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
+        Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
+        nothing was queued. A batch counts once against max_waiting_requests."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
-        stream = RequestStream(params.output_kind, ready)
+        ready = asyncio.Event()
+        streams = [RequestStream(params.output_kind, ready) for _ in request_ids]
+        key = request_ids[0]
         accepted = asyncio.get_running_loop().create_future()
-        self._open[request_id], self._accepting[request_id] = stream, accepted
+        self._open.update(zip(request_ids, streams))
+        self._accepting[key] = accepted
         try:
-            await self._commands.send(wire.pack({"op": "add", "id": request_id, "prompt": prompt,
+            await self._commands.send(wire.pack({"op": "add", "ids": request_ids, "prompts": prompts,
                                                  "params": wire.params_to_wire(params)}))
             await accepted
         except BaseException:
-            self._open.pop(request_id, None)
+            for rid in request_ids:
+                self._open.pop(rid, None)
             raise
         finally:
-            self._accepting.pop(request_id, None)
-        return stream
+            self._accepting.pop(key, None)
+        return streams
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its client went away); it leaves the engine before the next step."""
-        if self._open.pop(request_id, None) is not None and not self.dead:
-            self._commands.send(wire.pack({"op": "abort", "id": request_id}))
+    def abort(self, request_ids) -> None:
+        """Abort requests (their client went away); they leave the engine before its next step."""
+        ids = [rid for rid in request_ids if self._open.pop(rid, None) is not None]
+        if ids and not self.dead:
+            self._commands.send(wire.pack({"op": "abort", "ids": ids}))
+
+    def silent_for(self) -> float:
+        """Seconds since the engine loop last said anything (it speaks after every step, and every
+        HEARTBEAT_S when idle)."""
+        return time.monotonic() - self._last_heard
 
     async def _receive(self) -> None:
         while True:
             msg = wire.unpack(await self._outputs.recv())
+            self._last_heard = time.monotonic()
             op = msg["op"]
             if op == "outputs":
                 self.stats = msg["stats"]
@@ -159,7 +178,7 @@ class EngineClient:
                         future.set_result(None) if error is None else \
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
             elif op == "dead":
-                self._fail_all(msg["why"])
+                self._fail_all(msg["why"], msg.get("shutdown", False))
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)
@@ -175,9 +194,9 @@ class EngineClient:
         if stream is not None:
             stream.put(out)
 
-    def _fail_all(self, why: str) -> None:
+    def _fail_all(self, why: str, shutdown: bool = False) -> None:
         self.dead = why
-        log.error("engine loop: %s", why)
+        (log.info if shutdown else log.error)("engine loop: %s", why)
         exc = EngineDead(why)
         for stream in self._open.values():
             stream.fail(exc)

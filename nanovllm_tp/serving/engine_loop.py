@@ -13,6 +13,7 @@ figures for /metrics. When the engine fails, the HTTP process is told once and t
 stopped: the server answers 503 from then on.
 """
 import logging
+import time
 
 import zmq
 
@@ -20,6 +21,7 @@ from nanovllm_tp.serving import wire
 
 log = logging.getLogger("nanovllm_tp")
 IDLE_POLL_MS = 200
+HEARTBEAT_S = 1.0
 
 
 def scheduler_stats(llm) -> dict:
@@ -41,18 +43,22 @@ class EngineLoop:
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
+        self._last_sent = time.monotonic()
         self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
     def run(self, keep_going) -> None:
-        """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS)."""
+        """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS). Idle, the
+        loop still speaks every HEARTBEAT_S: the HTTP process reads its silence as a stuck engine."""
         dead = False
         while keep_going():
             busy = not dead and self.llm.has_unfinished_requests()
             if self._commands.poll(0 if busy else IDLE_POLL_MS):
                 changed = self._take_commands(dead)
                 if changed and not dead and not self.llm.has_unfinished_requests():
-                    self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})
+                    self._send_stats()
             if dead or not self.llm.has_unfinished_requests():
+                if time.monotonic() - self._last_sent > HEARTBEAT_S:
+                    self._send_stats()
                 continue
             try:
                 outs = self.llm.step()
@@ -64,6 +70,13 @@ class EngineLoop:
                 continue
             self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs],
                         "stats": scheduler_stats(self.llm)})
+
+    def stop(self, why: str) -> None:
+        """The server is going away: every open request ends with this error (the HTTP process answers 503)."""
+        self._send({"op": "dead", "why": why, "shutdown": True})
+
+    def _send_stats(self) -> None:
+        self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})
 
     def _to_wire(self, out) -> list:
         """An output for the HTTP process: the prompt only with a request's first output (wire.py)."""
@@ -79,6 +92,7 @@ class EngineLoop:
 
     def _send(self, msg: dict) -> None:
         self._outputs.send(wire.pack(msg), copy=False)
+        self._last_sent = time.monotonic()
 
     def _take_commands(self, dead: bool) -> bool:
         accepted, changed = [], False
@@ -89,7 +103,7 @@ class EngineLoop:
                 break
             msg = wire.unpack(raw.buffer)
             if msg["op"] == "abort" and not dead:
-                self.llm.abort_request(msg["id"])
+                self.llm.abort_request(msg["ids"])
                 changed = True
             elif msg["op"] == "add":
                 accepted.append(self._add(msg, dead))
@@ -99,12 +113,13 @@ class EngineLoop:
         return changed
 
     def _add(self, msg: dict, dead: bool) -> list:
-        """[id, error message or None, error type]: validation errors go back to the client as a 400."""
+        """[first id, error message or None, error type] for one batch, queued all or none: validation errors
+        go back to the client as a 400."""
+        key = msg["ids"][0]
         if dead:
-            return [msg["id"], "the engine stopped", "EngineDead"]
+            return [key, "the engine stopped", "EngineDead"]
         try:
-            self.llm.add_request(msg["prompt"], wire.params_from_wire(msg["params"]), request_id=msg["id"])
+            self.llm.add_requests(msg["prompts"], wire.params_from_wire(msg["params"]), request_ids=msg["ids"])
         except (ValueError, TypeError) as exc:
-            return [msg["id"], str(exc), type(exc).__name__]
-        return [msg["id"], None, None]
-
+            return [key, str(exc), type(exc).__name__]
+        return [key, None, None]

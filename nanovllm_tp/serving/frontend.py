@@ -1,7 +1,7 @@
 """The HTTP process of the server, started by launch/serve.py on rank 0 before the engine loads:
 
     python -m nanovllm_tp.serving.frontend --commands ipc://... --outputs ipc://... --name NAME
-        --host H --port P [--max-waiting-requests N] [--log-level L] [--idle-priority]
+        --config SERVER_CONFIG_JSON [--idle-priority]
 
 It imports and connects at once, then waits for the engine's "ready" message (model path, max_model_len) to load
 the tokenizer and start serving.
@@ -19,6 +19,7 @@ import shutil
 from nanovllm_tp import envs
 from nanovllm_tp.serving.app import ServedModel, build_app
 from nanovllm_tp.serving.engine_client import EngineClient
+from nanovllm_tp.serving.server_config import ServerConfig
 
 PARENT_CHECK_S = 0.5
 
@@ -28,10 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commands", required=True)
     p.add_argument("--outputs", required=True)
     p.add_argument("--name", required=True, help="the model name clients use")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-waiting-requests", type=int, default=1024)
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--config", type=ServerConfig.from_json, default=ServerConfig(),
+                   help="launch/serve's server flags as JSON (ServerConfig's fields; no API key)")
     p.add_argument("--idle-priority", action="store_true",
                    help="run only on cores the engine leaves idle (SCHED_IDLE; elsewhere nice 19)")
     return p
@@ -52,13 +51,15 @@ def lower_priority() -> None:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    config = args.config
+    config.api_key = envs.get("NANOVLLM_TP_API_KEY") or None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.idle_priority:
         lower_priority()                 # first: before ZMQ and uvicorn start threads, so they inherit it
     import uvicorn
     from nanovllm_tp.loader import load_tokenizer
     parent, rundir = os.getppid(), os.path.dirname(args.commands.removeprefix("ipc://"))
-    engine = EngineClient(args.commands, args.outputs, args.max_waiting_requests)
+    engine = EngineClient(args.commands, args.outputs, config.max_waiting_requests)
     state = {"server": None}
 
     def orphaned() -> bool:
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
                     server.should_exit = True
                 return
             if server is not None and server.started and not announced:
-                print(f"nanovllm_tp serving {args.name!r} on http://{args.host}:{args.port}/v1", flush=True)
+                print(f"nanovllm_tp serving {args.name!r} on http://{config.host}:{config.port}/v1", flush=True)
                 announced = True
             await asyncio.sleep(PARENT_CHECK_S if announced else 0.05)
 
@@ -90,9 +91,9 @@ def main(argv=None) -> None:
         except asyncio.CancelledError:
             return
         model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]))
-        app = build_app(engine, model, envs.get("NANOVLLM_TP_API_KEY") or None)
-        state["server"] = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                                        log_level=args.log_level, timeout_graceful_shutdown=1))
+        app = build_app(engine, model, config)
+        state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                                        log_level=config.log_level, timeout_graceful_shutdown=1))
         await state["server"].serve()
         watching.cancel()
 

@@ -1,10 +1,14 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
-HTTP -> engine:  {"op": "add", "id", "prompt", "params"}, {"op": "abort", "id"}
+HTTP -> engine:  {"op": "add", "ids", "prompts", "params"}   (one request per prompt of token ids, all or none)
+                 {"op": "abort", "ids"}
 engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
-                 {"op": "accepted", "items": [[id, error, error type]]}  (error: None, or validation's message)
-                 {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle)
-                 {"op": "dead", "why"}                                 (the engine stopped; nothing more comes)
+                 {"op": "accepted", "items": [[first id, error, error type]]}  (per add; error: None, or
+                                                                       validation's message)
+                 {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle, at
+                                                                       least every second)
+                 {"op": "dead", "why", ["shutdown": true]}            (the engine stopped, or the server is
+                                                                       going away; nothing more comes)
 
 Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
 any key type) and are validated once on arrival, by LLM.add_request; outputs as their dataclasses' fields,

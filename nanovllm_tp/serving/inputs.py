@@ -1,0 +1,60 @@
+"""Prompts to token ids in the HTTP process, in worker threads: neither the event loop (every other client's
+requests and streams) nor the engine loop waits while a large prompt is tokenized or a chat template rendered.
+
+The engine gets token ids only. A text prompt far longer than the context is refused before it is tokenized:
+no token covers more characters than the vocabulary's longest entry (twice that, for normalizers that fold
+characters), so a text of more characters than that many tokens could hold is too long whatever its tokens.
+"""
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from nanovllm_tp.prompts import check_prompt_length, render_chat
+
+THREADS = 2
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, max_model_len: int, threads: int = THREADS):
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._chars_per_token: int | None = None
+
+    async def completions(self, prompts: list) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt (a string or a list of token ids); ValueError for the first
+        prompt that cannot fit."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_all, prompts)
+
+    async def chat(self, messages: list[dict], add_generation_prompt: bool,
+                   chat_template_kwargs: dict | None) -> list[int]:
+        """The conversation rendered through the model's chat template, as token ids. ValueError / TypeError for
+        bad input; the template's own errors as they come (jinja raises its own types)."""
+        def run():
+            text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                               chat_template_kwargs=chat_template_kwargs)
+            return self._encode(0, text, add_special_tokens=False)    # the template has them
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _encode_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                out.append((p, self._encode(i, p)))
+            else:
+                check_prompt_length(i, len(p), self.max_model_len)
+                out.append((None, list(p)))     # token ids: the engine checks them against its vocabulary
+        return out
+
+    def _encode(self, i: int, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_prompt_length(i, len(text) // (2 * self.chars_per_token()), self.max_model_len, at_least=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        check_prompt_length(i, len(ids), self.max_model_len)
+        return ids
+
+    def chars_per_token(self) -> int:
+        """The most characters one vocabulary entry spells (byte-level entries: one character per byte)."""
+        if self._chars_per_token is None:
+            self._chars_per_token = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+        return self._chars_per_token

@@ -1,0 +1,69 @@
+"""What one request may ask of the server (ServerConfig's limits), checked in the HTTP process before anything
+reaches the engine; each refusal names the flag that sets the limit.
+
+- `BodyLimit`: plain ASGI, in front of every route: a body larger than --max-request-body-bytes gets 413 as soon
+  as that is known (from Content-Length before a byte is read, else once the bytes read pass the limit), and
+  the connection is closed; a body within the limit is read whole here and handed on.
+- `check_request`: n, prompts per request, stop strings.
+"""
+from fastapi.responses import JSONResponse
+
+from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.serving.responses import error_body
+from nanovllm_tp.serving.server_config import ServerConfig
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(error_body(f"the request body is larger than this server takes ({limit} bytes, "
+                                   "--max-request-body-bytes)", "invalid_request_error", 413),
+                        status_code=413, headers={"connection": "close"})
+
+
+class BodyLimit:
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _too_large(self.limit)(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                                  # the client left before its body was in
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await _too_large(self.limit)(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()                  # afterwards: the disconnect, when it comes
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def check_request(config: ServerConfig, params: SamplingParams, num_prompts: int = 1) -> None:
+    """ValueError naming the limit a request passes."""
+    if num_prompts > config.max_prompts_per_request:
+        raise ValueError(f"{num_prompts} prompts in one request; this server takes at most "
+                         f"{config.max_prompts_per_request} (--max-prompts-per-request)")
+    if params.n > config.max_n:
+        raise ValueError(f"n={params.n} is more than this server allows: at most {config.max_n} (--max-n)")
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or ())
+    if len(stops) > config.max_stop_strings:
+        raise ValueError(f"{len(stops)} stop strings; this server takes at most {config.max_stop_strings} "
+                         "(--max-stop-strings)")
+    longest = max(stops, key=len, default="")
+    if len(longest) > config.max_stop_string_chars:
+        raise ValueError(f"a stop string of {len(longest)} characters; this server takes at most "
+                         f"{config.max_stop_string_chars} (--max-stop-string-chars)")

@@ -1,0 +1,65 @@
+"""The server's own knobs (launch/serve's flags beside the engine's), declared once with knobs.knob: the command's
+flags, their checks and what the HTTP process is told all come from these fields.
+
+The limits keep one client from holding the server: each is refused with a 4xx that names its flag (README,
+"Limits")."""
+import json
+from dataclasses import asdict, dataclass
+
+from nanovllm_tp.knobs import add_args, check_knobs, knob, kwargs_of
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = knob("127.0.0.1", help="address to bind (default: loopback only)")
+    port: int = knob(8000, help="TCP port to listen on", minimum=0, maximum=65535)
+    api_key: str | None = knob(None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                                          "$NANOVLLM_TP_API_KEY)")
+    served_model_name: str | None = knob(None, help="the model name clients use (default: --model or 'tiny')")
+    max_waiting_requests: int = knob(1024, help="beyond this many waiting requests, new ones get 429", minimum=1)
+    log_level: str = knob("warning", help="uvicorn's log level", choices=LOG_LEVELS)
+    threads: int | None = knob(None, help="CPU threads per rank (default: $OMP_NUM_THREADS, else this node's cores "
+                                          "shared by its ranks; the HTTP process uses what they leave idle)",
+                               minimum=1)
+    http_priority: str = knob("auto", help="the HTTP process's CPU priority: idle runs it only where nothing else "
+                                           "wants a core; auto: idle when the engine runs on CPU, else normal",
+                              choices=("auto", "idle", "normal"))
+    # limits: what one request may ask for
+    max_n: int = knob(128, help="most completions per prompt (n) one request may ask for", minimum=1)
+    max_request_body_bytes: int = knob(16 << 20, help="largest request body; a larger one gets 413 before it is "
+                                                      "read in full", minimum=1)
+    max_prompts_per_request: int = knob(2048, help="most prompts in one completions request", minimum=1)
+    max_stop_strings: int = knob(32, help="most stop strings one request may give", minimum=0)
+    max_stop_string_chars: int = knob(1024, help="longest stop string, in characters", minimum=1)
+    trust_request_chat_template: bool = knob(False, help="render a chat template sent in a request "
+                                                         "(chat_template_kwargs.chat_template); refused otherwise")
+    disable_fastapi_docs: bool = knob(False, help="no /docs, /redoc or /openapi.json")
+    # liveness and shutdown
+    engine_iteration_timeout: float = knob(60.0, help="seconds the engine loop may go silent (one step, or a "
+                                                      "stuck one) before /health answers 503", minimum=0.0,
+                                           open_minimum=True)
+    shutdown_timeout: float = knob(5.0, help="seconds a step in flight may take after SIGTERM before every rank "
+                                             "is killed", minimum=0.0)
+
+    def to_json(self) -> str:
+        """For the HTTP process's command line: the API key is left out (it goes in the environment)."""
+        return json.dumps({**asdict(self), "api_key": None})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServerConfig":
+        config = cls(**json.loads(text))
+        check_knobs(config)
+        return config
+
+
+def add_server_args(parser) -> None:
+    add_args(ServerConfig, parser, "server")
+
+
+def server_config(args) -> ServerConfig:
+    """The parsed server flags, checked (ValueError / TypeError naming the flag's field)."""
+    config = ServerConfig(**kwargs_of(ServerConfig, args))
+    check_knobs(config)
+    return config

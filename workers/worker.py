@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -131,6 +132,10 @@ def _run_worker(config: EngineConfig) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:      # SIGTERM (exit_on_sigterm): told to stop, not a failure; the caller says so
+        if exc.code != 128 + signal.SIGTERM:
+            raise
+        return exc.code
     except BaseException:
         text = traceback.format_exc()
         if reader is not None:

@@ -72,8 +72,12 @@ class EngineLoop:
                         "stats": scheduler_stats(self.llm)})
 
     def stop(self, why: str) -> None:
-        """The server is going away: every open request ends with this error (the HTTP process answers 503)."""
-        self._send({"op": "dead", "why": why, "shutdown": True})
+        """The server is going away: every open request ends with this error (the HTTP process answers 503).
+        Never blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing."""
+        try:
+            self._outputs.send(wire.pack({"op": "dead", "why": why, "shutdown": True}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def _send_stats(self) -> None:
         self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})

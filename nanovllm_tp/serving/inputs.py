@@ -27,10 +27,13 @@ class PromptEncoder:
     async def chat(self, messages: list[dict], add_generation_prompt: bool,
                    chat_template_kwargs: dict | None) -> list[int]:
         """The conversation rendered through the model's chat template, as token ids. ValueError / TypeError for
-        bad input; the template's own errors as they come (jinja raises its own types)."""
+        bad input; the template's own errors as they come (jinja raises its own types). A `chat_template` among
+        the kwargs is the template (the handler lets one through only when the operator trusts them)."""
+        kwargs = dict(chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None)
+
         def run():
-            text = render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                               chat_template_kwargs=chat_template_kwargs)
+            text = render_chat(self.tokenizer, messages, template, add_generation_prompt, kwargs)
             return self._encode(0, text, add_special_tokens=False)    # the template has them
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 

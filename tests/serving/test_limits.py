@@ -1,0 +1,283 @@
+"""No request holds the server hostage: its limits (each refused with a 4xx naming its flag), batches queued all or
+none and cancelled whole, tokenization that costs only its own request, /health while the engine loop is
+stuck, SIGTERM while a step is in flight. A real server on 127.0.0.1, raw HTTP where the client would hide it."""
+import json
+import os
+import select
+import signal
+import socket
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from nanovllm_tp.launch.bench_hf import hf_greedy
+from tests.procs import descendants, our_shm_segments, python_cmd, started, wait_gone
+from tests.serving.test_serve import ENGINE_ARGS, metrics, rundirs, start_server, wait_ready
+
+pytestmark = pytest.mark.spawn
+MB = 1 << 20
+RUNNING, WAITING = 'num_requests_running{model_name="tiny"}', 'num_requests_waiting{model_name="tiny"}'
+ABORTED = 'request_success_total{finished_reason="abort",model_name="tiny"}'
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    port, ctx = start_server(tiny_model_dir, "--engine-iteration-timeout", "3", "--http-priority", "normal")
+    with ctx as proc:
+        wait_ready(port, proc)
+        yield port, proc
+
+
+def post(port: int, body: dict, path: str = "/v1/completions", timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=timeout)
+
+
+def small_request_seconds(port: int) -> float:
+    start = time.monotonic()
+    r = post(port, {"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    return time.monotonic() - start
+
+
+def wait_for(cond, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.mark.parametrize("body,flag", [
+    ({"n": 1_000_000}, "--max-n"),
+    ({"prompt": ["x"] * 2049}, "--max-prompts-per-request"),
+    ({"stop": [f"s{i}" for i in range(33)]}, "--max-stop-strings"),
+    ({"stop": ["y" * 1025]}, "--max-stop-string-chars"),
+])
+def test_each_limit_is_refused_at_once_by_name(server, body, flag):
+    port, _ = server
+    start = time.monotonic()
+    r = post(port, {"model": "tiny", "prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text
+    assert time.monotonic() - start < 20            # the n = 1,000,000 request once locked the engine for minutes
+    assert small_request_seconds(port) < 30
+
+
+def raw_post(port: int, total: int, chunked: bool, on_progress=None) -> tuple[int, int]:
+    """POST /v1/completions with a body of `total` bytes, sent 1 MiB at a time until the server answers:
+    (the status it answered, the bytes sent by then)."""
+    head = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"{head}\r\n\r\n".encode())
+        sent, piece = 0, b"x" * MB
+        while sent < total and not select.select([s], [], [], 0.02)[0]:
+            try:
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            except OSError:                  # the server answered and closed while we were writing
+                break
+            sent += len(piece)
+            if on_progress is not None:
+                on_progress(sent)
+        answer = s.recv(4096).decode(errors="replace")
+    return int(answer.split()[1]), sent
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read_and_costs_no_one_else(server):
+    port, _ = server
+    status, sent = raw_post(port, 50 * MB, chunked=False)        # Content-Length says it all
+    assert status == 413 and sent < 50 * MB
+    started_upload, result = threading.Event(), {}
+
+    def upload():                                  # no length given: refused once 16 MiB have come in
+        result["status"], result["sent"] = raw_post(port, 50 * MB, True, lambda n: n >= 2 * MB and started_upload.set())
+    t = threading.Thread(target=upload)
+    t.start()
+    assert started_upload.wait(30)
+    during = small_request_seconds(port)          # served while the upload is in flight
+    t.join(60)
+    assert result["status"] == 413 and result["sent"] < 50 * MB
+    assert during < 30
+    big = {"model": "tiny", "prompt": "word " * (2 * MB), "max_tokens": 4}    # 10 MiB: within the body limit
+    start = time.monotonic()
+    r = post(port, big)
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text   # refused untokenized
+    assert time.monotonic() - start < 30
+    assert small_request_seconds(port) < 30
+
+
+def test_a_chat_template_sent_by_a_client_is_refused(server):
+    port, _ = server
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}
+    r = post(port, body, "/v1/chat/completions")
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    del body["chat_template_kwargs"]
+    assert post(port, body, "/v1/chat/completions").status_code == 200
+
+
+@pytest.mark.parametrize("prompts,message", [
+    (["Hello", "word " * 600], "prompt 1 has"),                # checked in the HTTP process
+    ([[1, 2, 3], [1, 999_999]], "prompt 1: token id 999999"),  # checked by the engine, still all or none
+])
+def test_a_batch_with_one_bad_prompt_runs_none(server, prompts, message):
+    port, _ = server
+    before = metrics(port)
+    r = post(port, {"model": "tiny", "prompt": prompts, "max_tokens": 200, "ignore_eos": True})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    time.sleep(1.0)                               # a prompt that had started would be running or counted by now
+    after = metrics(port)
+    assert after[RUNNING] == 0 and after[WAITING] == 0
+    counted = 'prompt_tokens_total{model_name="tiny"}'
+    assert after.get(counted, 0) == before.get(counted, 0)
+
+
+def test_an_abandoned_batch_is_cancelled_whole(server):
+    port, _ = server
+    aborted = metrics(port).get(ABORTED, 0)
+    body = {"model": "tiny", "prompt": [f"prompt number {i}" for i in range(1500)], "max_tokens": 300,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(port, body, timeout=3)                # the client gives up and goes away
+    assert wait_for(lambda: metrics(port)[RUNNING] + metrics(port)[WAITING] == 0, 30), metrics(port)
+    m = metrics(port)
+    assert m[ABORTED] - aborted == 1500
+    assert m['kv_cache_usage_perc{model_name="tiny"}'] == 0
+    assert small_request_seconds(port) < 30
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_ends_the_text(server, hf_model):
+    """vLLM's rule: the text ends before the stop string and the reason is "stop", also when the token that
+    completes it is the last one max_tokens allows. The greedy tokens are transformers'."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(hf_model.name_or_path)
+    port, _ = server
+    found = None
+    for prompt in ("The quick brown fox", "Hello, my name is", "In the beginning", "Once upon a time there"):
+        tokens = hf_greedy(hf_model, tok.encode(prompt), 12)
+        for k in range(2, 13):
+            before, full = tok.decode(tokens[:k - 1]), tok.decode(tokens[:k])
+            new = full[len(before):].strip()
+            if full.startswith(before) and new.isalnum() and new not in before:
+                found = prompt, k, new, full[:full.index(new)]
+                break
+        if found:
+            break
+    assert found, "no prompt whose last allowed token completes a stop string"
+    prompt, k, stop, want = found
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": k, "stop": [stop], "temperature": 0,
+            "ignore_eos": True}
+    choice = post(port, body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want, "stop", stop)
+    text, reasons = "", []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["text"]
+                    reasons.append(c["finish_reason"])
+    assert text == want and reasons[-1] == "stop"
+
+
+def test_health_says_503_while_the_engine_loop_is_stuck(server):
+    port, proc = server
+    os.kill(proc.pid, signal.SIGSTOP)             # the engine process: no step ends, no word to the HTTP process
+    try:
+        assert wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503, 30)
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert "--engine-iteration-timeout" in r.json()["error"]["message"]
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200, 30)
+
+
+def _serve(model_dir: str, log, *extra: str):
+    """A server whose stderr goes to `log`: (port, the context of its process tree)."""
+    from tests.procs import free_port
+    port = free_port()
+    cmd = python_cmd("-m", "nanovllm_tp.launch.serve", "--model", model_dir, "--port", str(port),
+                     "--served-model-name", "tiny", "--http-priority", "normal", *ENGINE_ARGS, *extra)
+    return port, started(cmd, stdout=open(os.devnull, "w"), stderr=log)
+
+
+def test_operator_flags_set_the_limits(tiny_model_dir):
+    """--trust-request-chat-template renders the client's template; --max-n, --max-request-body-bytes and
+    --disable-fastapi-docs take effect."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with tempfile.TemporaryFile("w+") as log:
+        port, ctx = _serve(tiny_model_dir, log, "--trust-request-chat-template", "--max-n", "2",
+                           "--max-request-body-bytes", "4096", "--disable-fastapi-docs")
+        with ctx as proc:
+            wait_ready(port, proc)
+            template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
+                    "chat_template_kwargs": {"chat_template": template}}
+            r = post(port, body, "/v1/chat/completions")
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("<<hi there>>", add_special_tokens=False))
+            r = post(port, {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 3})
+            assert r.status_code == 400 and "at most 2 (--max-n)" in r.json()["error"]["message"]
+            r = post(port, {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 2})
+            assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"]
+            for path in ("/docs", "/openapi.json"):
+                assert httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10).status_code == 404
+
+
+def test_sigterm_with_a_step_in_flight_ends_the_stream_and_exits_in_seconds(tiny_model_dir):
+    with tempfile.TemporaryFile("w+") as log:
+        port, ctx = _serve(tiny_model_dir, log)
+        with ctx as proc:
+            wait_ready(port, proc)
+            pids = [proc.pid, *descendants(proc.pid)]
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data:"))
+                assert "text" in next(lines)
+                os.kill(proc.pid, signal.SIGTERM)
+                rest = list(lines)
+            assert "shutting down" in json.loads(rest[-1][5:])["error"]["message"]
+            assert wait_gone(pids, 20) is not None
+            assert proc.wait() in (0, 143)
+            assert not rundirs(proc.pid)
+        log.seek(0)
+        text = log.read()
+    assert "Traceback" not in text and "rank 0: stopped by SIGTERM" in text, text
+
+
+@pytest.mark.slow
+def test_a_stuck_step_gives_503_and_sigterm_still_stops_every_rank(tiny_model_dir):
+    """TP 2 with rank 1 stopped (SIGSTOP): rank 0 waits in the step's all-reduce. /health turns 503, and SIGTERM
+    does not wait for the step: every rank is killed after --shutdown-timeout, nothing shared is left."""
+    with tempfile.TemporaryFile("w+") as log:
+        port, ctx = _serve(tiny_model_dir, log, "--tp", "2", "--engine-iteration-timeout", "2",
+                           "--shutdown-timeout", "3")
+        with ctx as proc:
+            wait_ready(port, proc)
+            pids = [proc.pid, *descendants(proc.pid)]
+            worker = next(p for p in pids if "nanovllm_tp.workers.worker" in open(f"/proc/{p}/cmdline").read())
+            os.kill(worker, signal.SIGSTOP)
+            threading.Thread(target=lambda: _quietly(post, port, {"model": "tiny", "prompt": "Hello",
+                                                                  "max_tokens": 50}), daemon=True).start()
+            assert wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503, 30)
+            start = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)
+            assert wait_gone(pids, 30) is not None
+            assert time.monotonic() - start < 20
+            assert proc.wait() == 143
+            assert not rundirs(proc.pid)
+        log.seek(0)
+        text = log.read()
+    assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
+    assert "--shutdown-timeout" in text and "Traceback" not in text, text
+
+
+def _quietly(fn, *args):
+    try:
+        fn(*args)
+    except httpx.HTTPError:
+        pass

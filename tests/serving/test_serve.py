@@ -350,12 +350,14 @@ def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir
 
 
 @pytest.mark.slow
-def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
-    """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans."""
+def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm, tmp_path):
+    """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans.
+    SIGTERM to torchrun: one line from each rank and one from torchrun, no traceback."""
     port = free_port()
     cmd = ["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model", tiny_model_dir,
            "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
-    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+    log = tmp_path / "stderr"
+    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(log, "w")) as proc:
         wait_ready(port, proc)
         fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
         assert len(fronts) == 1
@@ -366,6 +368,11 @@ def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_
         os.kill(proc.pid, signal.SIGTERM)
         assert wait_gone(pids, 30) is not None
         assert not [d for p in pids for d in rundirs(p)]
+        assert proc.wait() == 143
+    text = log.read_text()
+    assert "Traceback" not in text, text
+    assert [text.count(f"rank {r}: stopped by SIGTERM") for r in (0, 1)] == [1, 1], text
+    assert text.count("torchrun: stopped by SIGTERM") == 1
 
 
 @pytest.mark.slow

@@ -123,7 +123,8 @@ class EngineClient:
     def num_waiting(self) -> int:
         return self.stats["waiting"] + len(self._accepting)
 
-    async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+    async def submit(self, request_ids: list[str], prompts: list[list[int]],
+                     params: SamplingParams) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why

@@ -80,6 +80,20 @@ def test_batch_with_one_bad_prompt_is_refused_whole(tiny_llm, baseline):
                    [[5, 6, 7], [9] * 5000, "fine"], GREEDY)
 
 
+@pytest.mark.parametrize("prompts,ids,pattern", [
+    (["Hello", [1, 99999]], None, r"prompt 1: token id 99999"),
+    (["Hello", "world"], ["a", "a"], r"request_id must be a new string, got 'a'"),
+    (["Hello"], ["a", "b"], r"request_ids must be a list of 1 ids"),
+])
+def test_add_requests_queues_all_or_none(tiny_llm, baseline, prompts, ids, pattern):
+    """The server's batches: step()-driven requests sharing one SamplingParams, checked whole before any is
+    queued."""
+    with pytest.raises(ValueError, match=pattern):
+        tiny_llm.add_requests(prompts, GREEDY, request_ids=ids)
+    assert not tiny_llm.has_unfinished_requests()
+    assert token_ids(tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+
+
 # ---------------------------------------------------------------- sampling parameters
 
 def edited(**changes):

@@ -3,9 +3,7 @@ none and cancelled whole, tokenization that costs only its own request, /health 
 stuck, SIGTERM while a step is in flight. A real server on 127.0.0.1, raw HTTP where the client would hide it."""
 import json
 import os
-import select
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -14,11 +12,11 @@ import httpx
 import pytest
 
 from nanovllm_tp.launch.bench_hf import hf_greedy
+from nanovllm_tp.launch.bench_limits import MB, raw_post
 from tests.procs import descendants, our_shm_segments, python_cmd, started, wait_gone
 from tests.serving.test_serve import ENGINE_ARGS, metrics, rundirs, start_server, wait_ready
 
 pytestmark = pytest.mark.spawn
-MB = 1 << 20
 RUNNING, WAITING = 'num_requests_running{model_name="tiny"}', 'num_requests_waiting{model_name="tiny"}'
 ABORTED = 'request_success_total{finished_reason="abort",model_name="tiny"}'
 
@@ -66,26 +64,6 @@ def test_each_limit_is_refused_at_once_by_name(server, body, flag):
     assert small_request_seconds(port) < 30
 
 
-def raw_post(port: int, total: int, chunked: bool, on_progress=None) -> tuple[int, int]:
-    """POST /v1/completions with a body of `total` bytes, sent 1 MiB at a time until the server answers:
-    (the status it answered, the bytes sent by then)."""
-    head = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"{head}\r\n\r\n".encode())
-        sent, piece = 0, b"x" * MB
-        while sent < total and not select.select([s], [], [], 0.02)[0]:
-            try:
-                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-            except OSError:                  # the server answered and closed while we were writing
-                break
-            sent += len(piece)
-            if on_progress is not None:
-                on_progress(sent)
-        answer = s.recv(4096).decode(errors="replace")
-    return int(answer.split()[1]), sent
-
-
 def test_a_body_over_the_limit_gets_413_before_it_is_read_and_costs_no_one_else(server):
     port, _ = server
     status, sent = raw_post(port, 50 * MB, chunked=False)        # Content-Length says it all
@@ -93,7 +71,8 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read_and_costs_no_one_else(
     started_upload, result = threading.Event(), {}
 
     def upload():                                  # no length given: refused once 16 MiB have come in
-        result["status"], result["sent"] = raw_post(port, 50 * MB, True, lambda n: n >= 2 * MB and started_upload.set())
+        result["status"], result["sent"] = raw_post(port, 50 * MB, True, lambda n: n >= 2 * MB and
+                                                    started_upload.set(), pace_s=0.05)
     t = threading.Thread(target=upload)
     t.start()
     assert started_upload.wait(30)

@@ -9,8 +9,8 @@ and how fast the server gets rid of it:
   --max-request-body-bytes).
 - small request: a 4-token completion, idle, then while a chunked 50 MiB upload is paced at 1 MiB per 0.1 s, then
   while a 10 MiB text prompt (within the body limit, far beyond the context) is refused.
-- abandoned batch: --batch prompts in one completions request whose client gives up after 3 s; seconds from the
-  disconnect until /metrics shows no running and no waiting request.
+- abandoned batch: --batch prompts in one completions request whose client hangs up once /metrics shows them in
+  the engine; seconds from the hang-up until /metrics shows no running and no waiting request.
 - SIGTERM: a fresh server per repeat streams one long completion; seconds from SIGTERM to the error event, and
   to the command's exit (its exit code is printed).
 
@@ -19,6 +19,7 @@ Each figure is the median over --repeats (min and max beside it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import select
@@ -85,20 +86,30 @@ def during(port: int, background) -> float:
     return took
 
 
-def abandoned_batch(port: int, batch: int) -> float:
-    import httpx
-    body = {"prompt": [f"Request {i}: tell me a story about" for i in range(batch)], "max_tokens": 200,
-            "ignore_eos": True}
-    try:
-        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=3)
-    except httpx.TimeoutException:
-        pass
-    start = time.perf_counter()
-    while True:
-        m = metrics(port)
-        if m["num_requests_running"] + m["num_requests_waiting"] == 0:
-            return time.perf_counter() - start
+def abandoned_batch(port: int, batch: int, max_tokens: int = 200, timeout: float = 300.0) -> float:
+    """Send one completions request of `batch` prompts, wait until the engine holds them (/metrics), hang up:
+    the seconds from the hang-up until no request is running or waiting."""
+    body = json.dumps({"prompt": [f"Request {i}: tell me a story about" for i in range(batch)],
+                       "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + timeout
+        while not _in_flight(port):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {batch}-prompt batch never reached the engine")
+            time.sleep(0.05)
+    start = time.perf_counter()                         # the connection is closed: the client went away
+    while _in_flight(port):
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"requests still in the engine {timeout:.0f} s after the client left")
         time.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def _in_flight(port: int) -> float:
+    m = metrics(port)
+    return m["num_requests_running"] + m["num_requests_waiting"]
 
 
 def sigterm(argv: list[str], max_tokens: int) -> tuple[float, float, int]:

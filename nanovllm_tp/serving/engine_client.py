@@ -179,7 +179,7 @@ class EngineClient:
                         future.set_result(None) if error is None else \
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
             elif op == "dead":
-                self._fail_all(msg["why"], msg.get("shutdown", False))
+                self.fail_all(msg["why"], msg.get("shutdown", False))
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)
@@ -195,7 +195,10 @@ class EngineClient:
         if stream is not None:
             stream.put(out)
 
-    def _fail_all(self, why: str, shutdown: bool = False) -> None:
+    def fail_all(self, why: str, shutdown: bool = False) -> None:
+        """No request can be served any more: every open one ends with `why` (EngineDead)."""
+        if self.dead:
+            return
         self.dead = why
         (log.info if shutdown else log.error)("engine loop: %s", why)
         exc = EngineDead(why)

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 
 from nanovllm_tp import envs
 from nanovllm_tp.serving.app import ServedModel, build_app
@@ -92,13 +93,25 @@ def main(argv=None) -> None:
             return
         model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]))
         app = build_app(engine, model, config)
-        state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                                        log_level=config.log_level, timeout_graceful_shutdown=1))
+        server = state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                                                 log_level=config.log_level,
+                                                                 timeout_graceful_shutdown=1))
+        server.handle_exit = ending(server.handle_exit, engine, asyncio.get_running_loop())
         await state["server"].serve()
         watching.cancel()
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run())
+
+
+def ending(handle_exit, engine: EngineClient, loop):
+    """uvicorn's signal handler, which first ends every open request with an error: the engine process's own
+    word to that effect may never come (a step it could not finish)."""
+    def handle(sig, frame):
+        loop.call_soon_threadsafe(engine.fail_all, f"the server is shutting down ({signal.Signals(sig).name})",
+                                  True)
+        handle_exit(sig, frame)
+    return handle
 
 
 def _loop_factory():

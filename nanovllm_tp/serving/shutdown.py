@@ -50,14 +50,17 @@ class StopSignals:
 
 
 def hard_stop(front, llm, rundir: str) -> None:
-    """Rank 0 cannot finish its step: kill the HTTP process and the ranks rank 0 spawned, remove the engine's
+    """Rank 0 cannot finish its step: stop the HTTP process, kill the ranks rank 0 spawned, remove the engine's
     shared memory (named after this pid), the spawn store and the sockets' directory. Ranks started by torchrun
     see rank 0 gone and leave on their own."""
+    from nanovllm_tp.distributed.launch import stop_children
     from nanovllm_tp.distributed.shm_ring import unlink_by_prefix
     engine = getattr(llm, "engine", None)
-    for proc in [front, *getattr(engine, "children", [])]:
-        if proc is not None and proc.poll() is None:
+    for proc in getattr(engine, "children", []):
+        if proc.poll() is None:
             proc.kill()
+    if front is not None:
+        stop_children([front], timeout=0)     # SIGTERM: its open requests end with an error; then SIGKILL
     unlink_by_prefix(f"nvtp_{os.getpid()}_")
     rendezvous = getattr(engine, "_rendezvous", None)
     if rendezvous is not None:

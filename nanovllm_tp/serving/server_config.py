@@ -13,7 +13,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = knob("127.0.0.1", help="address to bind (default: loopback only)")
+    host: str = knob("127.0.0.1", help="address to bind (127.0.0.1: loopback only)")
     port: int = knob(8000, help="TCP port to listen on", minimum=0, maximum=65535)
     api_key: str | None = knob(None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
                                           "$NANOVLLM_TP_API_KEY)")

@@ -257,3 +257,13 @@ def test_a_stuck_step_gives_503_and_sigterm_still_stops_every_rank(tiny_model_di
         text = log.read()
     assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
     assert "--shutdown-timeout" in text and "Traceback" not in text, text
+
+
+@pytest.mark.slow
+def test_bench_limits_runs_and_reports_every_figure(tiny_model_dir, capsys):
+    from nanovllm_tp.launch import bench_limits
+    figures = bench_limits.main(["--model", tiny_model_dir, "--repeats", "1", "--batch", "40", "--body-mb", "20",
+                                 *ENGINE_ARGS])
+    assert len(figures) == 8 and all(v >= 0 for v in figures.values())
+    assert any("[exit code 0]" in name for name in figures)
+    assert capsys.readouterr().out.splitlines()[-1].lstrip().startswith("SIGTERM mid-stream -> exit")

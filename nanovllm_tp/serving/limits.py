@@ -4,7 +4,7 @@ reaches the engine; each refusal names the flag that sets the limit.
 - `BodyLimit`: plain ASGI, in front of every route: a body larger than --max-request-body-bytes gets 413 as soon
   as that is known (from Content-Length before a byte is read, else once the bytes read pass the limit), and
   the connection is closed; a body within the limit is read whole here and handed on.
-- `check_request`: n, prompts per request, stop strings.
+- `check_request`: n, prompts and completions per request, stop strings.
 """
 from fastapi.responses import JSONResponse
 
@@ -59,6 +59,9 @@ def check_request(config: ServerConfig, params: SamplingParams, num_prompts: int
                          f"{config.max_prompts_per_request} (--max-prompts-per-request)")
     if params.n > config.max_n:
         raise ValueError(f"n={params.n} is more than this server allows: at most {config.max_n} (--max-n)")
+    if num_prompts * params.n > config.max_choices_per_request:
+        raise ValueError(f"{num_prompts} prompts x n={params.n} = {num_prompts * params.n} completions; this server "
+                         f"makes at most {config.max_choices_per_request} per request (--max-choices-per-request)")
     stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or ())
     if len(stops) > config.max_stop_strings:
         raise ValueError(f"{len(stops)} stop strings; this server takes at most {config.max_stop_strings} "

@@ -31,6 +31,8 @@ class ServerConfig:
     max_request_body_bytes: int = knob(16 << 20, help="largest request body; a larger one gets 413 before it is "
                                                       "read in full", minimum=1)
     max_prompts_per_request: int = knob(2048, help="most prompts in one completions request", minimum=1)
+    max_choices_per_request: int = knob(4096, help="most completions (choices: prompts x n) one request may ask "
+                                                   "for", minimum=1)
     max_stop_strings: int = knob(32, help="most stop strings one request may give", minimum=0)
     max_stop_string_chars: int = knob(1024, help="longest stop string, in characters", minimum=1)
     trust_request_chat_template: bool = knob(False, help="render a chat template sent in a request "

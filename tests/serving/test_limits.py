@@ -52,6 +52,7 @@ def wait_for(cond, timeout: float, step: float = 0.1) -> bool:
 @pytest.mark.parametrize("body,flag", [
     ({"n": 1_000_000}, "--max-n"),
     ({"prompt": ["x"] * 2049}, "--max-prompts-per-request"),
+    ({"prompt": ["x"] * 2048, "n": 3}, "--max-choices-per-request"),
     ({"stop": [f"s{i}" for i in range(33)]}, "--max-stop-strings"),
     ({"stop": ["y" * 1025]}, "--max-stop-string-chars"),
 ])

@@ -89,6 +89,28 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read_and_costs_no_one_else(
     assert small_request_seconds(port) < 30
 
 
+def test_tokenizing_a_large_batch_costs_only_its_own_request(server):
+    """2,047 prompts of 400 words, then one too long: all are tokenized (in the HTTP process's worker threads)
+    before the batch is refused. A small request sent meanwhile is answered first."""
+    port, _ = server
+    body = {"model": "tiny", "prompt": [f"{i} " + "word " * 400 for i in range(2047)] + ["word " * 2000],
+            "max_tokens": 1}
+    done = {}
+
+    def big():
+        r = post(port, body, timeout=300)
+        done["big"] = time.monotonic()
+        done["answer"] = r
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.5)
+    small_request_seconds(port)
+    done["small"] = time.monotonic()
+    t.join(300)
+    assert done["answer"].status_code == 400 and "prompt 2047 has" in done["answer"].json()["error"]["message"]
+    assert done["small"] < done["big"]
+
+
 def test_a_chat_template_sent_by_a_client_is_refused(server):
     port, _ = server
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,

@@ -3,14 +3,16 @@
 Once the engine is up, the loop binds its sockets and tells the HTTP process (started earlier, so that its imports
 overlap the engine's loading) what it serves.
 
-The HTTP process (serving/frontend.py) parses requests, renders chat templates and writes server-sent events;
-this loop only runs the engine. They are separate processes so that neither waits for the other's interpreter
-lock: on a small model a step takes a few milliseconds, about what the HTTP side spends per step on 64 streams.
+The HTTP process (serving/frontend.py) parses requests, tokenizes prompts (chats through their template) and
+writes server-sent events; this loop only runs the engine, on token ids. They are separate processes so that
+neither waits for the other's interpreter lock: on a small model a step takes a few milliseconds, about what the
+HTTP side spends per step on 64 streams.
 
 Between two steps the loop takes every command that arrived (adds join the next step: continuous batching
 across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
-figures for /metrics. When the engine fails, the HTTP process is told once and the loop only waits to be
-stopped: the server answers 503 from then on.
+figures for /metrics; idle, it still sends those figures every HEARTBEAT_S, so that a silent loop means a stuck
+one (/health). When the engine fails, the HTTP process is told once and the loop only waits to be stopped: the
+server answers 503 from then on.
 """
 import logging
 import time

@@ -11,7 +11,7 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once
                                                                        going away; nothing more comes)
 
 Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
-any key type) and are validated once on arrival, by LLM.add_request; outputs as their dataclasses' fields,
+any key type) and are validated once on arrival, by LLM.add_requests; outputs as their dataclasses' fields,
 logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids) travels with its first
 output only (None in the later ones, which the HTTP side fills in): at one token per step, the prompt would
 otherwise be most of every message.

@@ -34,7 +34,8 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: dict | None = None        # rope parameters other than plain RoPE (rope_type and its keys)
-    sliding_window: int | None = None       # an active window: EngineConfig keeps max_model_len within it
+    sliding_window: int | None = None       # the window of the layers that have one (None: no layer has)
+    layer_windows: tuple[int, ...] = ()     # per layer: its sliding window, 0 for a layer that sees everything
     # mixture of experts (architecture files that have one set these through config_options)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -76,7 +77,7 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""), eos_token_ids=_eos_ids(model, gguf, hf),
-            sliding_window=_active_window(hf), **options)
+            **_windows(hf, model), **options)
 
 
 def _auto_config(model: str, gguf: str | None):
@@ -149,16 +150,32 @@ def _rope(hf, model: str) -> tuple[float, dict | None]:
     return theta, params
 
 
-def _active_window(hf) -> int | None:
-    """The sliding window when some layer uses it (transformers 5.x lists layer_types; 4.x Qwen configs gate
-    the window with use_sliding_window; Mistral's window is on whenever it is set)."""
+def _windows(hf, model: str) -> dict:
+    """sliding_window and layer_windows: which layers use the window. transformers 5.x lists layer_types
+    (Qwen2/3 derive them from use_sliding_window and max_window_layers, Gemma from its pattern); a 4.x Qwen config
+    gates the window with use_sliding_window (layers from max_window_layers on); Mistral's window is on in every
+    layer whenever it is set."""
     window = getattr(hf, "sliding_window", None)
-    layer_types = getattr(hf, "layer_types", None)
-    if layer_types is not None:
-        active = "sliding_attention" in layer_types
+    layers = hf.num_hidden_layers
+    types = getattr(hf, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} in {model} are not implemented "
+                             "(only sliding_attention and full_attention)")
+        sliding = [t == "sliding_attention" for t in types]
+    elif getattr(hf, "use_sliding_window", True):
+        first = getattr(hf, "max_window_layers", 0) if hasattr(hf, "use_sliding_window") else 0
+        sliding = [i >= first for i in range(layers)]
     else:
-        active = getattr(hf, "use_sliding_window", True)
-    return int(window) if window and active else None
+        sliding = [False] * layers
+    if len(sliding) != layers:
+        raise ValueError(f"layer_types in {model} lists {len(sliding)} layers, not num_hidden_layers={layers}")
+    if not window or not any(sliding):
+        return {"sliding_window": None, "layer_windows": (0,) * layers}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config field sliding_window must be a positive int, got {window!r} ({model})")
+    return {"sliding_window": window, "layer_windows": tuple(window if s else 0 for s in sliding)}
 
 
 def _eos_ids(model: str, gguf: str | None, hf) -> tuple[int, ...]:
@@ -269,10 +286,6 @@ class EngineConfig:
         elif self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
-        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
-            raise ValueError(f"sliding_window={mc.sliding_window}: sliding-window attention is not implemented; "
-                             f"set max_model_len <= {mc.sliding_window} (within the window every layer attends to "
-                             f"the whole sequence, so the result is exact), not {self.max_model_len}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated token)")
         if mc.num_experts:

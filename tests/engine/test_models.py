@@ -136,7 +136,6 @@ def edited(tiny_model_dir, tmp_path, **changes):
                            "long_factor": [2.0] * 16}), "rope_type 'longrope'"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}), "low_freq_factor"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_window=64"),
     (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     (dict(hidden_size=...), "lacks hidden_size"),
     (dict(num_attention_heads=0), "num_attention_heads must be a positive int, got 0"),

@@ -53,7 +53,7 @@ class TorchBackend(AttentionBackend):
                 ki = k_cache.view(-1, *k_cache.shape[2:])[slots]
                 vi = v_cache.view(-1, *v_cache.shape[2:])[slots]
             mask = None
-            if first or kv_len != q_len or softcap:
+            if kv_len != q_len or softcap or 0 < window < q_len:
                 q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
                 k_pos = torch.arange(first, kv_len, device=q.device)[None, :]
                 mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
@@ -93,7 +93,8 @@ class TorchBackend(AttentionBackend):
         if window:      # only the blocks of each row's window: from the block of its first visible token on
             blocks = min(blocks, -(-window // block_size) + 1)
             columns = (lens - window).clamp(min=0) // block_size + columns[:, :blocks]
-            table = block_tables.gather(1, columns.clamp(max=block_tables.shape[1] - 1))
+            last = ((lens - 1) // block_size).clamp(min=0)      # columns past the row's end read its last block
+            table = block_tables.gather(1, torch.minimum(columns, last))
         else:
             table = block_tables[:, :blocks]
         table = table.clamp(min=0).flatten().to(torch.long)

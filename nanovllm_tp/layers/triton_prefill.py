@@ -49,11 +49,12 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
     l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    # a window hides the keys before the tile's first query's window: start at their key tile
-    kv_start = tl.where(window > 0, tl.maximum(prefix + m_tile * BLOCK_M - window + 1, 0), 0) // BLOCK_N * BLOCK_N
-    for start in range(kv_start, kv_end, BLOCK_N):
+    # a window hides the keys before the tile's first query's window: start at their key tile, and load none of
+    # them (their blocks may be stale)
+    kv_first = tl.where(window > 0, tl.maximum(prefix + m_tile * BLOCK_M - window + 1, 0), 0)
+    for start in range(kv_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         pos = start + n
-        in_context = pos < kv_end
+        in_context = (pos < kv_end) & (pos >= kv_first)
         block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=in_context, other=0)
         kv_offsets = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks)[:, None] \
             + kv_head * stride_kh + d[None, :]

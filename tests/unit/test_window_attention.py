@@ -120,3 +120,53 @@ def test_prefill_sees_only_the_window(backend, window, softcap):
     impl = CpuBackend() if backend == "cpu" else TorchBackend()
     got = impl.forward(q, k, v, k_cache, v_cache, ctx, SCALE, window, softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------- the Triton kernels, through Triton's interpreter
+
+# (window, softcap, decode splits): split-K walks only the window's tiles
+TRITON_DECODE = [(5, 0.0, 1), (37, 2.0, 3), (16, 0.0, 3), (0, 2.0, 1)]
+TRITON_PREFILL = [(8, 0.0), (20, 2.0), (0, 2.0)]
+
+
+def _triton_child() -> None:
+    """Runs under tests.triton_interpret: the torch-cuda backend's kernels (fp32) against `reference`."""
+    import json
+    from nanovllm_tp.layers.attention.torch_cuda import CudaTorchBackend
+    from nanovllm_tp.layers.triton_decode import paged_decode_attention
+    report = []
+    lens = [1, 5, 17, 40, 100, 0]
+    for window, softcap, splits in TRITON_DECODE:
+        q, k_cache, v_cache, table, ctx = decode_case(lens, seed=window)
+        want = reference(q[:-1], k_cache, v_cache, table, [(n - 1, 1) for n in lens[:-1]], window, softcap)
+        if window:
+            poison_before_windows(k_cache, v_cache, table, lens, window)
+        got = paged_decode_attention(q, k_cache, v_cache, table, ctx.context_lens, SCALE, splits, window, softcap)
+        report.append({"decode": [window, softcap, splits], "max_err": (got[:-1] - want).abs().max().item(),
+                       "padding_row_max": got[-1].abs().max().item()})
+    for window, softcap in TRITON_PREFILL:
+        lens = [c + n for c, n in PREFILL_ROWS]
+        k_cache, v_cache, table = random_paged_cache(lens, BLOCK, KV_HEADS, DIM, seed=window)
+        new = [n for _, n in PREFILL_ROWS]
+        q = torch.randn(sum(new), KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(5))
+        want = reference(q, k_cache, v_cache, table, PREFILL_ROWS, window, softcap)
+        if window:
+            poison_before_windows(k_cache, v_cache, table, [c + 1 for c, _ in PREFILL_ROWS], window)
+        cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+        ctx = Context(is_prefill=True, cu_seqlens_q=cu, max_seqlen_q=max(new), max_seqlen_k=max(lens),
+                      context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table,
+                      has_cached_prefix=True, context_lens_cpu=lens, q_lens_cpu=new)
+        got = CudaTorchBackend().forward(q, None, None, k_cache, v_cache, ctx, SCALE, window, softcap)
+        report.append({"prefill": [window, softcap], "max_err": (got - want).abs().max().item()})
+    print("RESULT " + json.dumps(report))
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_triton_kernels_see_only_the_window_in_interpreter():
+    from tests.unit.test_triton_kernels import run_interpreter_child
+    report = run_interpreter_child("_triton_child", "tests.unit.test_window_attention")
+    assert len(report) == len(TRITON_DECODE) + len(TRITON_PREFILL)
+    for r in report:
+        assert r["max_err"] < 1e-4, r            # fp32 on both sides; NaN (a poisoned block read) fails too
+        assert r.get("padding_row_max", 0.0) == 0.0, r

@@ -195,7 +195,13 @@ ARCH_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, n
                   tie_word_embeddings=False)
 ARCHS = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": None},
          "qwen3_moe": dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                           mlp_only_layers=[1], norm_topk_prob=True)}
+                           mlp_only_layers=[1], norm_topk_prob=True),
+         # a window of 24 on layers 0 and 2, a scale of 24 ** -0.5 rather than head_dim's, an attention cap low
+         # enough to change the tokens (Gemma 2 ships 50 for scores of another size); untied, as tied embeddings
+         # scaled by sqrt(hidden) make greedy decoding repeat the prompt's last token
+         "gemma2": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=30.0)}
+NOISY_NORMS = {"gemma2"}     # norm weights get noise here (the others keep transformers' init)
 
 
 def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_overrides):
@@ -213,6 +219,8 @@ def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_override
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
+                if model_type in NOISY_NORMS:     # a swapped, dropped or un-offset norm changes the tokens
+                    p.add_(NORM_NOISE_STD * torch.randn_like(p))
                 continue
             if "embed" in name or "lm_head" in name:
                 p.normal_(0, EMBED_STD)

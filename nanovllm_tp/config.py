@@ -44,6 +44,18 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     o_proj_bias: bool = False               # a bias on o_proj (Llama and Qwen3 with attention_bias; never Qwen2)
     mlp_bias: bool = False                  # biases on gate, up and down (Llama's mlp_bias)
+    hidden_act: str = "silu"                # the gated MLP's activation (layers/norm_rope_act.GATED_ACTIVATIONS)
+    query_pre_attn_scalar: float = 0        # attention scale = this ** -0.5 (0: head_dim, the usual)
+    attn_logit_softcap: float = 0.0         # cap * tanh(score / cap) on attention scores (0: none)
+    final_logit_softcap: float = 0.0        # the same on the logits
+    scale_embeddings: bool = False          # embeddings times sqrt(hidden_size) (Gemma)
+    local_rope_theta: float = 0.0           # RoPE base of the windowed layers, plain RoPE (0: as the others)
+
+    def layer_rope(self, layer: int) -> tuple[float, dict | None]:
+        """(RoPE base, scaling) of one layer: a windowed layer's own base where the config has one."""
+        if self.local_rope_theta and self.layer_windows[layer]:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_pretrained(cls, model: str) -> "ModelConfig":
@@ -67,6 +79,7 @@ class ModelConfig:
         heads = hf.num_attention_heads
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or ("bfloat16" if gguf else "float32")
         options = model_class(arch).config_options(hf)
+        _check_activation(options, model)
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=getattr(hf, "intermediate_size", None) or 0,
@@ -116,10 +129,18 @@ def _check_int_fields(values: dict, where: str) -> None:
             raise ValueError(f"config field {name} must be a positive int, got {value!r} ({where})")
 
 
+def _check_activation(options: dict, model: str) -> None:
+    """The architecture's reading of its activation (hidden_act, or Gemma's hidden_activation), refused by name
+    unless the gated MLP has it."""
+    from nanovllm_tp.layers.norm_rope_act import GATED_ACTIVATIONS
+    act = options.setdefault("hidden_act", "silu")
+    if act == "swish":
+        act = options["hidden_act"] = "silu"
+    if act not in GATED_ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only {', '.join(GATED_ACTIVATIONS)})")
+
+
 def _refuse_unimplemented(hf, model: str) -> None:
-    act = getattr(hf, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only silu)")
     if getattr(hf, "partial_rotary_factor", 1.0) not in (1, 1.0, None):
         raise ValueError(f"partial_rotary_factor={hf.partial_rotary_factor} in {model} is not implemented")
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.linear import copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -96,9 +97,34 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + weight): the checkpoint stores weight, the parameter
+    holds 1 + weight (added once at load), so the kernels are RMSNorm's."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__(size, eps)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded) -> None:
+        copy_checked(param.data, loaded[:].float() + 1.0, "norm weight")
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (kernels := cpu_kernels.for_tensor(x)) is not None:
             return kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up with gelu's tanh approximation (GeGLU, transformers' gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# the config's hidden_act -> the gated activation (ModelConfig refuses the others by name)
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

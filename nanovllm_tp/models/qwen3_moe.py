@@ -24,6 +24,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         layers, step = hf_config.num_hidden_layers, getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
         experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+        if getattr(hf_config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={hf_config.hidden_act!r}: the MoE experts implement silu only")
         if getattr(hf_config, "shared_expert_intermediate_size", 0):
             raise ValueError("shared_expert_intermediate_size: shared experts are not implemented")
         return {**super().config_options(hf_config), "num_experts": experts,
@@ -37,7 +39,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if layer in cfg.moe_layers:
             return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                              cfg.norm_topk_prob)
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act)
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple]:
         if m := _EXPERT.search(name):

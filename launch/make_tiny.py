@@ -200,8 +200,13 @@ ARCHS = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": None},
          # enough to change the tokens (Gemma 2 ships 50 for scores of another size); untied, as tied embeddings
          # scaled by sqrt(hidden) make greedy decoding repeat the prompt's last token
          "gemma2": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
-                        final_logit_softcapping=30.0)}
-NOISY_NORMS = {"gemma2"}     # norm weights get noise here (the others keep transformers' init)
+                        final_logit_softcapping=30.0),
+         # layers 0, 1 windowed (24 tokens, RoPE base 100), layer 2 global (base 1e6, linear scaling)
+         "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=24, sliding_window_pattern=3,
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e6}})}
+NOISY_NORMS = {"gemma2", "gemma3_text"}     # norm weights get noise here (the others keep transformers' init)
 
 
 def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_overrides):

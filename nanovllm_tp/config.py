@@ -75,7 +75,7 @@ class ModelConfig:
                              f"supported: {sorted(ARCHITECTURES)}")
         _check_int_fields({name: getattr(hf, name, None) for name in _INT_FIELDS}, model)
         _refuse_unimplemented(hf, model)
-        theta, scaling = _rope(hf, model)
+        theta, scaling, local_theta = _rope(hf, model)
         heads = hf.num_attention_heads
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or ("bfloat16" if gguf else "float32")
         options = model_class(arch).config_options(hf)
@@ -87,6 +87,7 @@ class ModelConfig:
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            local_rope_theta=local_theta,
             max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""), eos_token_ids=_eos_ids(model, gguf, hf),
@@ -145,10 +146,22 @@ def _refuse_unimplemented(hf, model: str) -> None:
         raise ValueError(f"partial_rotary_factor={hf.partial_rotary_factor} in {model} is not implemented")
 
 
-def _rope(hf, model: str) -> tuple[float, dict | None]:
-    """rope_theta and the scaling parameters (None for plain RoPE); transformers 5.x nests them under
-    rope_parameters, 4.x keeps rope_theta flat beside rope_scaling."""
+def _rope(hf, model: str) -> tuple[float, dict | None, float]:
+    """rope_theta, the scaling parameters (None for plain RoPE) and the windowed layers' own base (0: none);
+    transformers 5.x nests them under rope_parameters (per layer type where they differ: Gemma 3), 4.x keeps
+    rope_theta flat beside rope_scaling."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        local = dict(params.get("sliding_attention") or {})
+        if (local.get("rope_type") or "default") != "default":
+            raise ValueError(f"rope_parameters of sliding_attention layers of type {local['rope_type']!r} in "
+                             f"{model} are not implemented (only default)")
+        theta, scaling, _ = _rope_params(dict(params["full_attention"]), hf, model)
+        return theta, scaling, float(local.get("rope_theta") or 0.0)
+    return _rope_params(params, hf, model)
+
+
+def _rope_params(params: dict, hf, model: str) -> tuple[float, dict | None, float]:
     theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
     kind = params.get("rope_type") or params.get("type") or "default"
     params.pop("type", None)
@@ -159,7 +172,7 @@ def _rope(hf, model: str) -> tuple[float, dict | None]:
         raise ValueError(f"rope_scaling partial_rotary_factor={params['partial_rotary_factor']} in {model} "
                          "is not implemented")
     if kind == "default":
-        return theta, None
+        return theta, None, 0.0
     params["rope_type"] = kind
     if kind == "yarn":
         params.setdefault("original_max_position_embeddings", getattr(hf, "max_position_embeddings", None))
@@ -168,7 +181,7 @@ def _rope(hf, model: str) -> tuple[float, dict | None]:
     missing = [k for k in ROPE_TYPES[kind] if params.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} in {model} lacks {', '.join(missing)}")
-    return theta, params
+    return theta, params, 0.0
 
 
 def _windows(hf, model: str) -> dict:

@@ -205,8 +205,11 @@ ARCHS = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": None},
          "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=24, sliding_window_pattern=3,
                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                               "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                 "rope_theta": 1e6}})}
-NOISY_NORMS = {"gemma2", "gemma3_text"}     # norm weights get noise here (the others keep transformers' init)
+                                                                 "rope_theta": 1e6}}),
+         # Phi-4-mini's shape of attention: 3/4 of each head rotates; a window of 40 on every layer
+         "phi3": dict(partial_rotary_factor=0.75, sliding_window=40, original_max_position_embeddings=1024,
+                      pad_token_id=None)}
+NOISY_NORMS = {"gemma2", "gemma3_text", "phi3"}     # norm weights get noise here (the others keep transformers' init)
 
 
 def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_overrides):

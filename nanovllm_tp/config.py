@@ -50,6 +50,7 @@ class ModelConfig:
     final_logit_softcap: float = 0.0        # the same on the logits
     scale_embeddings: bool = False          # embeddings times sqrt(hidden_size) (Gemma)
     local_rope_theta: float = 0.0           # RoPE base of the windowed layers, plain RoPE (0: as the others)
+    rotary_dim: int = 0                     # features of each head that RoPE rotates (0: all of them)
 
     def layer_rope(self, layer: int) -> tuple[float, dict | None]:
         """(RoPE base, scaling) of one layer: a windowed layer's own base where the config has one."""
@@ -74,18 +75,21 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs or hf.model_type!r} in {model}; "
                              f"supported: {sorted(ARCHITECTURES)}")
         _check_int_fields({name: getattr(hf, name, None) for name in _INT_FIELDS}, model)
-        _refuse_unimplemented(hf, model)
         theta, scaling, local_theta = _rope(hf, model)
         heads = hf.num_attention_heads
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or ("bfloat16" if gguf else "float32")
         options = model_class(arch).config_options(hf)
         _check_activation(options, model)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        partial = _partial_rotary_factor(hf)
+        if partial != 1.0 and not model_class(arch).partial_rotary:
+            raise ValueError(f"partial_rotary_factor={partial} in {model} is not implemented for {arch}")
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=getattr(hf, "intermediate_size", None) or 0,
             num_hidden_layers=hf.num_hidden_layers, num_attention_heads=heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            head_dim=head_dim, rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             local_rope_theta=local_theta,
             max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
@@ -141,9 +145,13 @@ def _check_activation(options: dict, model: str) -> None:
         raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only {', '.join(GATED_ACTIVATIONS)})")
 
 
-def _refuse_unimplemented(hf, model: str) -> None:
-    if getattr(hf, "partial_rotary_factor", 1.0) not in (1, 1.0, None):
-        raise ValueError(f"partial_rotary_factor={hf.partial_rotary_factor} in {model} is not implemented")
+def _partial_rotary_factor(hf) -> float:
+    """The share of each head that RoPE rotates: a config field, or (transformers 5.x) a rope parameter."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    factor = getattr(hf, "partial_rotary_factor", None)
+    return float(factor if factor is not None else params.get("partial_rotary_factor") or 1.0)
 
 
 def _rope(hf, model: str) -> tuple[float, dict | None, float]:
@@ -168,9 +176,7 @@ def _rope_params(params: dict, hf, model: str) -> tuple[float, dict | None, floa
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling rope_type {kind!r} in {model} is not implemented "
                          f"(supported: {', '.join(ROPE_TYPES)})")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"rope_scaling partial_rotary_factor={params['partial_rotary_factor']} in {model} "
-                         "is not implemented")
+    params.pop("partial_rotary_factor", None)       # _partial_rotary_factor reads it
     if kind == "default":
         return theta, None, 0.0
     params["rope_type"] = kind

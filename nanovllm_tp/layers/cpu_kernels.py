@@ -35,7 +35,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _int,
                             _float, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
-    "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
+    "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "linear_bf16_available": (_int, []),
     "pack_bf16_weight": (None, [_ptr, _ptr, _i64, _i64]),
@@ -209,7 +209,8 @@ class CpuKernels:
         return out if residual is None else (out, residual)
 
     def rope(self, q, k, positions, cos_sin):
-        """Rotates q and k ([tokens, heads, dim]) in place (copies first unless heads are contiguous rows)."""
+        """Rotates q and k ([tokens, heads, dim]) in place (copies first unless heads are contiguous rows): the
+        first cos_sin.shape[1] features of each head (partial rotary when that is less than dim)."""
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()
         if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
@@ -220,7 +221,7 @@ class CpuKernels:
         if cos_sin.dtype not in DTYPES:
             cos_sin = cos_sin.float()
         self._rope(q.data_ptr(), k.data_ptr(), positions.contiguous().data_ptr(), cos_sin.data_ptr(), tokens,
-                   q_heads, k.shape[1], q.stride(0), k.stride(0), dim, _bf16(q), _bf16(cos_sin))
+                   q_heads, k.shape[1], q.stride(0), k.stride(0), dim, cos_sin.shape[1], _bf16(q), _bf16(cos_sin))
         return q, k
 
     def silu_mul(self, x) -> torch.Tensor:

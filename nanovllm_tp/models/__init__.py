@@ -10,6 +10,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 

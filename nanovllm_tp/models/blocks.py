@@ -33,7 +33,7 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         theta, scaling = cfg.layer_rope(layer)
-        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, theta, scaling, cfg.rotary_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, (cfg.query_pre_attn_scalar or d) ** -0.5,
                               window=cfg.layer_windows[layer], softcap=cfg.attn_logit_softcap)
         if cfg.qk_norm:
@@ -124,10 +124,16 @@ class CausalLM(nn.Module):
 
     layer_class: type[nn.Module] = DecoderLayer    # an architecture with other layers names its own
     norm_class: type[RMSNorm] = RMSNorm
+    partial_rotary = False      # whether its attention honours a partial_rotary_factor (else refused by name)
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+    def checkpoint_parts(self, name: str, loaded):
+        """(name, tensor) pieces of one checkpoint tensor: itself, unless the checkpoint fuses what the model
+        loads apart (Phi-3's qkv_proj and gate_up_proj)."""
+        yield name, loaded
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple]:
         """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader."""

@@ -201,9 +201,10 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
 }
 
 /* ---------------------------------------------------------------- rotary embedding (neox: rotate halves)
- * q [tokens, q_heads, dim] and k [tokens, k_heads, dim], each with its own token stride, rotated in place.
- * cos_sin [max_position, dim]: the cosines of the dim/2 frequencies, then their sines (bf16 when cos_bf16 != 0:
- * the table keeps its own dtype, as the torch code multiplies by it).
+ * q [tokens, q_heads, dim] and k [tokens, k_heads, dim], each with its own token stride, rotated in place: the
+ * first rot_dim features of each head (all of them but with partial rotary, as Phi-4-mini), the rest unchanged.
+ * cos_sin [max_position, rot_dim]: the cosines of the rot_dim/2 frequencies, then their sines (bf16 when
+ * cos_bf16 != 0: the table keeps its own dtype, as the torch code multiplies by it).
  */
 INLINE void rotate(void *x, const void *cos, const void *sin, int half, const int bf16, const int cos_bf16)
 {
@@ -216,26 +217,26 @@ INLINE void rotate(void *x, const void *cos, const void *sin, int half, const in
     }
 }
 
-INLINE void rope_token(void *q, void *k, const void *cos, int q_heads, int k_heads, int dim, const int bf16,
-                       const int cos_bf16)
+INLINE void rope_token(void *q, void *k, const void *cos, int q_heads, int k_heads, int dim, int rot_dim,
+                       const int bf16, const int cos_bf16)
 {
-    const int half = dim / 2;
+    const int half = rot_dim / 2;
     const void *sin = AT(cos, half, cos_bf16);
     for (int h = 0; h < q_heads; h++) rotate(AT(q, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
     for (int h = 0; h < k_heads; h++) rotate(AT(k, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
 }
 
 void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
-          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int bf16, int cos_bf16)
+          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16)
 {
     #pragma omp parallel for if (tokens * (q_heads + k_heads) * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         void *qt = AT(q, t * q_stride, bf16), *kt = AT(k, t * k_stride, bf16);
-        const void *cos = AT(cos_sin, positions[t] * dim, cos_bf16);
-        if (bf16 && cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 1);
-        else if (bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 0);
-        else if (cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 1);
-        else rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 0);
+        const void *cos = AT(cos_sin, positions[t] * rot_dim, cos_bf16);
+        if (bf16 && cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 1, 1);
+        else if (bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 1, 0);
+        else if (cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 0, 1);
+        else rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 0, 0);
     }
 }
 

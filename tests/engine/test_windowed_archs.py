@@ -1,7 +1,7 @@
-"""Gemma 2 and Gemma 3 (text) against transformers: tiny random checkpoints (make_tiny --arch) whose windows (24
-tokens) are shorter than the prompts, through chunked prefill with a first chunk longer than the window, a
-prefix-cache hit, TP 1 and 2; each Gemma piece is shown to change transformers' tokens, so none can be dropped
-unseen; the configs Gemma may carry that are not implemented are refused by name."""
+"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers: tiny random checkpoints (make_tiny --arch) whose
+windows (24 or 40 tokens) are shorter than the prompts, through chunked prefill with a first chunk longer than the
+window, a prefix-cache hit, TP 1 and 2; each piece of an architecture is shown to change transformers' tokens, so
+none can be dropped unseen; the configs they may carry that are not implemented are refused by name."""
 import json
 
 import pytest
@@ -13,11 +13,12 @@ from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
 
 NEW = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-ARCHS = ["gemma2", "gemma3_text"]
+# arch -> its layers' windows in make_tiny's checkpoint
+WINDOWS = {"gemma2": (24, 0, 24), "gemma3_text": (24, 24, 0), "phi3": (40, 40, 40)}
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def gemma(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(WINDOWS))
+def arch_model(request, tmp_path_factory):
     """(arch, model directory, transformers model, prompts, transformers' greedy tokens for each)."""
     path = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_arch(path, request.param)
@@ -29,13 +30,13 @@ def gemma(request, tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=(pytest.mark.spawn, pytest.mark.slow))],
                          ids=["tp1", "tp2"])
-def test_greedy_equals_transformers(gemma, tp):
-    arch, path, _, prompts, expected = gemma
+def test_greedy_equals_transformers(arch_model, tp):
+    arch, path, _, prompts, expected = arch_model
     llm = LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, kv_cache_memory=8 << 20,
               max_num_batched_tokens=40)
     try:
         config = llm.config.model_config
-        assert config.layer_windows == ((24, 0, 24) if arch == "gemma2" else (24, 24, 0))
+        assert config.layer_windows == WINDOWS[arch]
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
         again = llm.generate(prompts[-1:], GREEDY, use_tqdm=False)
@@ -58,18 +59,19 @@ def _changed(hf, prompt, expected, owners, attr, value) -> bool:
             setattr(o, attr, v)
 
 
-def test_each_gemma_piece_changes_the_tokens(gemma):
-    arch, _, hf, prompts, expected = gemma
+def test_each_piece_changes_the_tokens(arch_model):
+    arch, _, hf, prompts, expected = arch_model
     attention = [layer.self_attn for layer in hf.model.layers]
     assert _changed(hf, prompts[2], expected[2], [hf.config], "sliding_window", 10 ** 6)
-    assert _changed(hf, prompts[2], expected[2], attention, "scaling", 32 ** -0.5)
+    if arch != "phi3":
+        assert _changed(hf, prompts[2], expected[2], attention, "scaling", 32 ** -0.5)
     if arch == "gemma2":
         assert _changed(hf, prompts[2], expected[2], attention, "attn_logit_softcapping", None)
 
 
-def test_logprobs_are_those_of_the_capped_logits(gemma):
+def test_logprobs_are_those_of_the_capped_logits(arch_model):
     # the final cap is monotone, so greedy tokens cannot show it: the logprobs do
-    arch, path, hf, prompts, expected = gemma
+    arch, path, hf, prompts, expected = arch_model
     if arch != "gemma2":
         pytest.skip("Gemma 3 caps nothing by default")
     import torch
@@ -96,6 +98,20 @@ def test_logprobs_are_those_of_the_capped_logits(gemma):
 def test_unimplemented_gemma_configs_are_refused(changes, message, tmp_path):
     make_tiny_arch(tmp_path, "gemma3_text")
     raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 12, "long_factor": [2.0] * 12,
+                        "original_max_position_embeddings": 256}), "longrope"),
+])
+def test_unimplemented_phi3_configs_are_refused(changes, message, tmp_path):
+    make_tiny_arch(tmp_path, "phi3")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("rope_parameters", None)
     raw.update(changes)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=message):

@@ -87,3 +87,41 @@ def test_layer_windows_follow_the_config(changes, windows, tmp_path, tiny_model_
 def test_unknown_layer_types_are_refused(changes, message, tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_pretrained(edited(tiny_model_dir, tmp_path, **changes))
+
+
+def test_kv_blocks_in_use_stop_growing_at_the_window(mistral):
+    path, hf, prompts, _ = mistral
+    prompt, new = prompts[1], 4 * WINDOW
+    llm = LLM(path, kvcache_block_size=16, kv_cache_memory=8 << 20)
+    bm = llm.engine.scheduler.block_manager
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.add_request(prompt, params)
+    in_use, tokens = [], None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            tokens = out.outputs[0].token_ids
+        in_use.append(bm.num_blocks - bm.num_free_blocks)
+    # the window's 3 blocks, the partly filled ones at either end of it, and one block of slack
+    bound = WINDOW // 16 + 3
+    assert max(in_use) <= bound < -(-(len(prompt) + new) // 16), in_use
+    assert in_use[-1] == 0 and bm.num_window_freed_blocks > 0
+    assert tokens == hf_greedy(hf, prompt, new)
+    # the released blocks kept their KV and hashes: the same prompt hits them, and the tokens stay exact
+    hits = bm.num_prefix_hit_tokens
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert bm.num_prefix_hit_tokens - hits == 32 and again == tokens
+
+
+def test_speculative_decoding_in_the_window_equals_transformers(mistral):
+    path, hf, prompts, _ = mistral
+    # a passage, transformers' continuation of it, the passage again: the n-gram proposer offers the
+    # continuation once more, and the model takes some of it
+    passage = prompts[3][:60]
+    prompt = passage + hf_greedy(hf, passage, 12) + passage
+    llm = LLM(path, kvcache_block_size=16, kv_cache_memory=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
+    assert llm.engine.scheduler.block_manager.num_window_freed_blocks > 0

@@ -251,12 +251,3 @@ def test_checkpoint_without_tokenizer_files_refuses_text_prompts(tmp_path, tiny_
     prompt = mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(12,), seed=2)[0]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]     # the engine still serves token ids
     assert out.token_ids == tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def test_mistral_sliding_window_refused_beyond_it_exact_within(tmp_path, vocab):
-    hf = make_tiny_arch(tmp_path / "m", "mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding_window=64.*max_model_len <= 64"):
-        LLM(str(tmp_path / "m"), **KV)
-    llm = LLM(str(tmp_path / "m"), max_model_len=64, **KV)
-    prompt = mixed_prompts(vocab, lengths=(40,), seed=11)[0]     # 40 + 24 tokens: the window never slides
-    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)

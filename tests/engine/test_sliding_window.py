@@ -125,3 +125,24 @@ def test_speculative_decoding_in_the_window_equals_transformers(mistral):
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
     assert llm.engine.scheduler.block_manager.num_window_freed_blocks > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_qwen_windows_on_some_layers_equal_transformers(kind, tmp_path):
+    # use_sliding_window with max_window_layers: the first layers attend to everything, the others to 24 tokens
+    import torch
+    from transformers import AutoModelForCausalLM
+    from nanovllm_tp.launch.make_tiny import make_tiny
+    window = dict(use_sliding_window=True, sliding_window=24, max_window_layers=2)
+    if kind == "qwen3":
+        hf = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path, **window), dtype=torch.float32).eval()
+    else:
+        hf = make_tiny_arch(tmp_path, "qwen2", **window)
+    llm = LLM(str(tmp_path), kvcache_block_size=16, kv_cache_memory=8 << 20, max_num_batched_tokens=40,
+              max_model_len=1024)
+    windows = llm.config.model_config.layer_windows
+    assert windows[:2] == (0, 0) and set(windows[2:]) == {24}
+    prompts = mixed_prompts(hf.config.vocab_size, lengths=(30, 90), seed=3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 40) for p in prompts]
+    assert llm.engine.scheduler.block_manager.window == 0, "global layers read every block: none is released"

@@ -21,8 +21,12 @@ import torch
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
-# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
-SUPPORTED = ("llama", "qwen2", "qwen3")
+# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently;
+# gemma3 and phi3 files are not read yet)
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2")
+# metadata keys transformers' GGUF tables leave out that change the math: {arch}.KEY -> config field
+_EXTRA_FIELDS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                 "final_logit_softcapping": "final_logit_softcapping"}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -135,9 +139,9 @@ def hf_config(path: str):
     arch, meta = header.arch, header.metadata
     if arch not in SUPPORTED:
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
-    for key, inactive in ((f"{arch}.rope.scaling.type", "none"), (f"{arch}.attention.sliding_window", 0)):
-        if meta.get(key, inactive) != inactive:
-            raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        key = f"{arch}.rope.scaling.type"
+        raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
         raise ValueError(f"{path} stores rope scaling as a rope_freqs tensor, which is not implemented")
     fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
@@ -149,11 +153,28 @@ def hf_config(path: str):
             fields[table[rest]] = value
     if f"{arch}.attention.key_length" in meta:
         fields["head_dim"] = meta[f"{arch}.attention.key_length"]
+    for key, field in _EXTRA_FIELDS.items():
+        if meta.get(f"{arch}.{key}"):
+            fields[field] = meta[f"{arch}.{key}"]
+    if arch == "gemma2":
+        fields["query_pre_attn_scalar"] = _gemma2_query_scalar(meta, fields)
+    elif f"{arch}.attention.scale" in meta:
+        raise ValueError(f"{arch}.attention.scale in {path} is not implemented for GGUF files of {arch}")
     fields.pop("_model_name_or_path", None)
     fields.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _gemma2_query_scalar(meta: dict, fields: dict) -> float:
+    """Gemma 2's attention scale as llama.cpp reads the file: attention.scale where written, else
+    hidden / heads for the 46-layer (27B) model and head_dim for the others (HF's query_pre_attn_scalar of each)."""
+    if "gemma2.attention.scale" in meta:
+        return meta["gemma2.attention.scale"] ** -2
+    if fields["num_hidden_layers"] == 46:
+        return fields["hidden_size"] / fields["num_attention_heads"]
+    return fields.get("head_dim") or fields["hidden_size"] / fields["num_attention_heads"]
 
 
 def load_tokenizer(path: str):
@@ -174,6 +195,8 @@ class GGUFWeight:
         row_bytes = entry.shape[-1] // block * block_bytes
         self.data = blob[entry.start:entry.start + rows * row_bytes].reshape(rows, row_bytes)
         self.entry, self.processor, self.permuted = entry, processor, permuted
+        # 1-D tensors go through the architecture's processor whole (Gemma's norms are stored as 1 + weight)
+        self.processed = len(entry.shape) == 1 and type(processor).__name__ != "TensorProcessor"
         self.keep_blocks = keep_blocks and entry.ggml_type in GGUF_TYPES and len(entry.shape) == 2
 
     def get_shape(self) -> tuple[int, ...]:
@@ -203,7 +226,7 @@ class GGUFWeight:
         if isinstance(key, slice) and not self.permuted and len(self.entry.shape) > 1:    # rows: just those
             return torch.from_numpy(self._dequantize(self.data[key]))
         weights = self._dequantize(self.data)
-        if self.permuted:
+        if self.permuted or self.processed:
             weights = self.processor.process(weights=weights, name=self.entry.name).weights
         return torch.from_numpy(np.ascontiguousarray(weights[key]))
 

@@ -1,7 +1,9 @@
-"""Write small GGUF files for the tests (llama, qwen2, qwen3), the way llama.cpp's converter lays them out:
-Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized (Q8_0 unless told:
-`qtype` for the linear layers, the embedding and LM head always Q8_0, as SmolLM2's file), norms in F32, no
-output.weight when the embedding is tied, the tiny BPE tokenizer as a gpt2-style vocabulary with merges."""
+"""Write small GGUF files for the tests (llama, qwen2, qwen3, gemma2), the way llama.cpp's converter lays them out:
+Llama's q/k rows permuted (pairs of rotary halves interleaved per head), Gemma's norms stored as 1 + weight, 2-D
+weights quantized (Q8_0 unless told: `qtype` for the linear layers, `embed_qtype` for the embedding and LM head,
+Q8_0 by default as SmolLM2's file), norms in F32, no output.weight when the embedding is tied, the tiny BPE
+tokenizer as a gpt2-style vocabulary with merges; a window and logit caps in the metadata where the config
+has them."""
 import json
 
 import numpy as np
@@ -12,7 +14,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None,
-               qtype: str = "Q8_0"):
+               qtype: str = "Q8_0", embed_qtype: str = "Q8_0"):
     import gguf
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -29,6 +31,11 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            writer.add_float32(f"{arch}.{key}", getattr(cfg, key))
     for key, value in (extra_metadata or {}).items():
         writer.add_key_value(key, *value)
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -54,9 +61,11 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        elif arch.startswith("gemma") and "norm" in base:
+            w = w + 1
         name = f"{names.get_name(base)}.{suffix}"
         if w.ndim == 2:
-            kind = gguf.GGMLQuantizationType["Q8_0" if "embed" in base or "lm_head" in base else qtype]
+            kind = gguf.GGMLQuantizationType[embed_qtype if "embed" in base or "lm_head" in base else qtype]
             writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, w)

@@ -65,6 +65,36 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, TOKENS) for p in prompts]
 
 
+# Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are) and a Mistral
+# window (a llama file with attention.sliding_window): written in F32, the file is the checkpoint it came from
+@pytest.mark.parametrize("model_type, arch, overrides", [
+    ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32)),   # llama.cpp's scale for it
+    ("mistral", "llama", dict(sliding_window=48))])
+def test_windowed_gguf_equals_its_checkpoint(model_type, arch, overrides, tmp_path, tiny_model_dir):
+    import pathlib
+    from nanovllm_tp.launch.make_tiny import make_tiny_arch
+    from tests.gguf_tiny import write_gguf
+    hf = make_tiny_arch(tmp_path / "hf", model_type, **overrides)
+    path = write_gguf(hf, pathlib.Path(tiny_model_dir), tmp_path / "tiny.gguf", arch=arch, qtype="F32",
+                      embed_qtype="F32")
+    prompts = mixed_prompts(2003, lengths=(5, 70), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    runs = {}
+    for name, model in (("gguf", path), ("safetensors", tmp_path / "hf")):
+        llm = LLM(str(model), max_model_len=512, kvcache_block_size=16, kv_cache_memory=16 << 20,
+                  max_num_batched_tokens=32)
+        runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if name == "gguf":
+            config = llm.config.model_config
+            assert config.sliding_window == hf.config.sliding_window
+            assert config.attn_logit_softcap == (getattr(hf.config, "attn_logit_softcapping", None) or 0)
+    for ours, want, prompt in zip(runs["gguf"], runs["safetensors"], prompts):
+        assert ours.token_ids == want.token_ids == hf_greedy(hf, prompt, 24)
+        for got, expected in zip(ours.logprobs, want.logprobs):
+            assert got.keys() == expected.keys()
+            assert [got[t].logprob for t in got] == pytest.approx([expected[t].logprob for t in got], abs=1e-5)
+
+
 def header_only(path, arch="llama", **metadata):
     writer = gguf.GGUFWriter(str(path), arch)
     for key, (value, kind) in metadata.items():
@@ -82,8 +112,8 @@ def header_only(path, arch="llama", **metadata):
     ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
     ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
      "llama.rope.scaling.type='yarn'"),
-    ("window.gguf", "llama", {"llama__attention__sliding_window": (64, gguf.GGUFValueType.UINT32)},
-     "llama.attention.sliding_window=64"),
+    ("phi3.gguf", "phi3", {}, "GGUF architecture 'phi3'"),
+    ("scale.gguf", "llama", {"llama__attention__scale": (0.1, gguf.GGUFValueType.FLOAT32)}, "llama.attention.scale"),
     ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
 ])
 def test_gguf_refusals(name, arch, metadata, message, tmp_path):

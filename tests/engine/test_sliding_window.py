@@ -8,7 +8,7 @@ from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from tests.engine.test_models import edited
-from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
+from tests.helpers import greedy_then_prefix_hits, hf_greedy, mixed_prompts, shared_prefix_prompts
 
 WINDOW, NEW = 48, 80
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -43,16 +43,9 @@ def test_greedy_equals_transformers_with_chunks_and_prefix_hits(mistral, tp):
     path, _, prompts, expected = mistral
     llm = LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, kv_cache_memory=8 << 20,
               max_num_batched_tokens=64)
-    try:
-        assert llm.config.max_model_len == 1024 and llm.config.model_config.layer_windows == (WINDOW,) * 3
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
-        again = llm.generate(prompts[-2:], GREEDY, use_tqdm=False)
-        assert llm.engine.scheduler.block_manager.num_prefix_hit_tokens > hits
-    finally:
-        llm.close()
-    assert [o.outputs[0].token_ids for o in first] == expected
-    assert [o.outputs[0].token_ids for o in again] == expected[-2:]
+    assert llm.config.max_model_len == 1024 and llm.config.model_config.layer_windows == (WINDOW,) * 3
+    first, again = greedy_then_prefix_hits(llm, prompts, GREEDY, repeat=2)
+    assert first == expected and again == expected[-2:]
 
 
 def test_preempted_requests_equal_transformers_on_the_torch_backend(mistral):

@@ -9,7 +9,7 @@ import pytest
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
-from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
+from tests.helpers import greedy_then_prefix_hits, hf_greedy, mixed_prompts, shared_prefix_prompts
 
 NEW = 40
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -34,17 +34,9 @@ def test_greedy_equals_transformers(arch_model, tp):
     arch, path, _, prompts, expected = arch_model
     llm = LLM(path, tensor_parallel_size=tp, kvcache_block_size=16, kv_cache_memory=8 << 20,
               max_num_batched_tokens=40)
-    try:
-        config = llm.config.model_config
-        assert config.layer_windows == WINDOWS[arch]
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
-        again = llm.generate(prompts[-1:], GREEDY, use_tqdm=False)
-        assert llm.engine.scheduler.block_manager.num_prefix_hit_tokens > hits
-    finally:
-        llm.close()
-    assert [o.outputs[0].token_ids for o in first] == expected
-    assert again[0].outputs[0].token_ids == expected[-1]
+    assert llm.config.model_config.layer_windows == WINDOWS[arch]
+    first, again = greedy_then_prefix_hits(llm, prompts, GREEDY, repeat=1)
+    assert first == expected and again == expected[-1:]
 
 
 def _changed(hf, prompt, expected, owners, attr, value) -> bool:

@@ -22,8 +22,8 @@ from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
 # GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently;
-# gemma3 and phi3 files are not read yet)
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2")
+# gemma3 files are not read yet)
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "phi3")
 # metadata keys transformers' GGUF tables leave out that change the math: {arch}.KEY -> config field
 _EXTRA_FIELDS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                  "final_logit_softcapping": "final_logit_softcapping"}
@@ -144,6 +144,9 @@ def hf_config(path: str):
         raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
         raise ValueError(f"{path} stores rope scaling as a rope_freqs tensor, which is not implemented")
+    if any(t.name.startswith("rope_factors_") for t in header.tensors):
+        raise ValueError(f"{path} stores LongRoPE factors (rope_factors_long/short tensors): longrope is not "
+                         "implemented")
     fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
     for key, value in meta.items():
         prefix, _, rest = key.partition(".")
@@ -160,8 +163,13 @@ def hf_config(path: str):
         fields["query_pre_attn_scalar"] = _gemma2_query_scalar(meta, fields)
     elif f"{arch}.attention.scale" in meta:
         raise ValueError(f"{arch}.attention.scale in {path} is not implemented for GGUF files of {arch}")
+    head_dim = fields.get("head_dim") or fields.get("hidden_size", 0) // fields.get("num_attention_heads", 1)
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:          # llama.cpp writes the rotated features of a head (Phi-4-mini: 3/4 of them)
+        fields["partial_rotary_factor"] = rotary / head_dim
     fields.pop("_model_name_or_path", None)
     fields.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))
+    fields.setdefault("pad_token_id", None)     # not a class default past the file's vocabulary (Phi-3's 32000)
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(model_type, **fields)

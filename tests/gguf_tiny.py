@@ -1,4 +1,4 @@
-"""Write small GGUF files for the tests (llama, qwen2, qwen3, gemma2), the way llama.cpp's converter lays them out:
+"""Write small GGUF files for the tests (llama, qwen2, qwen3, gemma2, phi3), the way llama.cpp's converter lays them out:
 Llama's q/k rows permuted (pairs of rotary halves interleaved per head), Gemma's norms stored as 1 + weight, 2-D
 weights quantized (Q8_0 unless told: `qtype` for the linear layers, `embed_qtype` for the embedding and LM head,
 Q8_0 by default as SmolLM2's file), norms in F32, no output.weight when the embedding is tied, the tiny BPE
@@ -25,7 +25,8 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    partial = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(cfg.head_dim * partial))
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])

@@ -65,11 +65,13 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, TOKENS) for p in prompts]
 
 
-# Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are) and a Mistral
-# window (a llama file with attention.sliding_window): written in F32, the file is the checkpoint it came from
+# Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are), a Mistral
+# window (a llama file with attention.sliding_window) and Phi-3: written in F32, the file is the checkpoint it came
+# from
 @pytest.mark.parametrize("model_type, arch, overrides", [
     ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32)),   # llama.cpp's scale for it
-    ("mistral", "llama", dict(sliding_window=48))])
+    ("mistral", "llama", dict(sliding_window=48)),
+    ("phi3", "phi3", {})])     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
 def test_windowed_gguf_equals_its_checkpoint(model_type, arch, overrides, tmp_path, tiny_model_dir):
     import pathlib
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
@@ -112,7 +114,7 @@ def header_only(path, arch="llama", **metadata):
     ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
     ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
      "llama.rope.scaling.type='yarn'"),
-    ("phi3.gguf", "phi3", {}, "GGUF architecture 'phi3'"),
+    ("gemma3.gguf", "gemma3", {}, "GGUF architecture 'gemma3'"),
     ("scale.gguf", "llama", {"llama__attention__scale": (0.1, gguf.GGUFValueType.FLOAT32)}, "llama.attention.scale"),
     ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
 ])

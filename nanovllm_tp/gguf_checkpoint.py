@@ -21,9 +21,10 @@ import torch
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
-# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently;
-# gemma3 files are not read yet)
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "phi3")
+# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# the layer count of the Gemma model whose attention scale llama.cpp takes as hidden / heads (27B)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # metadata keys transformers' GGUF tables leave out that change the math: {arch}.KEY -> config field
 _EXTRA_FIELDS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                  "final_logit_softcapping": "final_logit_softcapping"}
@@ -139,7 +140,7 @@ def hf_config(path: str):
     arch, meta = header.arch, header.metadata
     if arch not in SUPPORTED:
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
-    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
         key = f"{arch}.rope.scaling.type"
         raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
@@ -159,8 +160,10 @@ def hf_config(path: str):
     for key, field in _EXTRA_FIELDS.items():
         if meta.get(f"{arch}.{key}"):
             fields[field] = meta[f"{arch}.{key}"]
-    if arch == "gemma2":
-        fields["query_pre_attn_scalar"] = _gemma2_query_scalar(meta, fields)
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":    # Gemma 3: its global layers only, as llama.cpp
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    if arch in _GEMMA_27B_LAYERS:
+        fields["query_pre_attn_scalar"] = _gemma_query_scalar(arch, meta, fields)
     elif f"{arch}.attention.scale" in meta:
         raise ValueError(f"{arch}.attention.scale in {path} is not implemented for GGUF files of {arch}")
     head_dim = fields.get("head_dim") or fields.get("hidden_size", 0) // fields.get("num_attention_heads", 1)
@@ -171,16 +174,17 @@ def hf_config(path: str):
     fields.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))
     fields.setdefault("pad_token_id", None)     # not a class default past the file's vocabulary (Phi-3's 32000)
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
-    model_type = fields.pop("model_type")
+    model_type = {"gemma3": "gemma3_text"}.get(fields["model_type"], fields["model_type"])
+    del fields["model_type"]
     return AutoConfig.for_model(model_type, **fields)
 
 
-def _gemma2_query_scalar(meta: dict, fields: dict) -> float:
-    """Gemma 2's attention scale as llama.cpp reads the file: attention.scale where written, else
-    hidden / heads for the 46-layer (27B) model and head_dim for the others (HF's query_pre_attn_scalar of each)."""
-    if "gemma2.attention.scale" in meta:
-        return meta["gemma2.attention.scale"] ** -2
-    if fields["num_hidden_layers"] == 46:
+def _gemma_query_scalar(arch: str, meta: dict, fields: dict) -> float:
+    """Gemma's attention scale as llama.cpp reads the file: attention.scale where written, else hidden / heads
+    for the 27B model and head_dim for the others (HF's query_pre_attn_scalar of each)."""
+    if f"{arch}.attention.scale" in meta:
+        return meta[f"{arch}.attention.scale"] ** -2
+    if fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
         return fields["hidden_size"] / fields["num_attention_heads"]
     return fields.get("head_dim") or fields["hidden_size"] / fields["num_attention_heads"]
 

@@ -1,4 +1,4 @@
-"""Write small GGUF files for the tests (llama, qwen2, qwen3, gemma2, phi3), the way llama.cpp's converter lays them out:
+"""Write small GGUF files for the tests (llama, qwen2, qwen3, gemma2, gemma3, phi3), the way llama.cpp's converter lays them out:
 Llama's q/k rows permuted (pairs of rotary halves interleaved per head), Gemma's norms stored as 1 + weight, 2-D
 weights quantized (Q8_0 unless told: `qtype` for the linear layers, `embed_qtype` for the embedding and LM head,
 Q8_0 by default as SmolLM2's file), norms in F32, no output.weight when the embedding is tied, the tiny BPE
@@ -29,7 +29,11 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.add_rope_dimension_count(int(cfg.head_dim * partial))
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)      # Gemma 3: its global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "sliding_window", None):

@@ -66,12 +66,17 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
 
 
 # Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are), a Mistral
-# window (a llama file with attention.sliding_window) and Phi-3: written in F32, the file is the checkpoint it came
-# from
+# window (a llama file with attention.sliding_window), Phi-3 and Gemma 3: written in F32, the file is the
+# checkpoint it came from
 @pytest.mark.parametrize("model_type, arch, overrides", [
     ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32)),   # llama.cpp's scale for it
     ("mistral", "llama", dict(sliding_window=48)),
-    ("phi3", "phi3", {})])     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
+    ("phi3", "phi3", {}),     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
+    # llama.cpp's Gemma 3: five windowed layers to one global, the windowed ones at RoPE base 10000 unscaled
+    ("gemma3_text", "gemma3", dict(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=32,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}}))])
 def test_windowed_gguf_equals_its_checkpoint(model_type, arch, overrides, tmp_path, tiny_model_dir):
     import pathlib
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
@@ -114,7 +119,7 @@ def header_only(path, arch="llama", **metadata):
     ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
     ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
      "llama.rope.scaling.type='yarn'"),
-    ("gemma3.gguf", "gemma3", {}, "GGUF architecture 'gemma3'"),
+    ("qwen3moe.gguf", "qwen3moe", {}, "GGUF architecture 'qwen3moe'"),
     ("scale.gguf", "llama", {"llama__attention__scale": (0.1, gguf.GGUFValueType.FLOAT32)}, "llama.attention.scale"),
     ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
 ])

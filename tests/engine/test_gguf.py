@@ -66,18 +66,24 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
 
 
 # Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are), a Mistral
-# window (a llama file with attention.sliding_window), Phi-3 and Gemma 3: written in F32, the file is the
-# checkpoint it came from
-@pytest.mark.parametrize("model_type, arch, overrides", [
-    ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32)),   # llama.cpp's scale for it
-    ("mistral", "llama", dict(sliding_window=48)),
-    ("phi3", "phi3", {}),     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
+# window (a llama file with attention.sliding_window), Phi-3, Gemma 3 and Qwen3-MoE: written in F32, the file is
+# the checkpoint it came from
+SLOW_TP2 = (pytest.mark.spawn, pytest.mark.slow)
+
+
+@pytest.mark.parametrize("model_type, arch, overrides, tp", [
+    ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32), 1),   # llama.cpp's scale for it
+    ("mistral", "llama", dict(sliding_window=48), 1),
+    ("phi3", "phi3", {}, 1),     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
+    pytest.param("phi3", "phi3", {}, 2, marks=SLOW_TP2),
+    pytest.param("qwen3_moe", "qwen3moe", dict(mlp_only_layers=[]), 2, marks=SLOW_TP2),
     # llama.cpp's Gemma 3: five windowed layers to one global, the windowed ones at RoPE base 10000 unscaled
     ("gemma3_text", "gemma3", dict(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=32,
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                       "rope_theta": 1e6}}))])
-def test_windowed_gguf_equals_its_checkpoint(model_type, arch, overrides, tmp_path, tiny_model_dir):
+                                                                       "rope_theta": 1e6}}), 1),
+    ("qwen3_moe", "qwen3moe", dict(mlp_only_layers=[]), 1)])      # stacked expert tensors; every layer sparse
+def test_gguf_equals_its_checkpoint(model_type, arch, overrides, tp, tmp_path, tiny_model_dir):
     import pathlib
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
     from tests.gguf_tiny import write_gguf
@@ -88,13 +94,15 @@ def test_windowed_gguf_equals_its_checkpoint(model_type, arch, overrides, tmp_pa
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     runs = {}
     for name, model in (("gguf", path), ("safetensors", tmp_path / "hf")):
-        llm = LLM(str(model), max_model_len=512, kvcache_block_size=16, kv_cache_memory=16 << 20,
-                  max_num_batched_tokens=32)
-        runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        if name == "gguf":
+        llm = LLM(str(model), tensor_parallel_size=tp, max_model_len=512, kvcache_block_size=16,
+                  kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+        try:
+            runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
             config = llm.config.model_config
-            assert config.sliding_window == hf.config.sliding_window
-            assert config.attn_logit_softcap == (getattr(hf.config, "attn_logit_softcapping", None) or 0)
+        finally:
+            llm.close()
+        assert config.sliding_window == hf.config.sliding_window
+        assert config.attn_logit_softcap == (getattr(hf.config, "attn_logit_softcapping", None) or 0)
     for ours, want, prompt in zip(runs["gguf"], runs["safetensors"], prompts):
         assert ours.token_ids == want.token_ids == hf_greedy(hf, prompt, 24)
         for got, expected in zip(ours.logprobs, want.logprobs):
@@ -119,7 +127,7 @@ def header_only(path, arch="llama", **metadata):
     ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
     ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
      "llama.rope.scaling.type='yarn'"),
-    ("qwen3moe.gguf", "qwen3moe", {}, "GGUF architecture 'qwen3moe'"),
+    ("qwen2moe.gguf", "qwen2moe", {}, "GGUF architecture 'qwen2moe'"),
     ("scale.gguf", "llama", {"llama__attention__scale": (0.1, gguf.GGUFValueType.FLOAT32)}, "llama.attention.scale"),
     ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
 ])

@@ -195,7 +195,21 @@ ARCH_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, n
                   tie_word_embeddings=False)
 ARCHS = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": None},
          "qwen3_moe": dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                           mlp_only_layers=[1], norm_topk_prob=True)}
+                           mlp_only_layers=[1], norm_topk_prob=True),
+         # a window of 24 on layers 0 and 2, a scale of 24 ** -0.5 rather than head_dim's, an attention cap low
+         # enough to change the tokens (Gemma 2 ships 50 for scores of another size); untied, as tied embeddings
+         # scaled by sqrt(hidden) make greedy decoding repeat the prompt's last token
+         "gemma2": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=30.0),
+         # layers 0, 1 windowed (24 tokens, RoPE base 100), layer 2 global (base 1e6, linear scaling)
+         "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=24, sliding_window_pattern=3,
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e6}}),
+         # Phi-4-mini's shape of attention: 3/4 of each head rotates; a window of 40 on every layer
+         "phi3": dict(partial_rotary_factor=0.75, sliding_window=40, original_max_position_embeddings=1024,
+                      pad_token_id=None)}
+NOISY_NORMS = {"gemma2", "gemma3_text", "phi3"}     # norm weights get noise here (the others keep transformers' init)
 
 
 def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_overrides):
@@ -213,6 +227,8 @@ def make_tiny_arch(out_dir, model_type: str, *, seed: int = 0, **config_override
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
+                if model_type in NOISY_NORMS:     # a swapped, dropped or un-offset norm changes the tokens
+                    p.add_(NORM_NOISE_STD * torch.randn_like(p))
                 continue
             if "embed" in name or "lm_head" in name:
                 p.normal_(0, EMBED_STD)

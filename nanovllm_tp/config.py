@@ -34,7 +34,8 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: dict | None = None        # rope parameters other than plain RoPE (rope_type and its keys)
-    sliding_window: int | None = None       # an active window: EngineConfig keeps max_model_len within it
+    sliding_window: int | None = None       # the window of the layers that have one (None: no layer has)
+    layer_windows: tuple[int, ...] = ()     # per layer: its sliding window, 0 for a layer that sees everything
     # mixture of experts (architecture files that have one set these through config_options)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -43,6 +44,19 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     o_proj_bias: bool = False               # a bias on o_proj (Llama and Qwen3 with attention_bias; never Qwen2)
     mlp_bias: bool = False                  # biases on gate, up and down (Llama's mlp_bias)
+    hidden_act: str = "silu"                # the gated MLP's activation (layers/norm_rope_act.GATED_ACTIVATIONS)
+    query_pre_attn_scalar: float = 0        # attention scale = this ** -0.5 (0: head_dim, the usual)
+    attn_logit_softcap: float = 0.0         # cap * tanh(score / cap) on attention scores (0: none)
+    final_logit_softcap: float = 0.0        # the same on the logits
+    scale_embeddings: bool = False          # embeddings times sqrt(hidden_size) (Gemma)
+    local_rope_theta: float = 0.0           # RoPE base of the windowed layers, plain RoPE (0: as the others)
+    rotary_dim: int = 0                     # features of each head that RoPE rotates (0: all of them)
+
+    def layer_rope(self, layer: int) -> tuple[float, dict | None]:
+        """(RoPE base, scaling) of one layer: a windowed layer's own base where the config has one."""
+        if self.local_rope_theta and self.layer_windows[layer]:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_pretrained(cls, model: str) -> "ModelConfig":
@@ -61,22 +75,27 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs or hf.model_type!r} in {model}; "
                              f"supported: {sorted(ARCHITECTURES)}")
         _check_int_fields({name: getattr(hf, name, None) for name in _INT_FIELDS}, model)
-        _refuse_unimplemented(hf, model)
-        theta, scaling = _rope(hf, model)
+        theta, scaling, local_theta = _rope(hf, model)
         heads = hf.num_attention_heads
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or ("bfloat16" if gguf else "float32")
         options = model_class(arch).config_options(hf)
+        _check_activation(options, model)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        partial = _partial_rotary_factor(hf)
+        if partial != 1.0 and not model_class(arch).partial_rotary:
+            raise ValueError(f"partial_rotary_factor={partial} in {model} is not implemented for {arch}")
         return cls(
             architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
             intermediate_size=getattr(hf, "intermediate_size", None) or 0,
             num_hidden_layers=hf.num_hidden_layers, num_attention_heads=heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            head_dim=head_dim, rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            local_rope_theta=local_theta,
             max_position_embeddings=getattr(hf, "max_position_embeddings", None) or 4096,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""), eos_token_ids=_eos_ids(model, gguf, hf),
-            sliding_window=_active_window(hf), **options)
+            **_windows(hf, model), **options)
 
 
 def _auto_config(model: str, gguf: str | None):
@@ -115,29 +134,51 @@ def _check_int_fields(values: dict, where: str) -> None:
             raise ValueError(f"config field {name} must be a positive int, got {value!r} ({where})")
 
 
-def _refuse_unimplemented(hf, model: str) -> None:
-    act = getattr(hf, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only silu)")
-    if getattr(hf, "partial_rotary_factor", 1.0) not in (1, 1.0, None):
-        raise ValueError(f"partial_rotary_factor={hf.partial_rotary_factor} in {model} is not implemented")
+def _check_activation(options: dict, model: str) -> None:
+    """The architecture's reading of its activation (hidden_act, or Gemma's hidden_activation), refused by name
+    unless the gated MLP has it."""
+    from nanovllm_tp.layers.norm_rope_act import GATED_ACTIVATIONS
+    act = options.setdefault("hidden_act", "silu")
+    if act == "swish":
+        act = options["hidden_act"] = "silu"
+    if act not in GATED_ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} in {model} is not implemented (only {', '.join(GATED_ACTIVATIONS)})")
 
 
-def _rope(hf, model: str) -> tuple[float, dict | None]:
-    """rope_theta and the scaling parameters (None for plain RoPE); transformers 5.x nests them under
-    rope_parameters, 4.x keeps rope_theta flat beside rope_scaling."""
+def _partial_rotary_factor(hf) -> float:
+    """The share of each head that RoPE rotates: a config field, or (transformers 5.x) a rope parameter."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    factor = getattr(hf, "partial_rotary_factor", None)
+    return float(factor if factor is not None else params.get("partial_rotary_factor") or 1.0)
+
+
+def _rope(hf, model: str) -> tuple[float, dict | None, float]:
+    """rope_theta, the scaling parameters (None for plain RoPE) and the windowed layers' own base (0: none);
+    transformers 5.x nests them under rope_parameters (per layer type where they differ: Gemma 3), 4.x keeps
+    rope_theta flat beside rope_scaling."""
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        local = dict(params.get("sliding_attention") or {})
+        if (local.get("rope_type") or "default") != "default":
+            raise ValueError(f"rope_parameters of sliding_attention layers of type {local['rope_type']!r} in "
+                             f"{model} are not implemented (only default)")
+        theta, scaling, _ = _rope_params(dict(params["full_attention"]), hf, model)
+        return theta, scaling, float(local.get("rope_theta") or 0.0)
+    return _rope_params(params, hf, model)
+
+
+def _rope_params(params: dict, hf, model: str) -> tuple[float, dict | None, float]:
     theta = float(params.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0)
     kind = params.get("rope_type") or params.get("type") or "default"
     params.pop("type", None)
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling rope_type {kind!r} in {model} is not implemented "
                          f"(supported: {', '.join(ROPE_TYPES)})")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"rope_scaling partial_rotary_factor={params['partial_rotary_factor']} in {model} "
-                         "is not implemented")
+    params.pop("partial_rotary_factor", None)       # _partial_rotary_factor reads it
     if kind == "default":
-        return theta, None
+        return theta, None, 0.0
     params["rope_type"] = kind
     if kind == "yarn":
         params.setdefault("original_max_position_embeddings", getattr(hf, "max_position_embeddings", None))
@@ -146,19 +187,35 @@ def _rope(hf, model: str) -> tuple[float, dict | None]:
     missing = [k for k in ROPE_TYPES[kind] if params.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} in {model} lacks {', '.join(missing)}")
-    return theta, params
+    return theta, params, 0.0
 
 
-def _active_window(hf) -> int | None:
-    """The sliding window when some layer uses it (transformers 5.x lists layer_types; 4.x Qwen configs gate
-    the window with use_sliding_window; Mistral's window is on whenever it is set)."""
+def _windows(hf, model: str) -> dict:
+    """sliding_window and layer_windows: which layers use the window. transformers 5.x lists layer_types
+    (Qwen2/3 derive them from use_sliding_window and max_window_layers, Gemma from its pattern); a 4.x Qwen config
+    gates the window with use_sliding_window (layers from max_window_layers on); Mistral's window is on in every
+    layer whenever it is set."""
     window = getattr(hf, "sliding_window", None)
-    layer_types = getattr(hf, "layer_types", None)
-    if layer_types is not None:
-        active = "sliding_attention" in layer_types
+    layers = hf.num_hidden_layers
+    types = getattr(hf, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} in {model} are not implemented "
+                             "(only sliding_attention and full_attention)")
+        sliding = [t == "sliding_attention" for t in types]
+    elif getattr(hf, "use_sliding_window", True):
+        first = getattr(hf, "max_window_layers", 0) if hasattr(hf, "use_sliding_window") else 0
+        sliding = [i >= first for i in range(layers)]
     else:
-        active = getattr(hf, "use_sliding_window", True)
-    return int(window) if window and active else None
+        sliding = [False] * layers
+    if len(sliding) != layers:
+        raise ValueError(f"layer_types in {model} lists {len(sliding)} layers, not num_hidden_layers={layers}")
+    if not window or not any(sliding):
+        return {"sliding_window": None, "layer_windows": (0,) * layers}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config field sliding_window must be a positive int, got {window!r} ({model})")
+    return {"sliding_window": window, "layer_windows": tuple(window if s else 0 for s in sliding)}
 
 
 def _eos_ids(model: str, gguf: str | None, hf) -> tuple[int, ...]:
@@ -269,10 +326,6 @@ class EngineConfig:
         elif self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
-        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
-            raise ValueError(f"sliding_window={mc.sliding_window}: sliding-window attention is not implemented; "
-                             f"set max_model_len <= {mc.sliding_window} (within the window every layer attends to "
-                             f"the whole sequence, so the result is exact), not {self.max_model_len}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated token)")
         if mc.num_experts:

@@ -21,8 +21,18 @@ import torch
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
 
-# GGUF architectures whose tensors map onto the engine's models one to one (MoE files pack experts differently)
-SUPPORTED = ("llama", "qwen2", "qwen3")
+# GGUF architectures the engine reads (a qwen3moe file stacks each layer's experts: split at load)
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+# GGUF architecture -> transformers' model_type, where they differ
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+# a stacked expert tensor of a layer -> the name the model splits per expert (Qwen3MoeForCausalLM.checkpoint_parts)
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# the layer count of the Gemma model whose attention scale llama.cpp takes as hidden / heads (27B)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# metadata keys transformers' GGUF tables leave out that change the math: {arch}.KEY -> config field
+_EXTRA_FIELDS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                 "final_logit_softcapping": "final_logit_softcapping",
+                 "expert_feed_forward_length": "moe_intermediate_size"}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -135,25 +145,54 @@ def hf_config(path: str):
     arch, meta = header.arch, header.metadata
     if arch not in SUPPORTED:
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {', '.join(SUPPORTED)})")
-    for key, inactive in ((f"{arch}.rope.scaling.type", "none"), (f"{arch}.attention.sliding_window", 0)):
-        if meta.get(key, inactive) != inactive:
-            raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        key = f"{arch}.rope.scaling.type"
+        raise ValueError(f"{key}={meta[key]!r} in {path} is not implemented for GGUF files")
     if any(t.name == "rope_freqs.weight" for t in header.tensors):
         raise ValueError(f"{path} stores rope scaling as a rope_freqs tensor, which is not implemented")
-    fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    if any(t.name.startswith("rope_factors_") for t in header.tensors):
+        raise ValueError(f"{path} stores LongRoPE factors (rope_factors_long/short tensors): longrope is not "
+                         "implemented")
+    hf_arch = "qwen3_moe" if arch == "qwen3moe" else arch       # the name of its transformers tables
+    fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_arch, {}))
     for key, value in meta.items():
         prefix, _, rest = key.partition(".")
-        table = GGUF_CONFIG_MAPPING.get(arch if prefix == arch else prefix if prefix in ("general", "tokenizer")
+        table = GGUF_CONFIG_MAPPING.get(hf_arch if prefix == arch else prefix if prefix in ("general", "tokenizer")
                                         else None, {})
         if table.get(rest) not in (None, -1):
             fields[table[rest]] = value
     if f"{arch}.attention.key_length" in meta:
         fields["head_dim"] = meta[f"{arch}.attention.key_length"]
+    for key, field in _EXTRA_FIELDS.items():
+        if meta.get(f"{arch}.{key}"):
+            fields[field] = meta[f"{arch}.{key}"]
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":    # Gemma 3: its global layers only, as llama.cpp
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    if arch in _GEMMA_27B_LAYERS:
+        fields["query_pre_attn_scalar"] = _gemma_query_scalar(arch, meta, fields)
+    elif f"{arch}.attention.scale" in meta:
+        raise ValueError(f"{arch}.attention.scale in {path} is not implemented for GGUF files of {arch}")
+    head_dim = fields.get("head_dim") or fields.get("hidden_size", 0) // fields.get("num_attention_heads", 1)
+    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:          # llama.cpp writes the rotated features of a head (Phi-4-mini: 3/4 of them)
+        fields["partial_rotary_factor"] = rotary / head_dim
     fields.pop("_model_name_or_path", None)
     fields.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))
+    fields.setdefault("pad_token_id", None)     # not a class default past the file's vocabulary (Phi-3's 32000)
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
-    model_type = fields.pop("model_type")
+    model_type = _MODEL_TYPES.get(fields["model_type"], fields["model_type"])
+    del fields["model_type"]
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _gemma_query_scalar(arch: str, meta: dict, fields: dict) -> float:
+    """Gemma's attention scale as llama.cpp reads the file: attention.scale where written, else hidden / heads
+    for the 27B model and head_dim for the others (HF's query_pre_attn_scalar of each)."""
+    if f"{arch}.attention.scale" in meta:
+        return meta[f"{arch}.attention.scale"] ** -2
+    if fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
+        return fields["hidden_size"] / fields["num_attention_heads"]
+    return fields.get("head_dim") or fields["hidden_size"] / fields["num_attention_heads"]
 
 
 def load_tokenizer(path: str):
@@ -171,16 +210,20 @@ class GGUFWeight:
     def __init__(self, entry: TensorEntry, blob: np.ndarray, processor, permuted: bool, keep_blocks: bool = False):
         block, block_bytes = _require_gguf().GGML_QUANT_SIZES[entry.ggml_type]
         rows = math.prod(entry.shape[:-1])
+        # a stacked 3-D tensor (a layer's experts) reads as its rows: [experts * rows, columns]
+        self.shape = entry.shape if len(entry.shape) < 3 else (rows, entry.shape[-1])
         row_bytes = entry.shape[-1] // block * block_bytes
         self.data = blob[entry.start:entry.start + rows * row_bytes].reshape(rows, row_bytes)
         self.entry, self.processor, self.permuted = entry, processor, permuted
+        # 1-D tensors go through the architecture's processor whole (Gemma's norms are stored as 1 + weight)
+        self.processed = len(entry.shape) == 1 and type(processor).__name__ != "TensorProcessor"
         self.keep_blocks = keep_blocks and entry.ggml_type in GGUF_TYPES and len(entry.shape) == 2
 
     def get_shape(self) -> tuple[int, ...]:
-        return self.entry.shape
+        return self.shape
 
     def _dequantize(self, data) -> np.ndarray:
-        weights = _require_gguf().dequantize(data, self.entry.ggml_type).reshape(-1, *self.entry.shape[1:])
+        weights = _require_gguf().dequantize(data, self.entry.ggml_type).reshape(-1, *self.shape[1:])
         return weights if weights.flags.writeable else weights.copy()     # unquantized data is the read-only map
 
     def _blocks(self, key) -> QuantBlocks:
@@ -203,7 +246,7 @@ class GGUFWeight:
         if isinstance(key, slice) and not self.permuted and len(self.entry.shape) > 1:    # rows: just those
             return torch.from_numpy(self._dequantize(self.data[key]))
         weights = self._dequantize(self.data)
-        if self.permuted:
+        if self.permuted or self.processed:
             weights = self.processor.process(weights=weights, name=self.entry.name).weights
         return torch.from_numpy(np.ascontiguousarray(weights[key]))
 
@@ -270,6 +313,9 @@ def iter_weights(path: str, keep_blocks: bool = False):
             to_hf[f"{gguf_name}.{suffix}"] = hf_name
     processor = TENSOR_PROCESSORS.get(header.arch, TensorProcessor)(config=config.to_dict())
     blob = np.memmap(path, dtype=np.uint8, mode="r")
+    for layer in range(config.num_hidden_layers):
+        for gguf_name, ours in _EXPERTS.items():
+            to_hf[f"blk.{layer}.{gguf_name}.weight"] = f"model.layers.{layer}.mlp.experts.{ours}.stacked"
     for entry in header.tensors:
         if entry.name not in to_hf:
             raise ValueError(f"GGUF tensor {entry.name!r} in {path} has no counterpart in the HF model")

@@ -79,16 +79,18 @@ def _torch_bin_tensors(model_dir: str):
 def load_model(model: nn.Module, model_dir: str, keep_blocks: bool = False) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_names = set()
-    for ckpt_name, tensor, source in checkpoint_tensors(model_dir, keep_blocks):
-        if "rotary_emb.inv_freq" in ckpt_name:
+    for whole_name, whole, source in checkpoint_tensors(model_dir, keep_blocks):
+        if "rotary_emb.inv_freq" in whole_name:
             continue
-        target, shard = model.checkpoint_target(ckpt_name)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} in {source} has no matching parameter in the model")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor, *shard)
-        loaded_names.add(target)
+        for ckpt_name, tensor in model.checkpoint_parts(whole_name, whole):
+            target, shard = model.checkpoint_target(ckpt_name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {whole_name!r} in {source} has no matching parameter in the "
+                                 "model")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, *shard)
+            loaded_names.add(target)
     missing = {name for name in params if name not in loaded_names}
     if model.tie_word_embeddings:
         missing.discard("lm_head.weight")

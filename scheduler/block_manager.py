@@ -6,6 +6,15 @@ and the block it was computed after is the request's previous hit, still holding
 carry a version bumped on reuse). By induction the whole prefix matches, so a collision can cost a cache
 hit but never hands out someone else's KV. Freed blocks keep their tokens and hash until they are reused,
 which is what lets a preempted or repeated prompt hit the cache.
+
+Sliding windows: when every layer of the model attends to at most `window` tokens, the blocks of a sequence
+that lie wholly before the window of its next query (and one block more, so that the parent of every block
+still to be hashed is alive) can never be read again: `release_outside_window` frees them while the sequence
+runs, so its KV use stops growing at the window. Their ids stay in the block table, stale (the attention
+backends never read before a row's window); `num_window_freed` counts them. They go back to the free list
+with their hash: what they hold is the exact KV of their tokens at their positions, so a later prompt with
+that prefix may hit them, and a block reused for other tokens leaves the cache (and breaks the chain after it)
+as any other.
 """
 from collections import OrderedDict
 
@@ -39,10 +48,14 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0):
+        """window: the most recent tokens any layer reads (0: some layer reads them all, nothing is released)."""
+        if num_blocks < 1 or block_size < 1 or window < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1 and window >= 0, got {num_blocks}, "
+                             f"{block_size}, {window}")
         self.block_size = block_size
+        self.window = window
+        self.num_window_freed_blocks = 0     # lifetime count, for tests and stats
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -125,13 +138,30 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks go back first so the oldest (shared, most reusable) prefix blocks are evicted last.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+        for block_id in reversed(self.live_blocks(seq)):
+            self._release(block_id)
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_window_freed = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Free seq's blocks that no query from its next token on can read (see the module's note)."""
+        if not self.window:
+            return
+        dead = (seq.num_cached_tokens - self.window + 1) // self.block_size - 1
+        while seq.num_window_freed < dead:
+            self._release(seq.block_table[seq.num_window_freed])
+            seq.num_window_freed += 1
+            self.num_window_freed_blocks += 1
+
+    def live_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks seq holds (its table less the entries released for the window)."""
+        return seq.block_table[seq.num_window_freed:]
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether seq's next decode token has a slot (it needs a new block on a block boundary)."""

@@ -39,13 +39,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]
     eos_token_ids: tuple[int, ...] = ()
     speculative: SpeculativeConfig | None = None
+    kv_window: int = 0      # the most recent tokens any layer reads (0: some layer reads everything)
 
     @classmethod
     def of(cls, config: EngineConfig, num_kvcache_blocks: int) -> "SchedulerConfig":
         """From a validated EngineConfig (block size and max_model_len resolved)."""
+        windows = config.model_config.layer_windows
         return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
                    config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids,
-                   SpeculativeConfig.from_dict(config.speculative_config))
+                   SpeculativeConfig.from_dict(config.speculative_config),
+                   max(windows) if windows and all(windows) else 0)
 
 
 class Scheduler:
@@ -54,7 +57,7 @@ class Scheduler:
         self.block_size = config.kvcache_block_size
         check_holds_a_sequence(config.num_kvcache_blocks, self.block_size, config.max_model_len)
         self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, config.kv_window)
         self.eos = frozenset(config.eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -288,6 +291,7 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_tokens - 1 if seq.draft else before + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = seq.num_cached_tokens - before
             bm.hash_blocks(seq)
+            bm.release_outside_window(seq)
             seq.num_scheduled_tokens, seq.draft = 0, []
         for seq in progressed:
             if seq.seq_id in ended:
@@ -303,9 +307,10 @@ class Scheduler:
         if partial and bm.num_free_blocks == 0:
             self._requeue_front(child)
             return
-        for block_id in parent.block_table[:full]:
+        for block_id in bm.live_blocks(parent)[:max(0, full - parent.num_window_freed)]:
             bm.share(block_id)
         child.block_table = parent.block_table[:full]
+        child.num_window_freed = min(parent.num_window_freed, full)
         if partial:
             dst = bm.take_block()
             self._copies.append((parent.block_table[full], dst))
@@ -335,6 +340,9 @@ class Scheduler:
         if bm.enable_prefix_caching:     # rows whose token just completed a block
             for row in np.flatnonzero((batch.positions + 1) % self.block_size == 0).tolist():
                 bm.hash_block(batch.seqs[row], int(batch.positions[row]) // self.block_size)
+        if bm.window:     # rows whose window just left a block behind
+            for row in np.flatnonzero((batch.positions + 2 - bm.window) % self.block_size == 0).tolist():
+                bm.release_outside_window(batch.seqs[row])
         tokens = np.asarray(token_ids, dtype=np.int64)
         progressed = batch.seqs
         batch.advance(tokens)

@@ -15,7 +15,7 @@ class SequenceStatus(IntEnum):
 
 class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
-                 "num_scheduled_tokens", "block_table", "params", "seed", "row", "forks", "index",
+                 "num_scheduled_tokens", "block_table", "num_window_freed", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
                  "seen", "draft", "spec_wait", "spec_misses", "arrival_time", "first_token_time", "last_token_time",
                  "finish_time")
@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0       # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0    # tokens computed in the step being run
         self.block_table: list[int] = []
+        self.num_window_freed = 0        # leading block_table entries released for the sliding window (stale)
         self.params = params
         self.seed = seed
         self.row = row_record(params, seed)     # this request's entry of the per-row sampling arrays

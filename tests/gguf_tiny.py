@@ -1,7 +1,9 @@
-"""Write small GGUF files for the tests (llama, qwen2, qwen3), the way llama.cpp's converter lays them out:
-Llama's q/k rows permuted (pairs of rotary halves interleaved per head), 2-D weights quantized (Q8_0 unless told:
-`qtype` for the linear layers, the embedding and LM head always Q8_0, as SmolLM2's file), norms in F32, no
-output.weight when the embedding is tied, the tiny BPE tokenizer as a gpt2-style vocabulary with merges."""
+"""Write small GGUF files for the tests (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3), the way llama.cpp's converter lays them out:
+Llama's q/k rows permuted (pairs of rotary halves interleaved per head), Gemma's norms stored as 1 + weight, 2-D
+weights quantized (Q8_0 unless told: `qtype` for the linear layers, `embed_qtype` for the embedding and LM head,
+Q8_0 by default as SmolLM2's file), norms in F32, no output.weight when the embedding is tied, the tiny BPE
+tokenizer as a gpt2-style vocabulary with merges; a window and logit caps in the metadata where the config
+has them."""
 import json
 
 import numpy as np
@@ -12,7 +14,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None,
-               qtype: str = "Q8_0"):
+               qtype: str = "Q8_0", embed_qtype: str = "Q8_0"):
     import gguf
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -23,12 +25,26 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    partial = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(cfg.head_dim * partial))
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)      # Gemma 3: its global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            writer.add_float32(f"{arch}.{key}", getattr(cfg, key))
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for key, value in (extra_metadata or {}).items():
         writer.add_key_value(key, *value)
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -45,7 +61,7 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.add_add_bos_token(False)
     gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
-    for hf_name, tensor in hf_model.state_dict().items():
+    for hf_name, tensor in _expert_stacks(hf_model.state_dict(), cfg):
         base, _, suffix = hf_name.rpartition(".")
         if base == "lm_head" and cfg.tie_word_embeddings:
             continue
@@ -54,9 +70,11 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        name = f"{names.get_name(base)}.{suffix}"
-        if w.ndim == 2:
-            kind = gguf.GGMLQuantizationType["Q8_0" if "embed" in base or "lm_head" in base else qtype]
+        elif arch.startswith("gemma") and "norm" in base:
+            w = w + 1
+        name = f"{names.get_name(base) or base}.{suffix}"
+        if w.ndim >= 2:
+            kind = gguf.GGMLQuantizationType[embed_qtype if "embed" in base or "lm_head" in base else qtype]
             writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, w)
@@ -65,3 +83,19 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _expert_stacks(state: dict, cfg):
+    """The state dict with a layer's fused experts (transformers' gate_up_proj [experts, 2 * inter, hidden] and
+    down_proj) as llama.cpp's three stacks, blk.N.ffn_{gate,up,down}_exps."""
+    for name, tensor in state.items():
+        if ".mlp.experts." not in name:
+            yield name, tensor
+            continue
+        layer = int(name.split(".")[2])
+        if name.endswith("gate_up_proj"):
+            inter = cfg.moe_intermediate_size
+            yield f"blk.{layer}.ffn_gate_exps.weight", tensor[:, :inter]
+            yield f"blk.{layer}.ffn_up_exps.weight", tensor[:, inter:]
+        else:
+            yield f"blk.{layer}.ffn_down_exps.weight", tensor

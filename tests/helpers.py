@@ -58,3 +58,16 @@ def written_slots(before: torch.Tensor, after: torch.Tensor) -> set[int]:
     [layers, blocks, block_size, kv_heads, head_dim], in any layer."""
     changed = (before != after).flatten(3).any(-1).any(0)      # [blocks, block_size]
     return set(torch.nonzero(changed.flatten()).flatten().tolist())
+
+
+def greedy_then_prefix_hits(llm, prompts, params, repeat: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's tokens, then those of its last `repeat` prompts run again, which must hit the prefix cache
+    (the engine is closed after)."""
+    try:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
+        again = llm.generate(prompts[-repeat:], params, use_tqdm=False)
+        assert llm.engine.scheduler.block_manager.num_prefix_hit_tokens > hits
+    finally:
+        llm.close()
+    return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]

@@ -32,9 +32,10 @@ HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
-    "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _int]),
+    "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _int,
+                            _float, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
-    "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int]),
+    "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
     "linear_bf16_available": (_int, []),
     "pack_bf16_weight": (None, [_ptr, _ptr, _i64, _i64]),
@@ -162,7 +163,9 @@ class CpuKernels:
                             int(dtype is torch.bfloat16))
         return out
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
+        """window > 0: each row sees its last `window` tokens only; softcap > 0: scores capped by tanh."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.contiguous()
@@ -173,7 +176,7 @@ class CpuKernels:
             raise TypeError(f"KV cache {k_cache.dtype}/{v_cache.dtype} does not match the query's {q.dtype}")
         if self._paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                               tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                              block_size, scale, _bf16(q)):
+                              block_size, scale, window, softcap, _bf16(q)):
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
 
@@ -206,7 +209,8 @@ class CpuKernels:
         return out if residual is None else (out, residual)
 
     def rope(self, q, k, positions, cos_sin):
-        """Rotates q and k ([tokens, heads, dim]) in place (copies first unless heads are contiguous rows)."""
+        """Rotates q and k ([tokens, heads, dim]) in place (copies first unless heads are contiguous rows): the
+        first cos_sin.shape[1] features of each head (partial rotary when that is less than dim)."""
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()
         if k.stride(2) != 1 or k.stride(1) != k.shape[2]:
@@ -217,7 +221,7 @@ class CpuKernels:
         if cos_sin.dtype not in DTYPES:
             cos_sin = cos_sin.float()
         self._rope(q.data_ptr(), k.data_ptr(), positions.contiguous().data_ptr(), cos_sin.data_ptr(), tokens,
-                   q_heads, k.shape[1], q.stride(0), k.stride(0), dim, _bf16(q), _bf16(cos_sin))
+                   q_heads, k.shape[1], q.stride(0), k.stride(0), dim, cos_sin.shape[1], _bf16(q), _bf16(cos_sin))
         return q, k
 
     def silu_mul(self, x) -> torch.Tensor:

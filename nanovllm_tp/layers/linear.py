@@ -34,6 +34,26 @@ def take_rows(loaded, start: int, size: int) -> torch.Tensor:
     return loaded[start:start + size]
 
 
+@dataclass(slots=True)
+class RowRange:
+    """Rows start..start+size of a checkpoint tensor (a lazy slice or a tensor), itself read lazily: one part
+    of a fused weight (Phi-3's qkv_proj) handed to the weight_loader of the parameter it fills."""
+    loaded: object
+    start: int
+    size: int
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (self.size, *shape_of(self.loaded)[1:])
+
+    def __getitem__(self, key):
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        first, stop, step = rows.indices(self.size)
+        if step != 1:
+            raise ValueError("a RowRange is read in runs of rows")
+        part = self.loaded[self.start + first:self.start + max(first, stop)]
+        return part[(slice(None), *rest)] if rest else part
+
+
 def take_cols(loaded, start: int, size: int) -> torch.Tensor:
     return loaded[:, start:start + size]
 

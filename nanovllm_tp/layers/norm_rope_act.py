@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers.linear import copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -76,9 +77,12 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves), as in Qwen and Llama; cos/sin precomputed for every position, scaled
     as the config's rope_scaling says (rope_inv_freq)."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
+                 rotary_dim: int = 0):
+        """rotary_dim: the features of each head that rotate (0: all; fewer with a partial_rotary_factor)."""
         super().__init__()
-        inv_freq, attention_factor = rope_inv_freq(head_dim, base, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin", cos_sin, persistent=False)
@@ -90,10 +94,23 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest.float()), dim=-1).to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + weight): the checkpoint stores weight, the parameter
+    holds 1 + weight (added once at load), so the kernels are RMSNorm's."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__(size, eps)
+        self.weight.weight_loader = self.weight_loader
+
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def weight_loader(param: nn.Parameter, loaded) -> None:
+        copy_checked(param.data, loaded[:].float() + 1.0, "norm weight")
 
 
 class SiluAndMul(nn.Module):
@@ -102,3 +119,15 @@ class SiluAndMul(nn.Module):
             return kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up with gelu's tanh approximation (GeGLU, transformers' gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# the config's hidden_act -> the gated activation (ModelConfig refuses the others by name)
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

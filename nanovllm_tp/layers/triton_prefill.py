@@ -5,11 +5,14 @@ One program per (row, query tile, kv head) holds BLOCK_M queries x GROUP query h
 and walks the row's keys in BLOCK_N-token tiles with an online softmax, looking up each key's block in the
 block table. Memory is the output only: no score matrix, no gathered K/V, whatever the prefix length. The
 torch-cuda backend uses it for every prefill over a cached prefix (later chunks of a chunked prompt, prefix
-cache hits, mixed steps), and for fp32 prefill.
+cache hits, mixed steps), and for fp32 prefill. A sliding window (runtime `window` > 0) starts each query tile's
+walk at the key tile of its first query's first visible key; a logit cap is a compiled variant.
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm_tp.layers.triton_decode import soft_cap
 
 # 64 tile rows x 32 keys with 8 warps: ptxas (sm_90a, head_dim 128, group 1..8) reports ~220 registers and no
 # spills for bf16 and fp32; with 4 warps bf16 spills a little and fp32 (FMA dot) spills ~20 KB per thread.
@@ -18,10 +21,11 @@ BLOCK_N, NUM_WARPS = 32, 8
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                          out_ptr, scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                          stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                          out_ptr, scale, window, softcap, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_bt, stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          SOFTCAP: tl.constexpr):
     row = tl.program_id(0)
     m_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -45,9 +49,12 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
     l = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    # a window hides the keys before the tile's first query's window: start at their key tile, and load none of
+    # them (their blocks may be stale)
+    kv_first = tl.where(window > 0, tl.maximum(prefix + m_tile * BLOCK_M - window + 1, 0), 0)
+    for start in range(kv_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         pos = start + n
-        in_context = pos < kv_end
+        in_context = (pos < kv_end) & (pos >= kv_first)
         block = tl.load(block_tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=in_context, other=0)
         kv_offsets = (block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks)[:, None] \
             + kv_head * stride_kh + d[None, :]
@@ -55,7 +62,10 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        visible = in_context[None, :] & (pos[None, :] <= q_pos[:, None]) \
+            & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # a tile row that sees no key yet
@@ -77,10 +87,10 @@ def prefill_block_m(group_pad: int) -> int:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            max_seqlen_q: int, scale: float) -> torch.Tensor:
+                            max_seqlen_q: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [tokens, heads, dim] (each row's new tokens, whose K/V are already in the cache); caches
-    [blocks, block_size, kv_heads, dim]; int32 cu_seqlens_q [rows+1] and context_lens [rows] (cached + new).
-    Returns [tokens, heads, dim]."""
+    [blocks, block_size, kv_heads, dim]; int32 cu_seqlens_q [rows+1] and context_lens [rows] (cached + new);
+    window, softcap: the layer's sliding window and logit cap (0: none). Returns [tokens, heads, dim]."""
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     rows = context_lens.shape[0]
@@ -90,10 +100,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     grid = (rows, triton.cdiv(max_seqlen_q, block_m), kv_heads)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale, window, softcap,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS)
+        SOFTCAP=softcap > 0, num_warps=NUM_WARPS)
     return out

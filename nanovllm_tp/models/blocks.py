@@ -14,14 +14,17 @@ from torch import nn
 from nanovllm_tp.layers.attention import Attention
 from nanovllm_tp.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_tp.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm_tp.layers.norm_rope_act import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanovllm_tp.layers.norm_rope_act import GATED_ACTIVATIONS, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
     from nanovllm_tp.config import ModelConfig
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """q/k/v projections, optional q/k norms (of class `norm`), RoPE, paged attention with the layer's window
+    and the config's scale and logit cap, o projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -29,11 +32,13 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        theta, scaling = cfg.layer_rope(layer)
+        self.rotary_emb = RotaryEmbedding(d, cfg.max_position_embeddings, theta, scaling, cfg.rotary_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, (cfg.query_pre_attn_scalar or d) ** -0.5,
+                              window=cfg.layer_windows[layer], softcap=cfg.attn_logit_softcap)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = norm(d, cfg.rms_norm_eps)
+            self.k_norm = norm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.head_dim = d
 
@@ -49,22 +54,23 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate/up split by output features across ranks, down by input features."""
+    """down(act(gate(x)) * up(x)), act SiLU or GELU-tanh (the config's hidden_act); gate/up split by output
+    features across ranks, down by input features."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act = SiluAndMul()
+        self.act = GATED_ACTIVATIONS[act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, layer: int):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg)
+        self.self_attn = DecoderAttention(cfg, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,14 +86,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, make_mlp):
+    def __init__(self, cfg: ModelConfig, make_mlp, layer_class: type[nn.Module] = DecoderLayer,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(cfg, make_mlp(cfg, i), i) for i in range(cfg.num_hidden_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
 
     def forward(self, input_ids, positions):
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:      # Gemma: times sqrt(hidden_size), rounded to the activations' dtype
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -109,11 +119,21 @@ class CausalLM(nn.Module):
     def config_options(cls, hf_config) -> dict:
         """This architecture's reading of the HF config: ModelConfig fields beyond the common ones."""
         bias = bool(getattr(hf_config, "attention_bias", False))
-        return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": False}
+        return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": False,
+                "hidden_act": getattr(hf_config, "hidden_act", "silu")}
+
+    layer_class: type[nn.Module] = DecoderLayer    # an architecture with other layers names its own
+    norm_class: type[RMSNorm] = RMSNorm
+    partial_rotary = False      # whether its attention honours a partial_rotary_factor (else refused by name)
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+    def checkpoint_parts(self, name: str, loaded):
+        """(name, tensor) pieces of one checkpoint tensor: itself, unless the checkpoint fuses what the model
+        loads apart (Phi-3's qkv_proj and gate_up_proj)."""
+        yield name, loaded
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple]:
         """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader."""
@@ -125,8 +145,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hidden_size = cfg.hidden_size
-        self.model = DecoderModel(cfg, self.make_mlp)
+        self.model = DecoderModel(cfg, self.make_mlp, self.layer_class, self.norm_class)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.final_logit_softcap = cfg.final_logit_softcap
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -135,4 +156,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if logits is not None and self.final_logit_softcap:      # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits

@@ -65,6 +65,51 @@ def test_tiny_gguf_matches_transformers(arch, tp, tiny_ggufs):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, TOKENS) for p in prompts]
 
 
+# Gemma 2 (norms stored as 1 + weight, window and logit caps in the metadata; tied, as its files are), a Mistral
+# window (a llama file with attention.sliding_window), Phi-3, Gemma 3 and Qwen3-MoE: written in F32, the file is
+# the checkpoint it came from
+SLOW_TP2 = (pytest.mark.spawn, pytest.mark.slow)
+
+
+@pytest.mark.parametrize("model_type, arch, overrides, tp", [
+    ("gemma2", "gemma2", dict(tie_word_embeddings=True, query_pre_attn_scalar=32), 1),   # llama.cpp's scale for it
+    ("mistral", "llama", dict(sliding_window=48), 1),
+    ("phi3", "phi3", {}, 1),     # fused attn_qkv and ffn_up (gate and up), partial rotary as rope.dimension_count
+    pytest.param("phi3", "phi3", {}, 2, marks=SLOW_TP2),
+    pytest.param("qwen3_moe", "qwen3moe", dict(mlp_only_layers=[]), 2, marks=SLOW_TP2),
+    # llama.cpp's Gemma 3: five windowed layers to one global, the windowed ones at RoPE base 10000 unscaled
+    ("gemma3_text", "gemma3", dict(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=32,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}}), 1),
+    ("qwen3_moe", "qwen3moe", dict(mlp_only_layers=[]), 1)])      # stacked expert tensors; every layer sparse
+def test_gguf_equals_its_checkpoint(model_type, arch, overrides, tp, tmp_path, tiny_model_dir):
+    import pathlib
+    from nanovllm_tp.launch.make_tiny import make_tiny_arch
+    from tests.gguf_tiny import write_gguf
+    hf = make_tiny_arch(tmp_path / "hf", model_type, **overrides)
+    path = write_gguf(hf, pathlib.Path(tiny_model_dir), tmp_path / "tiny.gguf", arch=arch, qtype="F32",
+                      embed_qtype="F32")
+    prompts = mixed_prompts(2003, lengths=(5, 70), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    runs = {}
+    for name, model in (("gguf", path), ("safetensors", tmp_path / "hf")):
+        llm = LLM(str(model), tensor_parallel_size=tp, max_model_len=512, kvcache_block_size=16,
+                  kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+        try:
+            runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            config = llm.config.model_config
+        finally:
+            llm.close()
+        assert config.sliding_window == hf.config.sliding_window
+        assert config.attn_logit_softcap == (getattr(hf.config, "attn_logit_softcapping", None) or 0)
+    for ours, want, prompt in zip(runs["gguf"], runs["safetensors"], prompts):
+        assert ours.token_ids == want.token_ids == hf_greedy(hf, prompt, 24)
+        for got, expected in zip(ours.logprobs, want.logprobs):
+            assert got.keys() == expected.keys()
+            assert [got[t].logprob for t in got] == pytest.approx([expected[t].logprob for t in got], abs=1e-5)
+
+
 def header_only(path, arch="llama", **metadata):
     writer = gguf.GGUFWriter(str(path), arch)
     for key, (value, kind) in metadata.items():
@@ -82,8 +127,8 @@ def header_only(path, arch="llama", **metadata):
     ("gpt2.gguf", "gpt2", {}, "GGUF architecture 'gpt2'"),
     ("yarn.gguf", "llama", {"llama__rope__scaling__type": ("yarn", gguf.GGUFValueType.STRING)},
      "llama.rope.scaling.type='yarn'"),
-    ("window.gguf", "llama", {"llama__attention__sliding_window": (64, gguf.GGUFValueType.UINT32)},
-     "llama.attention.sliding_window=64"),
+    ("qwen2moe.gguf", "qwen2moe", {}, "GGUF architecture 'qwen2moe'"),
+    ("scale.gguf", "llama", {"llama__attention__scale": (0.1, gguf.GGUFValueType.FLOAT32)}, "llama.attention.scale"),
     ("rope_freqs.gguf", "llama", {}, "rope_freqs"),
 ])
 def test_gguf_refusals(name, arch, metadata, message, tmp_path):

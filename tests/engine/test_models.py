@@ -136,7 +136,6 @@ def edited(tiny_model_dir, tmp_path, **changes):
                            "long_factor": [2.0] * 16}), "rope_type 'longrope'"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}), "low_freq_factor"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_window=64"),
     (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     (dict(hidden_size=...), "lacks hidden_size"),
     (dict(num_attention_heads=0), "num_attention_heads must be a positive int, got 0"),
@@ -252,12 +251,3 @@ def test_checkpoint_without_tokenizer_files_refuses_text_prompts(tmp_path, tiny_
     prompt = mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(12,), seed=2)[0]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]     # the engine still serves token ids
     assert out.token_ids == tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def test_mistral_sliding_window_refused_beyond_it_exact_within(tmp_path, vocab):
-    hf = make_tiny_arch(tmp_path / "m", "mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding_window=64.*max_model_len <= 64"):
-        LLM(str(tmp_path / "m"), **KV)
-    llm = LLM(str(tmp_path / "m"), max_model_len=64, **KV)
-    prompt = mixed_prompts(vocab, lengths=(40,), seed=11)[0]     # 40 + 24 tokens: the window never slides
-    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 24)

@@ -307,3 +307,55 @@ def test_child_of_a_reused_parent_is_not_a_hit(parent_blind_hash):
     c = Sequence(2, [*y, *t, 15])
     assert bm.can_allocate(c) == [parent]
     assert prefill(bm, c) == [parent] and c.block_table[1] != child
+
+
+# ---------------------------------------------------------------- blocks released for a sliding window
+
+def test_blocks_before_the_window_are_released_and_stay_cached():
+    bm = BlockManager(12, BS, window=6)
+    a = Sequence(0, list(range(1, 23)))         # 22 tokens: blocks 0..5
+    prefill(bm, a)
+    bm.release_outside_window(a)
+    # the next query (position 22) reads from 17 on: blocks 0..3 end before it, block 3 is kept as slack
+    assert a.num_window_freed == 3 and bm.live_blocks(a) == a.block_table[3:] and bm.num_free_blocks == 9
+    assert ref_counts(bm)[:6] == [0, 0, 0, 1, 1, 1] and bm.num_window_freed_blocks == 3
+    bm.release_outside_window(a)
+    assert a.num_window_freed == 3, "releasing twice frees nothing more"
+    b = Sequence(1, list(range(1, 23)) + [99])  # a's prompt: its released blocks are hits, KV intact
+    assert prefill(bm, b) == a.block_table[:5]
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 12 and ref_counts(bm) == [0] * 12, "no block freed twice, none leaked"
+
+
+def test_a_released_block_reused_for_other_tokens_is_never_a_hit():
+    bm = BlockManager(7, BS, window=4)
+    a = Sequence(0, list(range(1, 18)))         # 17 tokens: blocks 0..4
+    prefill(bm, a)
+    bm.release_outside_window(a)                 # reads from 14 on: blocks 0, 1 released (2 is slack)
+    assert a.num_window_freed == 2
+    other = Sequence(1, [70, 71, 72, 73, 74, 75, 76, 77, 78])     # takes the two free blocks, then block 0
+    prefill(bm, other)
+    assert bm.blocks[a.block_table[0]].token_ids != (1, 2, 3, 4)
+    again = Sequence(2, list(range(1, 18)))
+    assert bm._cached_prefix(again) == [], "block 0 holds other tokens now: the chain stops before it"
+
+
+def test_a_fork_shares_only_the_live_blocks():
+    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=16, kvcache_block_size=BS, max_model_len=40,
+                                      max_num_batched_tokens=8, kv_window=5))
+    from nanovllm_tp import SamplingParams
+    parent = Sequence(0, list(range(1, 20)), SamplingParams(n=2, temperature=0, max_tokens=3))
+    child = Sequence(1, list(parent.token_ids), parent.params, index=1)
+    parent.forks = [child]
+    sched.add(parent)
+    while parent.num_cached_tokens < parent.num_prompt_tokens:     # chunks of 8, then the fork
+        step = sched.schedule()
+        sched.postprocess([7] * len(step.sampling.seqs))
+    bm = sched.block_manager
+    assert parent.num_window_freed > 0 and child.num_window_freed == parent.num_window_freed
+    for block_id in bm.live_blocks(child)[:-1]:
+        assert bm.blocks[block_id].ref_count == 2
+    sched.finish(parent, "abort")
+    sched.finish(child, "abort")
+    assert bm.num_free_blocks == 16

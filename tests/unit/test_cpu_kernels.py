@@ -186,10 +186,12 @@ def test_rms_norm_on_heads_sliced_from_a_fused_projection(both_paths):
 @pytest.mark.parametrize("head_dim", [32, 128])
 @pytest.mark.parametrize("dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                 (torch.bfloat16, torch.bfloat16)])
-def test_rope_on_strided_views(both_paths, head_dim, dtype, table_dtype):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])     # Phi-4-mini rotates 3/4
+def test_rope_on_strided_views(both_paths, head_dim, dtype, table_dtype, partial):
     from nanovllm_tp.layers.norm_rope_act import RotaryEmbedding
     torch.manual_seed(head_dim)
-    rope = RotaryEmbedding(head_dim, max_position=4096, base=1e6).to(table_dtype)
+    rotary_dim = head_dim * 3 // 4 if partial else 0
+    rope = RotaryEmbedding(head_dim, max_position=4096, base=1e6, rotary_dim=rotary_dim).to(table_dtype)
     tokens, heads, kv_heads = 11, 4, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     positions = torch.tensor([0, 1, 2, 3, 100, 101, 2000, 4095, 7, 7, 50])
@@ -208,6 +210,10 @@ def test_rope_on_strided_views(both_paths, head_dim, dtype, table_dtype):
     torch.testing.assert_close(q_fast, q_ref, **TOLERANCE[dtype])
     torch.testing.assert_close(k_fast, k_ref, **TOLERANCE[dtype])
     assert torch.equal(q_fast[0], qkv[0, :heads * head_dim].view(heads, head_dim)), "position 0 is the identity"
+    if partial:
+        q_in = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+        assert torch.equal(q_fast[..., rotary_dim:], q_in[..., rotary_dim:]), "features past rotary_dim stay"
+        assert not torch.equal(q_fast[1:, :, :rotary_dim], q_in[1:, :, :rotary_dim])
 
 
 @needs_compiler

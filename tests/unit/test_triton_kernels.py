@@ -65,11 +65,12 @@ def test_decode_split_and_tile_choice():
     assert decode_splits(1, 8, 12, 132) == 3 and decode_splits(1, 8, 3, 132) == 1
 
 
-def run_interpreter_child(function: str) -> list[dict]:
-    """Run one of this module's *_child functions in a fresh interpreter under Triton's CPU interpreter."""
+def run_interpreter_child(function: str, module: str = "tests.unit.test_triton_kernels") -> list[dict]:
+    """Run one of `module`'s *_child functions (this module's by default) in a fresh interpreter under Triton's
+    CPU interpreter."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("TRITON_INTERPRET", None)
-    code = f"import tests.triton_interpret\nimport tests.unit.test_triton_kernels as t\nt.{function}()"
+    code = f"import tests.triton_interpret\nimport {module} as t\nt.{function}()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -174,7 +175,7 @@ def _ptxas_report(fn, dtype: str, constexprs: dict, num_warps: int) -> tuple[int
                 "stats_ptr": "fp32", "block_tables_ptr": "i32", "context_lens_ptr": "i32", "cu_seqlens_q_ptr": "i32"}
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in constexprs else "*" + pointers[n] if n in pointers else
-                 "fp32" if n == "scale" else "i32" for n in names}
+                 "fp32" if n in ("scale", "softcap") else "i32" for n in names}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature,
                                       constexprs={(names.index(k),): v for k, v in constexprs.items()}),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -201,15 +202,15 @@ def test_triton_kernels_compile_for_sm90_without_register_spills():
     ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this Triton build has no bundled ptxas")
-    for block_size in (16, 128, 256):
+    for block_size, softcap in ((16, False), (128, False), (256, True)):     # softcap: Gemma 2's variant
         regs, spill = _ptxas_report(td._paged_decode_kernel, "bf16", dict(
             GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=block_size, TILE=td.decode_tile(2, 128),
-            SPLIT=True), 4)
+            SPLIT=True, SOFTCAP=softcap), 4)
         assert spill == 0 and regs <= 255, (block_size, regs, spill)
     assert _ptxas_report(td._merge_splits_kernel, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128,
                                                                  SPLITS_PAD=td.MAX_SPLITS), 4)[1] == 0
-    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    for dtype, precision, softcap in (("bf16", "tf32", False), ("fp32", "ieee", False), ("bf16", "tf32", True)):
         regs, spill = _ptxas_report(tp._paged_prefill_kernel, dtype, dict(
             GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=tp.prefill_block_m(2),
-            BLOCK_N=tp.BLOCK_N, PRECISION=precision), tp.NUM_WARPS)
-        assert spill == 0, (dtype, regs, spill)
+            BLOCK_N=tp.BLOCK_N, PRECISION=precision, SOFTCAP=softcap), tp.NUM_WARPS)
+        assert spill == 0, (dtype, softcap, regs, spill)

@@ -3,6 +3,12 @@ with `@register_backend`.
 
 KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] (flash-attn's paged layout). A step's
 new K/V are in the cache before `forward` runs (`store_kvcache`), so decode reads everything from the cache.
+
+Two per-layer options every backend implements (0 = off): `window`, a sliding window: the query at position p
+sees the keys at positions p - window < j <= p only (transformers' and Mistral's convention; flash-attn's
+window_size=(window - 1, 0)); `softcap`, attention logit soft-capping: each scaled score s becomes
+softcap * tanh(s / softcap) before the softmax (Gemma 2). Keys before a row's window are never read, so their
+blocks' table entries may be stale.
 """
 from typing import ClassVar
 
@@ -56,17 +62,20 @@ class AttentionBackend:
         a backend that captures graphs reads nothing from here in decode)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, ctx: Context, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         if ctx.is_prefill:
-            return self.prefill(q, k, v, k_cache, v_cache, ctx, scale)
-        return self.decode(q, k_cache, v_cache, ctx, scale)
+            return self.prefill(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
+        return self.decode(q, k_cache, v_cache, ctx, scale, window, softcap)
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """Rows of any number of new tokens (a mixed step's decode rows included), causal within each row and
-        over the row's cached prefix."""
+        over the row's cached prefix (within the window, if any)."""
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """One new token per row, over the row's whole context in the cache."""
+    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """One new token per row, over the row's context in the cache (its last `window` tokens, if any)."""
         raise NotImplementedError

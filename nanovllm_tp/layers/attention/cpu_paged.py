@@ -18,8 +18,8 @@ class CpuBackend(TorchBackend):
             return "the C kernels are not available here (no C compiler, a failed build, or cpu_kernels=False)"
         return None
 
-    def decode(self, q, k_cache, v_cache, ctx, scale):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
         kernels = cpu_kernels.for_tensor(q)
         if kernels is None:
-            return super().decode(q, k_cache, v_cache, ctx, scale)
-        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+            return super().decode(q, k_cache, v_cache, ctx, scale, window, softcap)
+        return kernels.paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, window, softcap)

@@ -45,14 +45,26 @@ class FlashBackend(AttentionBackend):
         if ctx.is_prefill:      # varlen's key offsets: each row's whole context (cached prefix + new tokens)
             ctx.cu_seqlens_k = F.pad(ctx.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
         block_table = None
         if ctx.has_cached_prefix:
             k, v, block_table = k_cache, v_cache, ctx.block_tables
         return self.varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                           softmax_scale=scale, causal=True, block_table=block_table)
+                           softmax_scale=scale, causal=True, block_table=block_table, **_options(window, softcap))
 
-    def decode(self, q, k_cache, v_cache, ctx, scale):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
         return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True,
+                                 **_options(window, softcap)).squeeze(1)
+
+
+def _options(window: int, softcap: float) -> dict:
+    """flash-attn's keywords for a sliding window (it counts the keys left of the query: window - 1) and a
+    logit cap (flash-attn >= 2.6); none for a plain layer, so older versions run those."""
+    options = {}
+    if window:
+        options["window_size"] = (window - 1, 0)
+    if softcap:
+        options["softcap"] = softcap
+    return options

@@ -14,9 +14,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """window: this layer's sliding window (0: it attends to the whole context); softcap: its attention logit
+    cap (0: none). See base.py for both."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                 softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window, self.softcap = window, softcap
         self.k_cache = self.v_cache = torch.tensor([])   # bound by the runner after KV allocation
         self.backend: AttentionBackend | None = None     # bound by the runner
 
@@ -24,4 +29,4 @@ class Attention(nn.Module):
         ctx = get_context()
         if self.k_cache.numel():
             store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, self.window, self.softcap)

@@ -36,20 +36,24 @@ class CudaTorchBackend(TorchBackend):
             return None
         return "the torch-cuda backend's Triton kernels need a power of two in [8, 1024]"
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
-        if self.varlen is not None and not ctx.has_cached_prefix and q.dtype in HALF:
-            return self._varlen_prefill(q, k, v, ctx, scale)
-        if k_cache.numel():      # a cached prefix, fp32, or no varlen: the paged kernel, no score matrix
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+        varlen_fits = not softcap and (not window or "window_size" in self.varlen_params)
+        if self.varlen is not None and varlen_fits and not ctx.has_cached_prefix and q.dtype in HALF:
+            return self._varlen_prefill(q, k, v, ctx, scale, window)
+        if k_cache.numel():      # a cached prefix, fp32, no varlen (or none for this layer): the paged kernel
             return self.prefill_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.context_lens,
-                                       ctx.max_seqlen_q, scale)
-        return super().prefill(q, k, v, k_cache, v_cache, ctx, scale)
+                                       ctx.max_seqlen_q, scale, window, softcap)
+        return super().prefill(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
 
-    def decode(self, q, k_cache, v_cache, ctx, scale):
-        return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+        return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                                  window=window, softcap=softcap)
 
-    def _varlen_prefill(self, q, k, v, ctx, scale):
+    def _varlen_prefill(self, q, k, v, ctx, scale, window):
         kwargs = {"scale": scale}
-        if "is_causal" in self.varlen_params:
+        if window:
+            kwargs["window_size"] = (window - 1, 0)
+        elif "is_causal" in self.varlen_params:
             kwargs["is_causal"] = True
         else:
             kwargs["window_size"] = (-1, 0)

@@ -17,7 +17,7 @@ class TorchBackend(AttentionBackend):
     devices = ("cpu", "cuda")
     supports_graphs = False     # decode reads host-side lengths, which a captured graph cannot
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
         out = torch.empty_like(q)
         block_size = k_cache.shape[1] if k_cache.numel() else 0
         starts = [0]
@@ -38,28 +38,34 @@ class TorchBackend(AttentionBackend):
             decode_ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=q.device),
                                  block_tables=ctx.block_tables[torch.tensor(rows, device=q.device)],
                                  context_lens_cpu=lens)
-            out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale)
+            out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale, window, softcap)
         done = set(short)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
             if row in done:
                 continue
-            start = starts[row]
-            qi = q[start:start + q_len]
+            start, prefix = starts[row], kv_len - q_len
+            # keys from the first query's window on (all of them without a window); query j sits at prefix + j
+            first = max(0, prefix - window + 1) if window else 0
             if kv_len == q_len:       # nothing cached before: attend to this step's own K/V
-                ki, vi = k[start:start + q_len], v[start:start + q_len]
-                mask = None
+                ki, vi = k[start + first:start + q_len], v[start + first:start + q_len]
             else:
-                slots = self._slots(ctx.block_tables[row:row + 1], block_size, kv_len)[0]
+                slots = self._slots(ctx.block_tables[row:row + 1], block_size, kv_len)[0, first:]
                 ki = k_cache.view(-1, *k_cache.shape[2:])[slots]
                 vi = v_cache.view(-1, *v_cache.shape[2:])[slots]
-                # lower-right causal: query j sits at position kv_len - q_len + j
-                q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-                mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-            out[start:start + q_len] = self._sdpa(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), mask,
-                                                  is_causal=mask is None, scale=scale)[0]
+            mask = None
+            if kv_len != q_len or softcap or 0 < window < q_len:
+                q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
+                k_pos = torch.arange(first, kv_len, device=q.device)[None, :]
+                mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
+            qi = q[start:start + q_len]
+            if softcap:
+                out[start:start + q_len] = self._capped(qi, ki, vi, mask, scale, softcap)
+            else:
+                out[start:start + q_len] = self._sdpa(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), mask,
+                                                      is_causal=mask is None, scale=scale)[0]
         return out
 
-    def decode(self, q, k_cache, v_cache, ctx, scale):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
         """Rows are grouped by context length (powers of two of blocks) so that gathering a group's K/V
         pads each row to at most twice its length, not to the longest row of the whole batch."""
         block_size = k_cache.shape[1]
@@ -68,30 +74,56 @@ class TorchBackend(AttentionBackend):
             groups.setdefault(1 << (-(-length // block_size) - 1).bit_length(), []).append(row)
         if len(groups) == 1:
             (blocks,) = groups
-            return self._decode_rows(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, blocks, scale)
+            return self._decode_rows(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, blocks, scale,
+                                     window, softcap)
         out = torch.empty_like(q)
         for blocks, rows in groups.items():
             idx = torch.tensor(rows, device=q.device)
             out[idx] = self._decode_rows(q[idx], k_cache, v_cache, ctx.block_tables[idx], ctx.context_lens[idx],
-                                         blocks, scale)
+                                         blocks, scale, window, softcap)
         return out
 
     @staticmethod
-    def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, blocks, scale):
+    def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, blocks, scale, window=0, softcap=0.0):
         rows, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         blocks = min(blocks, block_tables.shape[1])
-        table = block_tables[:, :blocks].clamp(min=0).flatten().to(torch.long)
+        lens = context_lens.to(torch.long)[:, None]
+        columns = torch.arange(blocks, device=q.device)[None, :]
+        if window:      # only the blocks of each row's window: from the block of its first visible token on
+            blocks = min(blocks, -(-window // block_size) + 1)
+            columns = (lens - window).clamp(min=0) // block_size + columns[:, :blocks]
+            last = ((lens - 1) // block_size).clamp(min=0)      # columns past the row's end read its last block
+            table = block_tables.gather(1, torch.minimum(columns, last))
+        else:
+            table = block_tables[:, :blocks]
+        table = table.clamp(min=0).flatten().to(torch.long)
         # index_select over whole blocks (contiguous runs) is several times faster than per-slot indexing
         k = k_cache.view(num_blocks, -1).index_select(0, table).view(rows, blocks * block_size, kv_heads, dim)
         v = v_cache.view(num_blocks, -1).index_select(0, table).view(rows, blocks * block_size, kv_heads, dim)
         # query heads that share a kv head are grouped on it, so K/V are never expanded for GQA
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
         scores = torch.einsum("rkgd,rskd->rkgs", qg, k) * scale
-        beyond = torch.arange(blocks * block_size, device=q.device)[None, :] >= context_lens[:, None].to(torch.long)
-        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos = (columns[:, :, None] * block_size + torch.arange(block_size, device=q.device)).flatten(1)
+        hidden = pos >= lens
+        if window:
+            hidden |= pos < lens - window
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return torch.einsum("rkgs,rskd->rkgd", probs, v).reshape(rows, heads, dim)
+
+    @staticmethod
+    def _capped(q, k, v, mask, scale, softcap):
+        """Attention with soft-capped logits (SDPA has no cap): q [lq, h, d], k/v [lk, kvh, d], mask [lq, lk]."""
+        lq, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        qg = q.view(lq, kv_heads, heads // kv_heads, dim)
+        scores = torch.tanh(torch.einsum("qkgd,skd->kgqs", qg, k) * scale / softcap) * softcap
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return torch.einsum("kgqs,skd->qkgd", probs, v).reshape(lq, heads, dim)
 
     @staticmethod
     def _slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

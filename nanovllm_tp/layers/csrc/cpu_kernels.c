@@ -52,10 +52,13 @@ INLINE void store(void *p, int64_t i, float f, const int bf16)
  * A row is one unit of work. Its blocks are visited once, in order, with an online softmax (running max and
  * sum per head, as flash-decoding does), and the next block is prefetched while this one is used: blocks
  * sit at random places in a large pool, so memory latency, not arithmetic, is what costs.
+ * window > 0: the query (at position len - 1) sees only the last `window` tokens; blocks before them are never
+ * read (their table entries may be stale). softcap > 0: scores become softcap * tanh(score / softcap).
  */
 static inline __attribute__((always_inline)) void
 decode_row(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len, int heads,
-           int kv_heads, const int dim, int block_size, float scale, float *scratch, float *out, const int bf16)
+           int kv_heads, const int dim, int block_size, float scale, int window, float softcap, float *scratch,
+           float *out, const int bf16)
 {
     const int group = heads / kv_heads;
     const int64_t token_stride = (int64_t)kv_heads * dim, block_elems = (int64_t)block_size * token_stride;
@@ -67,10 +70,12 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const int32
         running_sum[h] = 0.f;
     }
     const int blocks = (len + block_size - 1) / block_size;
-    for (int b = 0; b < blocks; b++) {
+    const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
+    for (int b = first / block_size; b < blocks; b++) {
         const void *k_block = AT(k_cache, table[b] * block_elems, bf16);
         const void *v_block = AT(v_cache, table[b] * block_elems, bf16);
         const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        const int skip = first > b * block_size ? first - b * block_size : 0;     /* before the window */
         if (b + 1 < blocks) {
             const char *next_k = AT(k_cache, table[b + 1] * block_elems, bf16);
             const char *next_v = AT(v_cache, table[b + 1] * block_elems, bf16);
@@ -79,22 +84,23 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const int32
                 __builtin_prefetch(next_v + byte);
             }
         }
-        for (int i = 0; i < n; i++) {          /* scores[h][i] = scale * <q_h, k_i> */
+        for (int i = skip; i < n; i++) {       /* scores[h][i] = scale * <q_h, k_i> */
             for (int kv = 0; kv < kv_heads; kv++) {
                 const int64_t k = i * token_stride + kv * dim;
                 for (int h = kv * group; h < (kv + 1) * group; h++) {
                     const float *qh = q + (int64_t)h * dim;
                     float dot = 0.f;
                     for (int d = 0; d < dim; d++) dot += qh[d] * load(k_block, k + d, bf16);
-                    scores[h * block_size + i] = dot * scale;
+                    scores[h * block_size + i] = softcap > 0.f ? softcap * tanhf(dot * scale / softcap)
+                                                               : dot * scale;
                 }
             }
         }
         for (int h = 0; h < heads; h++) {      /* fold the block into the running softmax */
             float *s = scores + h * block_size, block_max = running_max[h], sum = 0.f;
-            for (int i = 0; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
+            for (int i = skip; i < n; i++) block_max = s[i] > block_max ? s[i] : block_max;
             const float rescale = expf(running_max[h] - block_max);
-            for (int i = 0; i < n; i++) {
+            for (int i = skip; i < n; i++) {
                 s[i] = expf(s[i] - block_max);
                 sum += s[i];
             }
@@ -103,7 +109,7 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const int32
             float *o = out + (int64_t)h * dim;
             for (int d = 0; d < dim; d++) o[d] *= rescale;
         }
-        for (int i = 0; i < n; i++) {          /* out[h] += p[h][i] * v_i */
+        for (int i = skip; i < n; i++) {       /* out[h] += p[h][i] * v_i */
             for (int kv = 0; kv < kv_heads; kv++) {
                 const int64_t v = i * token_stride + kv * dim;
                 for (int h = kv * group; h < (kv + 1) * group; h++) {
@@ -123,7 +129,7 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const int32
 /* q, out and the caches in one dtype (fp32, or bf16 when bf16 != 0); tables and lens int32. */
 int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *tables,
                  int64_t table_stride, const int32_t *lens, void *out, int rows, int heads, int kv_heads,
-                 int dim, int block_size, float scale, int bf16)
+                 int dim, int block_size, float scale, int window, float softcap, int bf16)
 {
     int failed = 0;
     const int64_t row_elems = (int64_t)heads * dim;
@@ -144,9 +150,9 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, const 
             const int32_t *table = tables + (int64_t)r * table_stride;
             /* head_dim and dtype as compile-time constants in the common cases, so the inner loops unroll */
 #define DECODE_ROW(DIM) (bf16 ? decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, \
-                                           scale, scratch, acc, 1)                                                 \
+                                           scale, window, softcap, scratch, acc, 1)                                \
                               : decode_row(qr, k_cache, v_cache, table, lens[r], heads, kv_heads, DIM, block_size, \
-                                           scale, scratch, acc, 0))
+                                           scale, window, softcap, scratch, acc, 0))
             switch (dim) {
             case 64: DECODE_ROW(64); break;
             case 128: DECODE_ROW(128); break;
@@ -195,9 +201,10 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
 }
 
 /* ---------------------------------------------------------------- rotary embedding (neox: rotate halves)
- * q [tokens, q_heads, dim] and k [tokens, k_heads, dim], each with its own token stride, rotated in place.
- * cos_sin [max_position, dim]: the cosines of the dim/2 frequencies, then their sines (bf16 when cos_bf16 != 0:
- * the table keeps its own dtype, as the torch code multiplies by it).
+ * q [tokens, q_heads, dim] and k [tokens, k_heads, dim], each with its own token stride, rotated in place: the
+ * first rot_dim features of each head (all of them but with partial rotary, as Phi-4-mini), the rest unchanged.
+ * cos_sin [max_position, rot_dim]: the cosines of the rot_dim/2 frequencies, then their sines (bf16 when
+ * cos_bf16 != 0: the table keeps its own dtype, as the torch code multiplies by it).
  */
 INLINE void rotate(void *x, const void *cos, const void *sin, int half, const int bf16, const int cos_bf16)
 {
@@ -210,26 +217,26 @@ INLINE void rotate(void *x, const void *cos, const void *sin, int half, const in
     }
 }
 
-INLINE void rope_token(void *q, void *k, const void *cos, int q_heads, int k_heads, int dim, const int bf16,
-                       const int cos_bf16)
+INLINE void rope_token(void *q, void *k, const void *cos, int q_heads, int k_heads, int dim, int rot_dim,
+                       const int bf16, const int cos_bf16)
 {
-    const int half = dim / 2;
+    const int half = rot_dim / 2;
     const void *sin = AT(cos, half, cos_bf16);
     for (int h = 0; h < q_heads; h++) rotate(AT(q, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
     for (int h = 0; h < k_heads; h++) rotate(AT(k, (int64_t)h * dim, bf16), cos, sin, half, bf16, cos_bf16);
 }
 
 void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
-          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int bf16, int cos_bf16)
+          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16)
 {
     #pragma omp parallel for if (tokens * (q_heads + k_heads) * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         void *qt = AT(q, t * q_stride, bf16), *kt = AT(k, t * k_stride, bf16);
-        const void *cos = AT(cos_sin, positions[t] * dim, cos_bf16);
-        if (bf16 && cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 1);
-        else if (bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 1, 0);
-        else if (cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 1);
-        else rope_token(qt, kt, cos, q_heads, k_heads, dim, 0, 0);
+        const void *cos = AT(cos_sin, positions[t] * rot_dim, cos_bf16);
+        if (bf16 && cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 1, 1);
+        else if (bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 1, 0);
+        else if (cos_bf16) rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 0, 1);
+        else rope_token(qt, kt, cos, q_heads, k_heads, dim, rot_dim, 0, 0);
     }
 }
 

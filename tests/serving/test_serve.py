@@ -353,9 +353,12 @@ def test_the_http_process_exits_when_the_engine_process_is_killed(tiny_model_dir
 def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_dir, tiny_llm):
     """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans."""
     port = free_port()
-    cmd = ["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model", tiny_model_dir,
-           "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
-    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [os.path.join(repo, "torchrun.sh"), "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model",
+           tiny_model_dir, "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
+    # the running interpreter, not whichever python3 is first on PATH (outside an activated venv, not this one)
+    with started(cmd, env={"PYTHON": sys.executable}, cwd=repo, stdout=open(os.devnull, "w"),
+                 stderr=open(os.devnull, "w")) as proc:
         wait_ready(port, proc)
         fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
         assert len(fronts) == 1

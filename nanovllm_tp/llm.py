@@ -126,12 +126,19 @@ class LLM:
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request for step()-driven serving; returns its request id."""
+                    request_id: str | None = None, max_tokens_must_fit: bool = False) -> str:
+        """Queue one request for step()-driven serving; returns its request id. A request whose prompt and
+        max_tokens together exceed max_model_len stops at max_model_len, or, with max_tokens_must_fit (the
+        server's rule), is refused with a ValueError."""
         if request_id is not None and (not isinstance(request_id, str) or request_id in self._requests):
             raise ValueError(f"request_id must be a new string, got {request_id!r}")
         text, token_ids = self._normalize_prompt(0, prompt)
         sp, = self._normalize_params(sampling_params, 1)
+        if max_tokens_must_fit and sp.max_tokens is not None and len(token_ids) + sp.max_tokens > \
+                self.config.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, and this "
+                             f"request asks for {len(token_ids) + sp.max_tokens}: {len(token_ids)} in the prompt, "
+                             f"{sp.max_tokens} in max_tokens. Lower max_tokens or shorten the prompt.")
         return self._add(text, token_ids, sp, request_id, incremental=sp.output_kind != RequestOutputKind.FINAL_ONLY)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -103,7 +103,8 @@ class EngineLoop:
         if dead:
             return [msg["id"], "the engine stopped", "EngineDead"]
         try:
-            self.llm.add_request(msg["prompt"], wire.params_from_wire(msg["params"]), request_id=msg["id"])
+            self.llm.add_request(msg["prompt"], wire.params_from_wire(msg["params"]), request_id=msg["id"],
+                                 max_tokens_must_fit=True)
         except (ValueError, TypeError) as exc:
             return [msg["id"], str(exc), type(exc).__name__]
         return [msg["id"], None, None]

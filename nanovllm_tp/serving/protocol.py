@@ -95,6 +95,12 @@ Prompt = Annotated[
                   "strings, a list of token ids or a list of token-id lists")]
 
 
+Stop = Annotated[Annotated[str, Tag("a string")] | Annotated[list[str], Tag("strings")],
+                 Discriminator(lambda v: "strings" if isinstance(v, list) else "a string" if isinstance(v, str) else
+                               None, custom_error_type="stop_type",
+                               custom_error_message="must be a string or a list of strings")]
+
+
 def _invalid_text(data) -> tuple[str, int] | None:
     """(path, index) of the first string anywhere in the body (keys too) that is not valid Unicode (a lone
     surrogate from a \\ud800 escape), or None. Iterative: a deeply nested body cannot exhaust the stack."""
@@ -109,8 +115,8 @@ def _invalid_text(data) -> tuple[str, int] | None:
         elif isinstance(value, str) and not value.isascii():
             try:
                 value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return ".".join(map(str, path)), exc.start
+            except UnicodeEncodeError as exc:       # the path as ASCII: a key may be the bad string
+                return ".".join(map(str, path)).encode("ascii", "backslashreplace").decode(), exc.start
     return None
 
 
@@ -128,7 +134,7 @@ class _Sampling(_Body):
     n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

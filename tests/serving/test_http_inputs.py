@@ -194,3 +194,11 @@ def test_a_top_k_beyond_32_bits_is_off_and_the_engine_keeps_serving(url):
     seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
     assert complete(url, top_k=2**62, **seeded) == complete(url, top_k=0, **seeded)
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_the_openapi_schema_declares_what_a_body_may_hold(url):
+    schemas = httpx.get(url + "/openapi.json", timeout=30).json()["components"]["schemas"]
+    completion = schemas["CompletionRequest"]
+    assert completion["additionalProperties"] is False and "prompt" in completion["required"]
+    declared = set(completion["properties"]) | set(schemas["ChatCompletionRequest"]["properties"])
+    assert "logit_bias" in declared and not set(REFUSED_FIELDS) & declared

@@ -15,9 +15,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm_tp.prompts import render_chat
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.metrics import ServingMetrics
-from nanovllm_tp.serving.protocol import (ChatCompletionRequest, CompletionRequest, is_json, unreadable_body,
-                                          validation_message)
-from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
+from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
+from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
+                                           unreadable_body, validation_message)
 
 log = logging.getLogger("nanovllm_tp")
 VERSION = "0.1.0"

@@ -8,14 +8,12 @@ what the Python API refuses, with the same message. A body field named as a Samp
 (None: its default); the endpoints set the rest (max_tokens, logprobs, prompt_logprobs, output_kind) from
 OpenAI's names.
 """
-import sys
 from dataclasses import fields
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from nanovllm_tp.checks import did_you_mean
 from nanovllm_tp.prompts import is_token_ids
 from nanovllm_tp.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -75,7 +73,7 @@ TokenKey = Annotated[int, Strict(False), AfterValidator(_int64)]    # a token id
 
 # The members of the string-or-lists unions below, by the shape of a value: errors come from the member a value
 # is meant as (not the first one pydantic tried), and these names are left out of an error's field path.
-_SHAPES = ("a string", "strings", "token ids", "token-id lists", "text parts")
+UNION_MEMBERS = ("a string", "strings", "token ids", "token-id lists", "text parts")
 
 
 def _shape(value) -> str | None:
@@ -247,52 +245,8 @@ class ChatCompletionRequest(_Sampling):
         return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None)
 
 
-_DECLARED = sorted({name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-                    for name in m.model_fields})
-if set(REFUSED_FIELDS) & set(_DECLARED):
-    raise ImportError(f"fields both declared and refused: {set(REFUSED_FIELDS) & set(_DECLARED)}")
-
-_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, param) of a refused body, from pydantic's errors: a field that is not declared first (with its
-    reason, or the closest declared field), else the first error; `param` is the field's path."""
-    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0] if errors else {})
-    kind, ctx = err.get("type"), err.get("ctx") or {}
-    path = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and p not in _SHAPES)
-    if kind == "json_invalid":
-        return f"the body is not valid JSON: {ctx.get('error', 'decode error')}", None
-    if not path and kind in _NOT_AN_OBJECT:
-        return "the body must be a JSON object", None
-    if not path and kind == "missing":
-        return "the request needs a JSON object body", None
-    if kind == "extra_forbidden":
-        name = str(err["loc"][-1])
-        reason = REFUSED_FIELDS.get(name)
-        if reason is not None:
-            return f"{path}: not supported: {reason}", path
-        if name in _DECLARED:
-            return f"{path}: not a field here (it is one of another endpoint or object)", path
-        return f"{path}: unknown field{did_you_mean(name, _DECLARED)}", path
-    message = err.get("msg", "invalid request")
-    if ctx.get("param") is not None:        # errors raised for the whole body name their field themselves
-        return message, ctx["param"]
-    return (f"{path}: {message}" if path else message), path or None
-
-
-def is_json(content_type: str | None) -> bool:
-    """A Content-Type FastAPI reads as JSON: application/json or application/*+json, with any parameters."""
-    media = (content_type or "").split(";")[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-def unreadable_body(cause: BaseException) -> str:
-    """Why a JSON body could not be read at all (FastAPI's bare "There was an error parsing the body")."""
-    if isinstance(cause, RecursionError):
-        return "the body is not readable JSON: it is nested too deeply"
-    if isinstance(cause, UnicodeDecodeError):
-        return "the body is not readable JSON: it is not UTF-8 text"
-    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
-        return f"the body is not readable JSON: it holds an integer of more than {sys.get_int_max_str_digits()} digits"
-    return f"the body is not readable JSON: {cause}"
+# every field name a body may hold somewhere (the wording of refusals offers the closest one)
+DECLARED_FIELDS = sorted({name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
+                                         StreamOptions) for name in m.model_fields})
+if set(REFUSED_FIELDS) & set(DECLARED_FIELDS):
+    raise ImportError(f"fields both declared and refused: {set(REFUSED_FIELDS) & set(DECLARED_FIELDS)}")

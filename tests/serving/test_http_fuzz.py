@@ -28,20 +28,22 @@ VOCAB = 2003                # the tiny checkpoint's (make_tiny)
 GREEDY_PROMPT = [11, 220, 37, 5, 902, 64]
 
 INTS = st.sampled_from([2**63, -2**63 - 1, 2**64, 10**30, 10**400, 0, -1, 2**31, 2**63 - 1])
-FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e-300, 3.5e38])
+# no subnormal floats: once the C kernels (built with -ffast-math) are loaded in this process, they flush to zero
+# and hypothesis refuses to draw them
+FLOATS = st.floats(allow_subnormal=False) | st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e-300, 3.5e38])
 TEXT = st.text(st.characters() | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=12)
 HOSTILE = INTS | TEXT | FLOATS | st.booleans() | st.none() | st.recursive(
     st.none() | st.booleans() | INTS | FLOATS | TEXT,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
 WORDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-2, 2) | WORDS,
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-2, 2, allow_subnormal=False) | WORDS,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(WORDS, inner, max_size=3),
                     max_leaves=4)
 TOKEN = st.integers(0, VOCAB - 1)
 
 
 def unit(lo: float, hi: float):
-    return st.floats(lo, hi) | st.sampled_from([lo, hi])
+    return st.floats(lo, hi, allow_subnormal=False) | st.sampled_from([lo, hi])
 
 
 # Each field's valid values (or nearly: combinations may still be refused); hostile ones come from HOSTILE.

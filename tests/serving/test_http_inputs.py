@@ -112,8 +112,9 @@ def test_the_issue_s_silently_ignored_fields_are_refused_and_the_real_ones_work(
     refused(post(url, "/v1/chat/completions", {"messages": CHAT, "tools": tools, "tool_choice": "auto"}),
             "tool", param="tools")
     refused(post(url, "/v1/completions", {"prompt": "x", "best_of": 2}), "best_of", param="best_of")
-    refused(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), "image", param="messages.0.content.0.image_url")
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    refused(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}), "image",
+            param="messages.0.content.0.image_url")
     # logit_bias is implemented: +100 on one token makes it every greedy token
     r = post(url, "/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0,
                                       "logit_bias": {"42": 100}, "logprobs": 0})

@@ -7,7 +7,8 @@ from pydantic import ValidationError
 from nanovllm_tp.prompts import render_chat, template_arguments
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler.rows import ROW_DTYPE, row_record
-from nanovllm_tp.serving.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest, validation_message
+from nanovllm_tp.serving.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+from nanovllm_tp.serving.responses import validation_message
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -141,7 +141,8 @@ def send(http: httpx.Client, url: str, path: str, raw: bytes, content_type: str,
     if not streamed:
         assert json.loads(text)["choices"], text[:500]
         return 200
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    # SSE lines end at \n (not str.splitlines' \x85 or \u2028, which a text may hold)
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", text[-500:]
     assert all("error" not in json.loads(e) for e in events[:-1]), text[-500:]
     return 200

@@ -121,6 +121,14 @@ def _invalid_text(data) -> tuple[str, int] | None:
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """A declared field sent as null takes its default (OpenAI's optional fields are nullable)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False

@@ -130,9 +130,12 @@ def test_unknown_fields_are_refused_with_the_closest_known_one(url):
             "'include_usage'", param="stream_options.include_usag")
     refused(post(url, "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}),
             "stream_options is only allowed with stream=true")
-    # OpenAI's bookkeeping fields are accepted: they have no effect on the output
+    # OpenAI's bookkeeping fields are accepted: they have no effect on the output; null is a field's default
     assert complete(url, user="u", metadata={"k": "v"}, store=False, service_tier="auto",
                     prompt_cache_key="p", safety_identifier="s") == complete(url)
+    assert complete(url, n=None, stop=None, presence_penalty=None, stream=None, logit_bias=None, echo=None,
+                    min_tokens=None, skip_special_tokens=None) == complete(url)
+    refused(post(url, "/v1/completions", {"prompt": None}), "prompt: Field required", param="prompt")
 
 
 def test_max_tokens_beyond_the_context_is_a_400_in_vllm_s_shape(url):

@@ -123,10 +123,11 @@ class _Body(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_the_default(cls, data):
-        """A declared field sent as null takes its default (OpenAI's optional fields are nullable)."""
+    def _null_is_absent(cls, data):
+        """A field sent as null is left out: a declared one takes its default (OpenAI's optional fields are
+        nullable), and any other asks for nothing (a message echoed back with its "tool_calls": null)."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            return {k: v for k, v in data.items() if v is not None}
         return data
 
 

@@ -3,6 +3,7 @@ real server on 127.0.0.1 (the tiny checkpoint) for the module, raw HTTP so that 
 import json
 
 import httpx
+import openai
 import pytest
 
 from nanovllm_tp.serving.protocol import REFUSED_FIELDS
@@ -102,7 +103,7 @@ def test_json_types_are_strict(url, body, param):
 @pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
 def test_every_unimplemented_field_is_refused_by_name_on_both_endpoints(url, field):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": CHAT})):
-        refused(post(url, path, {**body, field: None}), field, REFUSED_FIELDS[field], param=field)
+        refused(post(url, path, {**body, field: 1}), field, REFUSED_FIELDS[field], param=field)
 
 
 def test_the_issue_s_silently_ignored_fields_are_refused_and_the_real_ones_work(url):
@@ -136,6 +137,16 @@ def test_unknown_fields_are_refused_with_the_closest_known_one(url):
     assert complete(url, n=None, stop=None, presence_penalty=None, stream=None, logit_bias=None, echo=None,
                     min_tokens=None, skip_special_tokens=None) == complete(url)
     refused(post(url, "/v1/completions", {"prompt": None}), "prompt: Field required", param="prompt")
+    # an assistant message as the openai client dumps it, and fields it does not set, sent as null
+    turn = {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None, "audio": None}
+    r = post(url, "/v1/chat/completions", {"messages": [*CHAT, turn, *CHAT], "max_tokens": 2, "tools": None})
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2).choices[0].message
+    for previous in (first, first.model_dump()):           # the object itself, or every field of it
+        again = client.chat.completions.create(model="tiny", max_tokens=2,
+                                               messages=[*CHAT, previous, {"role": "user", "content": "And?"}])
+        assert again.choices[0].finish_reason == "length"
 
 
 def test_max_tokens_beyond_the_context_is_a_400_in_vllm_s_shape(url):

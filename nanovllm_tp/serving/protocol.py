@@ -11,7 +11,7 @@ OpenAI's names.
 from dataclasses import fields
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from nanovllm_tp.prompts import is_token_ids
@@ -60,15 +60,9 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 
 
-def _int64(value: int) -> int:
-    if not -2**63 <= value < 2**63:
-        shown = str(value) if len(str(value)) <= 24 else f"an integer of {len(str(abs(value)))} digits"
-        raise PydanticCustomError("int64", "must be an integer in [-2**63, 2**63), got {shown}", {"shown": shown})
-    return value
-
-
-Int = Annotated[int, AfterValidator(_int64)]          # strict like every field here: no bools, no floats
-TokenKey = Annotated[int, Strict(False), AfterValidator(_int64)]    # a token id as a JSON object key ("42")
+INT64 = (-2**63, 2**63 - 1)
+Int = Annotated[int, Field(ge=INT64[0], le=INT64[1])]     # strict like every field here: no bools, no floats
+TokenKey = Annotated[int, Strict(False), Field(ge=INT64[0], le=INT64[1])]    # a token id as a JSON key ("42")
 
 
 # The members of the string-or-lists unions below, by the shape of a value: errors come from the member a value
@@ -99,22 +93,30 @@ Stop = Annotated[Annotated[str, Tag("a string")] | Annotated[list[str], Tag("str
                                custom_error_message="must be a string or a list of strings")]
 
 
+_NO_TEXT = {int, float, bool, type(None)}
+
+
 def _invalid_text(data) -> tuple[str, int] | None:
     """(path, index) of the first string anywhere in the body (keys too) that is not valid Unicode (a lone
-    surrogate from a \\ud800 escape), or None. Iterative: a deeply nested body cannot exhaust the stack."""
+    surrogate from a \\ud800 escape), or None. Iterative: a deeply nested body cannot exhaust the stack; a list of
+    numbers (token ids) is passed over at C speed."""
     todo = [((), data)]
     while todo:
         path, value = todo.pop()
         if isinstance(value, dict):
-            todo.extend(((*path, k), k) for k in value)
-            todo.extend(((*path, k), v) for k, v in value.items())
-        elif isinstance(value, list):
-            todo.extend(((*path, i), v) for i, v in enumerate(value))
-        elif isinstance(value, str) and not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:       # the path as ASCII: a key may be the bad string
-                return ".".join(map(str, path)).encode("ascii", "backslashreplace").decode(), exc.start
+            items = [(k, k) for k in value] + list(value.items())
+        elif isinstance(value, list) and not set(map(type, value)) <= _NO_TEXT:
+            items = enumerate(value)
+        else:
+            items = ()
+        for key, item in items:
+            if isinstance(item, (dict, list)):
+                todo.append(((*path, key), item))
+            elif isinstance(item, str) and not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:       # the path as ASCII: a key may be the bad string
+                    return ".".join(map(str, (*path, key))).encode("ascii", "backslashreplace").decode(), exc.start
     return None
 
 

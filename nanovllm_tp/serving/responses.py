@@ -5,7 +5,7 @@ import time
 
 from nanovllm_tp.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
-from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS, UNION_MEMBERS
+from nanovllm_tp.serving.protocol import DECLARED_FIELDS, INT64, REFUSED_FIELDS, UNION_MEMBERS
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
@@ -120,6 +120,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
             return f"{path}: not a field here (it is one of another endpoint or object)", path
         return f"{path}: unknown field{did_you_mean(name, DECLARED_FIELDS)}", path
     message = err.get("msg", "invalid request")
+    if ctx.get("le") == INT64[1] or ctx.get("ge") == INT64[0]:
+        message = "must be an integer in [-2**63, 2**63)"
     if ctx.get("param") is not None:        # errors raised for the whole body name their field themselves
         return message, ctx["param"]
     return (f"{path}: {message}" if path else message), path or None

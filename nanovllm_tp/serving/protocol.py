@@ -5,7 +5,7 @@ not an int), every integer within 64 bits and every string valid Unicode, whatev
 server does not implement is refused by name (REFUSED_FIELDS says why), and so is one it does not know: nothing a
 client sends is ignored. Ranges are the engine's own validation (SamplingParams), so the HTTP API refuses exactly
 what the Python API refuses, with the same message. A body field named as a SamplingParams field is that field
-(None: its default); the endpoints set the rest (max_tokens, logprobs, prompt_logprobs, output_kind) from
+(absent or null: its default); the endpoints set the rest (max_tokens, logprobs, prompt_logprobs, output_kind) from
 OpenAI's names.
 """
 from dataclasses import fields
@@ -23,6 +23,7 @@ _FROM_BODY = tuple(f.name for f in fields(SamplingParams) if f.init and f.name n
 _STRUCTURED = "structured outputs are not implemented"
 _TOOLS = "tool and function calling are not implemented"
 _BEAM = "beam search is not implemented"
+_REASONING = "reasoning options are not implemented"
 # Fields of the OpenAI and vLLM APIs that this server does not implement, each refused with a 400 that names it and
 # says why (a field that is neither declared nor here is refused as unknown). The change that implements one
 # deletes its entry and declares the field.
@@ -38,8 +39,7 @@ REFUSED_FIELDS: dict[str, str] = {
     "prompt_logprobs": "prompt logprobs come back only through /v1/completions' echo with logprobs",
     "audio": "only text output is implemented", "modalities": "only text output is implemented",
     "prediction": "predicted outputs are not implemented",
-    "reasoning_effort": "reasoning options are not implemented", "include_reasoning": "reasoning options are "
-    "not implemented", "verbosity": "verbosity is not implemented",
+    "reasoning_effort": _REASONING, "include_reasoning": _REASONING, "verbosity": "verbosity is not implemented",
     "web_search_options": "web search is not implemented",
     "truncate_prompt_tokens": "prompt truncation is not implemented: the prompt must fit max_model_len",
     "chat_template": "a request's own chat template is not accepted: the model's is used",

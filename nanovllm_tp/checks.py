@@ -1,5 +1,6 @@
 """The value checks of user input, one rule each, shared by SamplingParams and the engine knobs: strict types
 (a bool is not a number, a float is not an int), then the range, in messages that name the field."""
+import difflib
 import math
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -30,3 +31,9 @@ def integer(name: str, value, lo: int | None = None, hi: int | None = None, opti
 def flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def did_you_mean(name: str, known) -> str:
+    """"; did you mean 'x'?" with the known name closest to an unknown one, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -11,7 +11,6 @@ default, help, flags, range or choices). From the declarations come:
 So a new knob is a field; LLM(...), generate, the benchmarks and serve take it without another line.
 """
 import argparse
-import difflib
 import json
 import os
 import types
@@ -83,8 +82,7 @@ def config_from_kwargs(cls, model, kwargs: dict):
     names = [f.name for f in knob_fields(cls)]
     for key in kwargs:
         if key not in names or key == "model":
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; the engine's knobs: {', '.join(names)}"
+            hint = checks.did_you_mean(key, names) or f"; the engine's knobs: {', '.join(names)}"
             raise TypeError(f"unknown engine argument {key!r}{hint}")
     return cls(model=model, **kwargs)
 

@@ -123,12 +123,15 @@ class LLM:
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request for step()-driven serving; returns its request id."""
-        return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id])[0]
+                    request_id: str | None = None, max_tokens_must_fit: bool = False) -> str:
+        """Queue one request for step()-driven serving; returns its request id. A request whose prompt and
+        max_tokens together exceed max_model_len stops at max_model_len, or, with max_tokens_must_fit (the
+        server's rule), is refused with a ValueError."""
+        return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id],
+                                 max_tokens_must_fit)[0]
 
     def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
-                     request_ids: list[str] | None = None) -> list[str]:
+                     request_ids: list[str] | None = None, max_tokens_must_fit: bool = False) -> list[str]:
         """Queue one request per prompt, all with the same sampling parameters, all or none: every prompt, id and
         parameter is checked before the first is queued. Returns their request ids."""
         if not isinstance(prompts, list) or not prompts:
@@ -143,6 +146,13 @@ class LLM:
             seen.add(rid)
         items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
+        if max_tokens_must_fit and sp.max_tokens is not None:
+            for _, token_ids in items:
+                if len(token_ids) + sp.max_tokens > self.config.max_model_len:
+                    raise ValueError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
+                                     f"and this request asks for {len(token_ids) + sp.max_tokens}: {len(token_ids)} "
+                                     f"in the prompt, {sp.max_tokens} in max_tokens. Lower max_tokens or shorten "
+                                     "the prompt.")
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
         return [self._add(text, token_ids, sp, rid, incremental) for (text, token_ids), rid in zip(items, ids)]
 

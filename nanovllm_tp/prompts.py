@@ -1,5 +1,6 @@
 """Prompt-shape rules shared by the Python API (llm.py) and the server (serving/): which inputs are one prompt of
 token ids, and how a conversation becomes prompt text. Torch-free: the HTTP process imports it."""
+import inspect
 
 
 def is_token_ids(p) -> bool:
@@ -23,5 +24,16 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
         raise ValueError("this model's tokenizer has no chat template (give one, or send a plain completion)")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError("chat_template_kwargs must be a dict")
+    taken = sorted(set(chat_template_kwargs or ()) & template_arguments(tokenizer))
+    if taken:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(map(repr, taken))}: apply_chat_template's own "
+                         "arguments are the engine's to set (add_generation_prompt has a parameter of its own)")
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+
+
+def template_arguments(tokenizer) -> set[str]:
+    """The named parameters of the tokenizer's apply_chat_template (tokenize, add_generation_prompt, return_dict
+    ...): what render_chat sets itself or must stay at their defaults, never a template variable."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}

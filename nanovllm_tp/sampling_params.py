@@ -10,6 +10,7 @@ from nanovllm_tp.checks import flag as _flag, integer as _integer, number as _nu
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20          # the most top logprobs one position may ask for (vLLM's default max_logprobs)
 MAX_BIAS = 100.0           # logit_bias values are clamped to [-MAX_BIAS, MAX_BIAS] (OpenAI's range)
+_INT64_MAX = 2**63 - 1     # the per-row arrays' integers
 MAX_BAD_WORDS = 128        # token sequences bad_words may come to, each spelling counted (vLLM's default)
 
 
@@ -128,8 +129,8 @@ class SamplingParams:
                 _integer("each of stop_token_ids", t, lo=0)
         _flag("include_stop_str_in_output", self.include_stop_str_in_output)
         _flag("ignore_eos", self.ignore_eos)
-        _integer("max_tokens", self.max_tokens, lo=1, optional=True)
-        _integer("min_tokens", self.min_tokens, lo=0)
+        _integer("max_tokens", self.max_tokens, lo=1, hi=_INT64_MAX, optional=True)
+        _integer("min_tokens", self.min_tokens, lo=0, hi=_INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)

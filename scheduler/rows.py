@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _NO_LIMIT = np.iinfo(np.int64).max
+_TOP_K_OFF = np.iinfo(np.int32).max
 
 ROW_DTYPE = np.dtype([
     ("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int32), ("min_p", np.float32),
@@ -36,7 +37,7 @@ PENALTY, SUPPRESS, BIAS, ALLOW = 0, 1, 2, 3
 
 def row_record(params, seed: int) -> tuple:
     """One request's entry, in ROW_DTYPE's field order."""
-    special = {"seed": seed, "top_k": max(params.top_k, 0),
+    special = {"seed": seed, "top_k": min(max(params.top_k, 0), _TOP_K_OFF),    # beyond any vocabulary: off
                "logprobs": -1 if params.logprobs is None else params.logprobs,
                "max_tokens": _NO_LIMIT if params.max_tokens is None else params.max_tokens,
                "has_stop_ids": bool(params.stop_token_ids),

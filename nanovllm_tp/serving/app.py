@@ -19,7 +19,8 @@ from nanovllm_tp.serving.inputs import PromptEncoder
 from nanovllm_tp.serving.limits import BodyLimit, check_request
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
-from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
+from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
+                                           unreadable_body, validation_message)
 from nanovllm_tp.serving.server_config import ServerConfig
 
 log = logging.getLogger("nanovllm_tp")
@@ -85,14 +86,20 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else
-                      first.get("msg", "invalid request"), "invalid_request_error", where or None)
+        if not is_json(request.headers.get("content-type")):      # FastAPI read the body as bytes, not JSON
+            return _error(415, "the body must be JSON, sent with Content-Type: application/json (got "
+                          f"{request.headers.get('content-type') or 'no Content-Type'})", "invalid_request_error")
+        message, param = validation_message(exc.errors())
+        return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "error")
+        message = unreadable_body(exc.__cause__) if exc.status_code == 400 and exc.__cause__ else str(exc.detail)
+        kind = "not_found_error" if exc.status_code == 404 else \
+            "invalid_request_error" if exc.status_code < 500 else "error"
+        response = _error(exc.status_code, message, kind)
+        response.headers.update(exc.headers or {})       # a 405's Allow
+        return response
 
     app.add_middleware(BodyLimit, limit=config.max_request_body_bytes)
     if config.api_key:                      # outermost: 401 before a body is read

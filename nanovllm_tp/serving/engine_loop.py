@@ -125,7 +125,8 @@ class EngineLoop:
         if dead:
             return [key, "the engine stopped", "EngineDead"]
         try:
-            self.llm.add_requests(msg["prompts"], wire.params_from_wire(msg["params"]), request_ids=msg["ids"])
+            self.llm.add_requests(msg["prompts"], wire.params_from_wire(msg["params"]), request_ids=msg["ids"],
+                                  max_tokens_must_fit=True)
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]

@@ -1,7 +1,11 @@
-"""RequestOutputs → OpenAI response bodies and stream chunks (completions and chat completions)."""
+"""RequestOutputs → OpenAI response bodies and stream chunks (completions and chat completions); the error bodies
+and the wording of a refused request."""
+import sys
 import time
 
+from nanovllm_tp.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
+from nanovllm_tp.serving.protocol import DECLARED_FIELDS, INT64, REFUSED_FIELDS, UNION_MEMBERS
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
@@ -90,3 +94,51 @@ class ResponseBuilder:
     def usage(outputs: list[RequestOutput]) -> dict:
         return usage(sum(len(o.prompt_token_ids) for o in outputs),
                      sum(o.metrics.num_generation_tokens for o in outputs if o.metrics is not None))
+
+
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of a refused body, from pydantic's errors: a field that is not declared first (with its
+    reason, or the closest declared field), else the first error; `param` is the field's path."""
+    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0] if errors else {})
+    kind, ctx = err.get("type"), err.get("ctx") or {}
+    path = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and p not in UNION_MEMBERS)
+    if kind == "json_invalid":
+        return f"the body is not valid JSON: {ctx.get('error', 'decode error')}", None
+    if not path and kind in _NOT_AN_OBJECT:
+        return "the body must be a JSON object", None
+    if not path and kind == "missing":
+        return "the request needs a JSON object body", None
+    if kind == "extra_forbidden":
+        name = str(err["loc"][-1])
+        reason = REFUSED_FIELDS.get(name)
+        if reason is not None:
+            return f"{path}: not supported: {reason}", path
+        if name in DECLARED_FIELDS:
+            return f"{path}: not a field here (it is one of another endpoint or object)", path
+        return f"{path}: unknown field{did_you_mean(name, DECLARED_FIELDS)}", path
+    message = err.get("msg", "invalid request")
+    if ctx.get("le") == INT64[1] or ctx.get("ge") == INT64[0]:
+        message = "must be an integer in [-2**63, 2**63)"
+    if ctx.get("param") is not None:        # errors raised for the whole body name their field themselves
+        return message, ctx["param"]
+    return (f"{path}: {message}" if path else message), path or None
+
+
+def is_json(content_type: str | None) -> bool:
+    """A Content-Type FastAPI reads as JSON: application/json or application/*+json, with any parameters."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def unreadable_body(cause: BaseException) -> str:
+    """Why a JSON body could not be read at all (FastAPI's bare "There was an error parsing the body")."""
+    if isinstance(cause, RecursionError):
+        return "the body is not readable JSON: it is nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return "the body is not readable JSON: it is not UTF-8 text"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"the body is not readable JSON: it holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    return f"the body is not readable JSON: {cause}"

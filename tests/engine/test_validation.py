@@ -141,6 +141,8 @@ BAD_PARAMS = [
     (dict(stop_token_ids=5), TypeError, r"stop_token_ids must be a list of ints"),
     (dict(include_stop_str_in_output=1), TypeError, r"include_stop_str_in_output must be a bool"),
     (dict(min_tokens=-1), ValueError, r"min_tokens must be >= 0"),
+    (dict(max_tokens=2**64), ValueError, r"max_tokens must be <= 9223372036854775807"),   # the per-row arrays
+    (dict(min_tokens=2**64), ValueError, r"min_tokens must be <= 9223372036854775807"),
     (dict(max_tokens=4, min_tokens=5), ValueError, r"min_tokens must be <= max_tokens=4, got 5"),
     (dict(logprobs=-1), ValueError, r"logprobs must be >= 0"),
     (dict(logprobs=21), ValueError, r"logprobs must be <= 20"),

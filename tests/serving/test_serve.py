@@ -354,10 +354,13 @@ def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_
     """`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2`: rank 0 serves HTTP (one HTTP process), rank 1 plans.
     SIGTERM to torchrun: one line from each rank and one from torchrun, no traceback."""
     port = free_port()
-    cmd = ["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model", tiny_model_dir,
-           "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [os.path.join(repo, "torchrun.sh"), "2", "-m", "nanovllm_tp.launch.serve", "--tp", "2", "--model",
+           tiny_model_dir, "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS]
     log = tmp_path / "stderr"
-    with started(cmd, stdout=open(os.devnull, "w"), stderr=open(log, "w")) as proc:
+    # the running interpreter, not whichever python3 is first on PATH (outside an activated venv, not this one)
+    with started(cmd, env={"PYTHON": sys.executable}, cwd=repo, stdout=open(os.devnull, "w"),
+                 stderr=open(log, "w")) as proc:
         wait_ready(port, proc)
         fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
         assert len(fronts) == 1

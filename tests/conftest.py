@@ -40,3 +40,13 @@ def both_paths():
             reference = fn()
         return fast, reference
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` run only when the -m expression names them (`-m long`, `-m "long and not spawn"`)."""
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long form: select it with -m long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

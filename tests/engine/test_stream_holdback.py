@@ -5,6 +5,7 @@ text whose characters span several tokens (multi-byte UTF-8 under a byte-level v
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.output_processor import Detokenizer
 from nanovllm_tp.sampling_params import RequestOutputKind
 from tests.engine.test_lifecycle import assert_all_blocks_free, run_steps
 from tests.helpers import GGUF, mixed_prompts, smollm2
@@ -129,3 +130,33 @@ def test_no_client_ever_sees_text_the_final_output_lacks(tiny_llm, tiny_cases, k
 def test_multi_byte_text_streams_only_what_the_final_output_holds(smollm2_llm, unicode_cases, kind, interval,
                                                                    include):
     check_streams(smollm2_llm, unicode_cases, kind, interval, include)
+
+
+@pytest.mark.parametrize("case", ["completes-a-character", "after-a-broken-byte"])
+def test_a_prompt_ending_inside_a_character_decodes_alike_every_way(tiny_llm, case):
+    """A prompt of ids may end inside a UTF-8 character. Token by token through the tokenizers library, token by
+    token here, and at once at the end, the completion's text is the same; a character the completion finishes
+    is whole in it."""
+    tok = tiny_llm.get_tokenizer()
+    char = tok.encode("日", add_special_tokens=False)
+    assert len(char) > 1                           # the tiny byte-level vocabulary splits it
+    words = tok.encode(" the text goes on 日本", add_special_tokens=False)
+    head = tok.encode("Say:", add_special_tokens=False)
+    if case == "completes-a-character":
+        prompt, completion, want_start = head + char[:1], char[1:] + words, "日 the text"
+    else:                                          # a lone continuation byte: a replacement character
+        prompt, completion, want_start = head + char[1:2], words, "\ufffd the text"
+    texts = []
+    for way in ("library", "window", "at-once"):
+        d = Detokenizer(tok, prompt, skip_special_tokens=True)
+        if way == "window":
+            d.backend = None
+        if way == "at-once":
+            d.add(completion, final=True)
+        else:
+            for t in completion:
+                d.add([t])
+            d.add([], final=True)
+        texts.append(d.text)
+    assert texts[0].startswith(want_start) and texts[0].endswith("日本")
+    assert texts[1] == texts[0] and texts[2] == texts[0]

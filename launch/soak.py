@@ -51,7 +51,7 @@ class SoakResult:
 def make_requests(rng: random.Random, vocab: int, count: int, stop_pool: list[str], max_tokens: int = 24,
                   steps: int | None = None) -> list[SoakRequest]:
     """count requests over a few shared prompt prefixes, with random knobs; arrivals spread over `steps` steps."""
-    steps = steps if steps is not None else count // 4
+    steps = steps if steps is not None else count // 6
     prefixes = [[rng.randrange(vocab) for _ in range(rng.choice((16, 33, 48)))] for _ in range(4)]
     out = []
     for _ in range(count):

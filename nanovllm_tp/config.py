@@ -299,6 +299,10 @@ class EngineConfig:
     speculative_config: dict | None = knob(None, help="speculative decoding, as vLLM's dict: {\"method\": \"ngram\", "
                                                       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
                                                       "\"prompt_lookup_min\": M}")
+    scheduling_policy: str = knob("fcfs", help="fcfs: requests in arrival order; priority: by each request's "
+                                               "priority (lower first, then arrival), and a waiting request may "
+                                               "preempt running ones of a lower priority",
+                                  choices=("fcfs", "priority"))
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod

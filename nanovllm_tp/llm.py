@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from nanovllm_tp import trace
+from nanovllm_tp.checks import integer
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
@@ -102,11 +103,14 @@ class LLM:
 
     # ---- generation ----
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order, whole whatever their output_kind.
-        Requests queued with add_request keep going alongside, and a later step() reports them."""
+        Requests queued with add_request keep going alongside, and a later step() reports them. `priority`: one
+        per prompt (lower first), with scheduling_policy="priority"."""
         items = self._normalize_prompts(prompts)
-        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
+        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm,
+                              self._priorities(priority, len(items)))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -123,17 +127,18 @@ class LLM:
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, max_tokens_must_fit: bool = False) -> str:
+                    request_id: str | None = None, max_tokens_must_fit: bool = False, priority: int = 0) -> str:
         """Queue one request for step()-driven serving; returns its request id. A request whose prompt and
         max_tokens together exceed max_model_len stops at max_model_len, or, with max_tokens_must_fit (the
-        server's rule), is refused with a ValueError."""
+        server's rule), is refused with a ValueError. `priority`: lower first, with scheduling_policy="priority"."""
         return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id],
-                                 max_tokens_must_fit)[0]
+                                 max_tokens_must_fit, priority)[0]
 
     def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
-                     request_ids: list[str] | None = None, max_tokens_must_fit: bool = False) -> list[str]:
-        """Queue one request per prompt, all with the same sampling parameters, all or none: every prompt, id and
-        parameter is checked before the first is queued. Returns their request ids."""
+                     request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
+                     priority: int = 0) -> list[str]:
+        """Queue one request per prompt, all with the same sampling parameters (and priority), all or none: every
+        prompt, id and parameter is checked before the first is queued. Returns their request ids."""
         if not isinstance(prompts, list) or not prompts:
             raise TypeError("prompts must be a non-empty list (one entry per request)")
         ids = [None] * len(prompts) if request_ids is None else request_ids
@@ -146,6 +151,7 @@ class LLM:
             seen.add(rid)
         items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
+        rank, = self._priorities([priority], 1)
         if max_tokens_must_fit and sp.max_tokens is not None:
             for _, token_ids in items:
                 if len(token_ids) + sp.max_tokens > self.config.max_model_len:
@@ -154,7 +160,20 @@ class LLM:
                                      f"in the prompt, {sp.max_tokens} in max_tokens. Lower max_tokens or shorten "
                                      "the prompt.")
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
-        return [self._add(text, token_ids, sp, rid, incremental) for (text, token_ids), rid in zip(items, ids)]
+        return [self._add(text, token_ids, sp, rid, incremental, rank) for (text, token_ids), rid in zip(items, ids)]
+
+    def _priorities(self, priority, n: int) -> list[int]:
+        """One priority per request: integers, and nonzero only under the priority policy (as vLLM)."""
+        if priority is None:
+            return [0] * n
+        if not isinstance(priority, (list, tuple)) or len(priority) != n:
+            raise ValueError(f"priority must be a list of {n} integers (one per prompt), got {priority!r}")
+        for p in priority:
+            integer("priority", p)
+            if p and self.config.scheduling_policy != "priority":
+                raise ValueError(f"priority={p} needs scheduling_policy='priority' (the engine's is "
+                                 f"'{self.config.scheduling_policy}')")
+        return list(priority)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
@@ -207,8 +226,10 @@ class LLM:
                 self._dirty[state.request_id] = None
         return num_tokens, is_prefill
 
-    def _generate(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
-        ids = [self._add(text, token_ids, sp) for (text, token_ids), sp in zip(items, params)]
+    def _generate(self, items, params, use_tqdm: bool, priorities=None) -> list[RequestOutput]:
+        priorities = priorities or [0] * len(items)
+        ids = [self._add(text, token_ids, sp, priority=rank)
+               for (text, token_ids), sp, rank in zip(items, params, priorities)]
         mine = [self._requests[i] for i in ids]
         bar = None
         if use_tqdm:
@@ -239,12 +260,12 @@ class LLM:
         return outputs
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
-             incremental: bool = False) -> str:
+             incremental: bool = False, priority: int = 0) -> str:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
-        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i)
-                for i in range(sp.n)]
+        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i,
+                         priority=priority) for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])
         state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,

@@ -31,9 +31,15 @@ class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.text = ""
         self.skip_special = skip_special_tokens
+        # A prompt that ends inside a character (a prompt of ids can): its last tokens are decoded again with the
+        # completion, so the character (or the replacement of a broken one) is the completion's, whichever way the
+        # text is decoded (token by token here or in the library, or at once at the end).
+        read = len(self.ids)
+        while read > 0 and self._decode(self.ids[:read]).endswith("\ufffd"):
+            read -= 1
+        self.prefix_offset, self.read_offset = 0, read
         self.backend = getattr(tokenizer, "_tokenizer", None) if DecodeStream is not None else None
         self.stream = None           # made on the first incremental token, seeded with the same context
 

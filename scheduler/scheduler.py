@@ -15,6 +15,7 @@ import numpy as np
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
+from nanovllm_tp.scheduler import policy
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL
 from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
@@ -40,6 +41,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     speculative: SpeculativeConfig | None = None
     kv_window: int = 0      # the most recent tokens any layer reads (0: some layer reads everything)
+    scheduling_policy: str = _ENGINE["scheduling_policy"]
 
     @classmethod
     def of(cls, config: EngineConfig, num_kvcache_blocks: int) -> "SchedulerConfig":
@@ -48,7 +50,7 @@ class SchedulerConfig:
         return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
                    config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids,
                    SpeculativeConfig.from_dict(config.speculative_config),
-                   max(windows) if windows and all(windows) else 0)
+                   max(windows) if windows and all(windows) else 0, config.scheduling_policy)
 
 
 class Scheduler:
@@ -59,6 +61,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
                                           config.enable_prefix_caching, config.kv_window)
         self.eos = frozenset(config.eos_token_ids)
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.scheduled: list[Sequence] = []
@@ -78,7 +81,7 @@ class Scheduler:
         if not 0 < seq.num_tokens < self.config.max_model_len:
             raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens; it needs 1 to "
                              f"{self.config.max_model_len - 1} (max_model_len={self.config.max_model_len})")
-        self.waiting.append(seq)
+        policy.enqueue(self.waiting, seq, self.by_priority, front=False)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_completion_tokens: int | None = None) -> None:
@@ -113,6 +116,8 @@ class Scheduler:
         """The next step (its plan, sampling entries and prompt chunks), or None when nothing is left to run."""
         if self.scheduled:
             raise RuntimeError("schedule() called twice without postprocess()")
+        if self.by_priority and self.waiting and self.running:
+            self._preempt_for_head()
         if self.waiting and (not self.running or self._waiting_head_fits()):
             decodes = self._schedule_decode() if self.running else []
             seqs = decodes + self._schedule_prefill(reserved=len(decodes))
@@ -212,11 +217,12 @@ class Scheduler:
         while self.running and len(seqs) < max_rows:
             seq = self.running.popleft()
             while not bm.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
+                out = policy.victim(self.running, seq, self.by_priority)
+                if out is seq:
                     self._preempt(seq)
                     break
+                self.running.remove(out)
+                self._preempt(out)
             else:
                 seq.num_scheduled_tokens = 1
                 bm.may_append(seq)
@@ -225,9 +231,20 @@ class Scheduler:
         return seqs
 
     def _requeue_front(self, seq: Sequence) -> None:
-        """Back to the front of waiting, but behind a prompt that is part-way through its chunks (it holds
-        blocks, and only the head of waiting may)."""
-        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
+        """Back into waiting as the policy says (fcfs: its front), behind a prompt part-way through its chunks."""
+        policy.enqueue(self.waiting, seq, self.by_priority, front=True)
+
+    def _preempt_for_head(self) -> None:
+        """Under priority: running sequences that rank below the head of waiting are preempted (lowest first) until
+        the head can start."""
+        head, cfg = self.waiting[0], self.config
+        while not head.block_table and (len(self.running) >= cfg.max_num_seqs
+                                        or self.block_manager.can_allocate(head) is None):
+            out = policy.lower_priority_running(self.running, head)
+            if out is None:
+                return
+            self.running.remove(out)
+            self._preempt(out)
 
     def _preempt(self, seq: Sequence) -> None:
         self.decode_batch = None

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -40,3 +42,32 @@ def both_paths():
             reference = fn()
         return fast, reference
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` run only when the -m expression names them (`-m long`, `-m "long and not spawn"`)."""
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long form: select it with -m long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
+# --busy-cores N: N processes spin for the whole run, so that a suite run shows its time limits hold on a loaded
+# machine. Each spinner ends by itself once pytest is gone, however pytest ends.
+_SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(200000): pass\n"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--busy-cores", type=int, default=0, metavar="N",
+                     help="keep N cores busy with spinning processes while the tests run")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_cores(request):
+    spinners = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(request.config.getoption("busy_cores"))]
+    yield len(spinners)
+    for p in spinners:
+        p.kill()
+        p.wait()

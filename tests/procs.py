@@ -30,7 +30,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids, timeout: float) -> float | None:
+# How long a test waits for processes that should end now (after a signal, a dead peer, a closed engine):
+# generous for a loaded 2-core machine, and still far below gloo's 120 s timeout, which a hang would wait for.
+GONE_WITHIN = 45.0
+
+
+def wait_gone(pids, timeout: float = GONE_WITHIN) -> float | None:
     """Seconds until every pid is gone, or None if some outlive the timeout."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:

@@ -173,10 +173,15 @@ class Sampler:
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
         if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
-            vals, ids = logits[_np(hot[group], dev)].topk(int(rows["top_k"][group].max()), dim=-1)
+            sub, k = logits[_np(hot[group], dev)], rows["top_k"][group]
+            kth = sub.topk(int(k.max()), dim=-1).values.gather(1, _np(k.astype(np.int64) - 1, dev)[:, None])
+            # ties of the k-th best value are kept too, as transformers and vLLM keep them
+            keep = torch.where(torch.isfinite(kth[:, 0]), (sub >= kth).sum(-1), _np(k.astype(np.int64), dev))
+            keep = keep.cpu().numpy()
+            vals, ids = sub.topk(int(keep.max()), dim=-1)
             scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(
-                _draw_candidates(scaled, ids.cpu().numpy(), rows[group], index[group]))
+                _draw_candidates(scaled, ids.cpu().numpy(), keep, rows[group], index[group]))
         group = np.flatnonzero(~limited)
         if len(group):
             scaled = logits[_np(hot[group], dev)] / _np(rows["temperature"][group], dev)[:, None]
@@ -234,9 +239,10 @@ def _top_p_mask(vals, masked, top_p, lib):
     return masked | drop
 
 
-def _draw_candidates(vals: np.ndarray, ids: np.ndarray, rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """One draw per row among its candidates (scaled logits sorted best first, and their vocab ids)."""
-    masked = np.arange(vals.shape[1])[None, :] >= rows["top_k"][:, None]
+def _draw_candidates(vals: np.ndarray, ids: np.ndarray, count: np.ndarray, rows: np.ndarray,
+                     index: np.ndarray) -> np.ndarray:
+    """One draw per row among its first count candidates (scaled logits sorted best first, and their vocab ids)."""
+    masked = np.arange(vals.shape[1])[None, :] >= count[:, None]
     if (rows["min_p"] > 0).any():            # p < min_p * p_max  <=>  scaled < max + log(min_p)
         with np.errstate(divide="ignore"):
             masked |= vals < vals[:, :1] + np.log(rows["min_p"])[:, None]

@@ -11,7 +11,7 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.channel import PeerError
-from tests.procs import (LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of, session_pids, started,
+from tests.procs import (GONE_WITHIN, LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of, session_pids, started,
                          wait_gone)
 
 pytestmark = pytest.mark.spawn
@@ -43,7 +43,7 @@ def test_worker_exception_reaches_caller(tiny_model_dir, monkeypatch):
             llm.generate([[1, 2, 3]], use_tqdm=False)
     finally:
         llm.close()
-    assert wait_gone(children, 10) is not None
+    assert wait_gone(children) is not None
     assert not segments_of(os.getpid())
     assert not llm.engine.has_unfinished()
 
@@ -56,7 +56,7 @@ def test_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_model_dir
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited with code 7 while starting"):
         LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
-    assert time.monotonic() - t0 < 30, "rank 0 waited for the process group's timeout"
+    assert time.monotonic() - t0 < 90, "rank 0 waited for the process group's timeout (120 s)"
     assert set(os.listdir("/dev/shm")) <= before
 
 
@@ -108,7 +108,7 @@ def logged(cmd, log_path, env=None):
     (A torchrun worker, and the tracker it starts, run in a session of their own: tests wait for those.)"""
     with open(log_path, "w") as log, started(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
         yield proc
-        wait_gone(session_pids(proc.pid), 10)
+        wait_gone(session_pids(proc.pid))
     text = log_path.read_text()
     assert LEAK_WARNING not in text, text[-3000:]
 
@@ -132,8 +132,8 @@ def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir,
         pids = wait_for_pids(pids_file, proc)
         assert len(pids["workers"]) == tp - 1
         os.kill(pids["rank0"], signal.SIGKILL)
-        took = wait_gone(pids["workers"], 10)
-        assert took is not None, "a worker outlived its rank 0 by more than 10 s"
+        took = wait_gone(pids["workers"])
+        assert took is not None, f"a worker outlived its rank 0 by more than {GONE_WITHIN} s"
     assert session_pids(proc.pid) == []
     assert not segments_of(pids["rank0"])
 
@@ -148,7 +148,7 @@ def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
             os.killpg(proc.pid, signal.SIGINT)      # what Ctrl-C in a terminal does
         else:
             os.kill(pids["rank0"], signal.SIGTERM)
-        assert wait_gone([pids["rank0"], *pids["workers"]], 10) is not None
+        assert wait_gone([pids["rank0"], *pids["workers"]]) is not None
         assert proc.returncode != 0
     assert not segments_of(pids["rank0"])
 
@@ -162,8 +162,8 @@ def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
         worker = rank_pid(agent.pid, 1, SCRIPT)
         assert worker is not None and pids["workers"] == []
         os.kill(pids["rank0"], signal.SIGKILL)
-        assert wait_gone([worker], 10) is not None, "the worker outlived its rank 0 by more than 10 s"
-        assert wait_gone([agent.pid, *session_pids(pids["rank0"])], 10) is not None     # its tracker too
+        assert wait_gone([worker]) is not None, f"the worker outlived its rank 0 by more than {GONE_WITHIN} s"
+        assert wait_gone([agent.pid, *session_pids(pids["rank0"])]) is not None     # its tracker too
     assert not segments_of(pids["rank0"])
 
 
@@ -183,8 +183,8 @@ def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
         remote = rank_pid(node1.pid, 1, SCRIPT)
         assert remote is not None
         os.kill(remote, signal.SIGKILL)
-        took = wait_gone([pids["rank0"]], 10)
-        assert took is not None, "rank 0 did not notice its remote rank dying within 10 s"
-        assert wait_gone([node0.pid, node1.pid, *session_pids(pids["rank0"])], 10) is not None
+        took = wait_gone([pids["rank0"]])
+        assert took is not None, f"rank 0 did not notice its remote rank dying within {GONE_WITHIN} s"
+        assert wait_gone([node0.pid, node1.pid, *session_pids(pids["rank0"])]) is not None
         assert node0.returncode != 0
     assert not segments_of(pids["rank0"])

@@ -13,7 +13,7 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams, trace
 from tests.helpers import hf_greedy, mixed_prompts
-from tests.procs import alive, python_cmd, segments_of, started, wait_gone
+from tests.procs import GONE_WITHIN, alive, python_cmd, segments_of, started, wait_gone
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
@@ -171,7 +171,7 @@ def test_dead_rank_leaves_rank0_trace_and_a_log_line(tiny_model_dir, tmp_path, c
         t0 = time.monotonic()
         with caplog.at_level(logging.INFO, logger="nanovllm_tp"):
             llm.close()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < GONE_WITHIN         # it did not wait for the dead rank's part
     data = json.loads(path.read_text())
     assert data["otherData"]["missing_ranks"] == [1]
     events = check_layout(data, 1)
@@ -191,7 +191,7 @@ def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path)
     with started(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         log, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, log[-3000:]
-        assert wait_gone([proc.pid], 10) is not None
+        assert wait_gone([proc.pid]) is not None
     result = json.loads(out.read_text())
     vocab = tiny_llm.config.model_config.vocab_size
     prompts = mixed_prompts(vocab, lengths=(1, 7, 16, 33, 64, 100, 180, 257))

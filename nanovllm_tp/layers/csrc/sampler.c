@@ -285,13 +285,28 @@ static void modify(float *row, const float *raw, int64_t cols, const int64_t *to
         if (kind[i] == MOD_SUPPRESS) row[token[i]] = -INFINITY;
 }
 
+/* min-p's floor under the best scaled logit: p < min_p * p_max <=> s < top + log(min_p). min_p = 1 keeps the
+ * maxima exactly (the fast-math logf(1) need not be 0). */
+INLINE float min_p_floor(float top, float min_p)
+{
+    return min_p >= 1.0f ? top : top + logf(min_p);
+}
+
+/* how many columns of row have a key of at least `key` */
+static int64_t count_at_least(const float *row, int64_t cols, uint32_t key)
+{
+    int64_t n = 0;
+    for (int64_t c = 0; c < cols; c++) n += order_key(row[c]) >= key;
+    return n;
+}
+
 /* How many of n sorted scaled candidates (best first) min-p and top-p keep (at least one); total: the softmax
  * mass, relative to vals[0], of everything min-p keeps (over the candidates themselves when < 0). */
 static int keep_prefix(const float *vals, int n, const knobs_t *k, float total)
 {
     int keep = n;
     if (k->min_p > 0.0f) {
-        const float floor = vals[0] + logf(k->min_p);
+        const float floor = min_p_floor(vals[0], k->min_p);
         for (int i = 1; i < keep; i++)
             if (vals[i] < floor) {
                 keep = i;
@@ -338,7 +353,7 @@ static int scaled_candidates(const float *row, int64_t cols, int k, float temper
     return n;
 }
 
-/* A draw at the entry's temperature: among its top_k best (0 < top_k < cols), else over the whole vocabulary, where
+/* A draw at the entry's temperature: among its top_k best (0 < top_k < cols; with the ties of the k-th), else over the whole vocabulary, where
  * top-p takes the best 64, 128, ... until the kept mass is reached. A row of nothing but -inf gives column 0 (the
  * argmax; the candidate draws take their first candidate, the lowest column of equal keys). Returns -1 if scratch
  * fails. */
@@ -347,15 +362,16 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     const uint64_t row_key = splitmix64(splitmix64((uint64_t)k->seed) ^ (uint64_t)counter);
     const int limited = k->top_k > 0 && k->top_k < cols;
     /* over the vocabulary: the largest scaled logit, and min-p's floor below it */
-    const float top = limited ? 0.0f : div_exact(key_value(max_key(row, cols)), k->temperature);
-    const float floor = !limited && k->min_p > 0.0f ? top + logf(k->min_p) : -FLT_MAX;
+    const float raw_top = limited ? 0.0f : key_value(max_key(row, cols));
+    const float top = div_exact(raw_top, k->temperature);
+    const float floor = !limited && k->min_p > 0.0f ? min_p_floor(top, k->min_p) : -FLT_MAX;
     if (!limited && k->top_p >= 1.0f) {            /* every token that min-p keeps is a candidate */
         double best = 0.0;
         int64_t pick = -1;
         for (int64_t c = 0; c < cols; c++) {
             if (!is_finite_or_max(order_key(row[c]))) continue;
             const float s = div_exact(row[c], k->temperature);
-            if (s < floor) continue;
+            if (s < floor && row[c] < raw_top) continue;    /* min-p never drops a maximum */
             const double score = (double)s + gumbel(row_key, c);
             if (pick < 0 || score > best) {
                 best = score;
@@ -386,6 +402,15 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
             return -1;
         }
         const int n = scaled_candidates(row, cols, want, k->temperature, maxima, best, vals);
+        /* top-k keeps every token equal to the k-th best as well (as transformers and vLLM do) */
+        const int64_t tied = limited && n == want ? count_at_least(row, cols, best[want - 1].key) : 0;
+        if (tied > want) {
+            free(maxima);
+            free(best);
+            free(vals);
+            want = (int)tied;
+            continue;
+        }
         const int keep = keep_prefix(vals, n, k, total);
         const int done = limited || keep < n || n < want || want == cols;
         const int64_t token = done ? draw_among(vals, best, keep, row_key) : -1;

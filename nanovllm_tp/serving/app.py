@@ -110,10 +110,11 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model")
 
-    async def submit_all(request_id: str, prompts: list[list[int]], params) -> list[RequestStream]:
+    async def submit_all(request_id: str, prompts: list[list[int]], params, priority: int) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`), queued all or none."""
         try:
-            return await engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)
+            return await engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
+                                       priority)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -158,7 +159,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
-        streams = await submit_all(rid, [ids for _, ids in encoded], params)
+        streams = await submit_all(rid, [ids for _, ids in encoded], params, body.priority)
         builder = ResponseBuilder("completion", rid, model_name, params.n)
         top_n = body.logprobs or 0
 
@@ -196,7 +197,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         except Exception as exc:          # the template's own errors (jinja raises its own types)
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
         rid = engine.new_request_id("chatcmpl")
-        streams = await submit_all(rid, [prompt], params)
+        streams = await submit_all(rid, [prompt], params, body.priority)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
         top_n = body.top_logprobs or 0
 

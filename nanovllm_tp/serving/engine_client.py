@@ -123,8 +123,8 @@ class EngineClient:
     def num_waiting(self) -> int:
         return self.stats["waiting"] + len(self._accepting)
 
-    async def submit(self, request_ids: list[str], prompts: list[list[int]],
-                     params: SamplingParams) -> list[RequestStream]:
+    async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+                     priority: int = 0) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
@@ -142,7 +142,7 @@ class EngineClient:
         self._accepting[key] = accepted
         try:
             await self._commands.send(wire.pack({"op": "add", "ids": request_ids, "prompts": prompts,
-                                                 "params": wire.params_to_wire(params)}))
+                                                 "params": wire.params_to_wire(params), "priority": priority}))
             await accepted
         except BaseException:
             for rid in request_ids:

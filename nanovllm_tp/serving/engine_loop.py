@@ -126,7 +126,7 @@ class EngineLoop:
             return [key, "the engine stopped", "EngineDead"]
         try:
             self.llm.add_requests(msg["prompts"], wire.params_from_wire(msg["params"]), request_ids=msg["ids"],
-                                  max_tokens_must_fit=True)
+                                  max_tokens_must_fit=True, priority=msg["priority"])
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]

@@ -52,7 +52,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "logits_processors": "custom logits processors are not accepted",
     "return_tokens_as_token_ids": "token ids in place of token text are not implemented",
     "return_token_ids": "token ids in responses are not implemented",
-    "priority": "request priorities are not implemented (requests are served first come, first served)",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not implemented",
     "add_special_tokens": "add_special_tokens is not implemented (prompts get the tokenizer's default)",
     "cache_salt": "cache_salt is not implemented", "kv_transfer_params": "KV transfer is not implemented",
@@ -168,6 +167,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     stream_interval: Int | None = None
     allowed_token_ids: list[Int] | None = None
+    priority: Int = 0          # lower first, on a server started with --scheduling-policy priority
     bad_words: list[str] | None = None
 
     @model_validator(mode="before")

@@ -1,6 +1,7 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
-HTTP -> engine:  {"op": "add", "ids", "prompts", "params"}   (one request per prompt of token ids, all or none)
+HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority"}   (one request per prompt of token ids,
+                                                                       all or none)
                  {"op": "abort", "ids"}
 engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
                  {"op": "accepted", "items": [[first id, error, error type]]}  (per add; error: None, or

@@ -403,3 +403,19 @@ def test_on_cpu_the_http_process_runs_on_what_the_engine_leaves_idle(tiny_model_
         wait_ready(port, proc)
         front = _frontend(proc.pid)
         assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{front}/task")} == {os.SCHED_OTHER}
+
+
+def test_request_priority_needs_the_priority_policy(server, tiny_model_dir, tiny_llm):
+    """vLLM's `priority` body field: refused by name on a first-come-first-served server, served in order on one
+    started with --scheduling-policy priority (outputs as offline)."""
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="scheduling_policy='priority'"):
+        c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, extra_body={"priority": 1})
+    assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, extra_body={"priority": 0}).choices
+    port, ctx = start_server(tiny_model_dir, "--scheduling-policy", "priority")
+    with ctx as proc:
+        wait_ready(port, proc)
+        got = [client(port).completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                               extra_body={"priority": rank}).choices[0].text
+               for rank, p in zip((3, -1, 0, 7), PROMPTS)]
+    assert got == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS, max_tokens=8)]

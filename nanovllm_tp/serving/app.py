@@ -22,6 +22,8 @@ from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionReques
 from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
                                            unreadable_body, validation_message)
 from nanovllm_tp.serving.server_config import ServerConfig
+from nanovllm_tp.serving.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
+                                              tokenize_response)
 
 log = logging.getLogger("nanovllm_tp")
 VERSION = "0.1.0"
@@ -122,6 +124,12 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         except EngineDead as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
 
+    def check_template_kwargs(kwargs: dict | None) -> None:
+        if "chat_template" in (kwargs or {}) and not config.trust_request_chat_template:
+            raise ApiError(400, "chat templates sent in requests are refused: this server renders its model's own "
+                                "(the operator allows request templates with --trust-request-chat-template)",
+                           param="chat_template_kwargs.chat_template")
+
     def aborter(request_id: str, count: int):
         return lambda which=range(count): engine.abort([f"{request_id}-{i}" for i in which])
 
@@ -183,10 +191,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        if "chat_template" in (body.chat_template_kwargs or {}) and not config.trust_request_chat_template:
-            raise ApiError(400, "chat templates sent in requests are refused: this server renders its model's own "
-                                "(the operator allows request templates with --trust-request-chat-template)",
-                           param="chat_template_kwargs.chat_template")
+        check_template_kwargs(body.chat_template_kwargs)
         try:
             params = body.sampling_params()
             check_request(config, params)
@@ -209,6 +214,27 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
             return _stream(streams, builder, body.include_usage, choice, aborter(rid, 1))
         outputs = await _finals(request, streams, aborter(rid, 1))
         return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            check_template_kwargs(body.chat_template_kwargs)
+        try:
+            ids = await encoder.run(body.token_ids, tokenizer)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        except Exception as exc:          # the template's own errors
+            raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
+        return tokenize_response(ids, tokenizer, model.max_model_len, body.return_token_strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        try:
+            return {"prompt": await encoder.run(body.text, tokenizer)}
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
 
     return app
 

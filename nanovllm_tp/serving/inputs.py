@@ -37,6 +37,10 @@ class PromptEncoder:
             return self._encode(0, text, add_special_tokens=False)    # the template has them
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
+    async def run(self, fn, *args):
+        """fn(*args) in a tokenizer thread (the /tokenize and /detokenize work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -242,6 +242,10 @@ class EngineConfig:
     speculative_config: dict | None = knob(None, help="speculative decoding, as vLLM's dict: {\"method\": \"ngram\", "
                                                       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
                                                       "\"prompt_lookup_min\": M}")
+    grammar_compile_timeout: float = knob(10.0, help="seconds a request's structured output (JSON schema, regex, "
+                                                     "choice, grammar) may take to compile; past it the request "
+                                                     "fails with a ValueError (a 400 from the server)",
+                                          minimum=0.0, open_minimum=True)
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod

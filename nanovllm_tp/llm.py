@@ -1,5 +1,6 @@
 """The client API, with vLLM's names: LLM(model, ...).generate / chat / add_request / step / abort_request."""
 import itertools
+import logging
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+log = logging.getLogger("nanovllm_tp")
 
 
 class LLM:
@@ -31,9 +33,12 @@ class LLM:
             sys.exit(run_worker(config))
         from nanovllm_tp.engine import LLMEngine
         from nanovllm_tp.loader import load_tokenizer
+        from nanovllm_tp.structured.backend import GrammarBackend
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.engine = LLMEngine(config)
+        self.grammars = GrammarBackend(self.tokenizer, config.model_config.vocab_size,
+                                       config.model_config.eos_token_ids, config.grammar_compile_timeout)
         self._request_numbers = itertools.count()
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
@@ -101,7 +106,18 @@ class LLM:
             sp.validate()
             sp.check_vocab(vocab)
             sp.tokenize_bad_words(self.tokenizer, vocab)
+            if sp.structured_outputs is not None:
+                self.grammars.compile(sp.structured_outputs)     # compiled (or refused) before the engine
         return list(sampling_params)
+
+    def prepare(self, sampling_params: SamplingParams):
+        """Start compiling a request's structured output in the background (the server calls it before
+        add_request, so that no step waits for a compile): the compile's `Pending` (`.ready()`), or None when
+        there is nothing to compile. Validation errors are raised here."""
+        if sampling_params.structured_outputs is None:
+            return None
+        sampling_params.validate()
+        return self.grammars.submit(sampling_params.structured_outputs)
 
     # ---- generation ----
 
@@ -178,12 +194,22 @@ class LLM:
         with trace.span("detokenize"):
             for seq in progressed:
                 state = self._by_seq[seq.seq_id]
+                if seq.grammar is not None and not seq.is_finished:
+                    self._advance_grammar(seq)
                 hit = state.update(seq)
                 if hit is not None:           # a stop string: the sequence ends at the token that completes it
                     self.engine.finish(seq, "stop", *hit)
                     state.update(seq)
                 self._dirty[state.request_id] = None
         return num_tokens, is_prefill
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """The sequence's matcher takes its new tokens; a token outside the language (another knob left the grammar
+        nothing to choose: min_tokens against its end, allowed_token_ids, bad_words) ends the request."""
+        error = seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+        if error is not None:
+            log.warning("request %s: structured output ended: %s", self._by_seq[seq.seq_id].request_id, error)
+            self.engine.finish(seq, "abort")
 
     def _generate(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
         ids = [self._add(text, token_ids, sp) for (text, token_ids), sp in zip(items, params)]
@@ -221,8 +247,9 @@ class LLM:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
-        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i)
-                for i in range(sp.n)]
+        compiled = None if sp.structured_outputs is None else self.grammars.compile(sp.structured_outputs)
+        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i,
+                         grammar=None if compiled is None else compiled.new()) for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])
         state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,
@@ -256,6 +283,7 @@ class LLM:
         return self.engine.stats()
 
     def close(self) -> None:
+        self.grammars.close()
         self.engine.close()
 
     def __enter__(self):

@@ -166,7 +166,8 @@ class GrammarBackend:
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         import llguidance
         text = grammar_text(params)
-        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0,
+                                       limits=llguidance.LLParserLimits(verbose_errors=False))
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
         return CompiledGrammar(matcher, self)

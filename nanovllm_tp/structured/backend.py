@@ -23,7 +23,7 @@ import numpy as np
 from nanovllm_tp.structured.params import StructuredOutputsParams
 
 log = logging.getLogger("nanovllm_tp")
-WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"   # JSON whitespace between tokens: bounded, so a model cannot loop on it
+WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,16}"   # JSON whitespace between tokens: one line break, indentation
 CACHE_SIZE = 256                           # compiled constraints kept (least recently used dropped first)
 COMPILE_THREADS = 2
 

@@ -17,7 +17,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None          # the output is exactly one of these strings
     grammar: str | None = None               # a context-free grammar: GBNF (llama.cpp's ::= rules) or Lark
     json_object: bool | None = None          # any JSON object
-    disable_any_whitespace: bool = False     # JSON without whitespace between its tokens (else up to 32 chars)
+    disable_any_whitespace: bool = False     # JSON without whitespace between tokens (else a line break, indent)
     disable_additional_properties: bool = False   # objects of a schema take no property it does not name
     whitespace_pattern: str | None = None    # JSON: the regex whitespace between tokens must match
 

@@ -128,16 +128,18 @@ class LLM:
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        rendered with the tokenizer's chat template (or `chat_template`)."""
+        rendered with the tokenizer's chat template (or `chat_template`); `tools` (OpenAI's function tools) are
+        handed to the template as transformers does."""
         conversations = [messages] if _is_conversation(messages) else messages
         if not isinstance(conversations, list) or not conversations or \
                 not all(_is_conversation(c) for c in conversations):
             raise TypeError("messages must be a list of {'role': str, 'content': str} dicts, or a list of such lists")
         items = []
         for i, conv in enumerate(conversations):
-            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs)
+            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
             items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
@@ -294,5 +296,7 @@ class LLM:
 
 
 def _is_conversation(x) -> bool:
+    """Messages with a role and text content (an assistant's tool calls may stand for its content)."""
     return isinstance(x, list) and bool(x) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and (
+            isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))) for m in x)

@@ -17,6 +17,7 @@ from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overload
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import ResponseBuilder, chat_logprobs, completion_logprobs, error_body
+from nanovllm_tp.serving.tool_calls import new_call_id
 
 log = logging.getLogger("nanovllm_tp")
 VERSION = "0.1.0"
@@ -166,10 +167,11 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         try:
-            params = body.sampling_params()
+            tools = body.tool_mode()
+            params = body.sampling_params(tools)
             text = render_chat(tokenizer, [m.as_template_message() for m in body.messages],
                                add_generation_prompt=body.add_generation_prompt,
-                               chat_template_kwargs=body.chat_template_kwargs)
+                               chat_template_kwargs=body.chat_template_kwargs, tools=body.template_tools())
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors (jinja raises its own types)
@@ -179,10 +181,22 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
         streams = await submit_all(rid, [prompt], params)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
         top_n = body.top_logprobs or 0
+        streamers = {}                  # choice -> its ToolStreamer (streams with tools)
 
         def choice(i, out, c, sent):
             lp = chat_logprobs(c.token_ids, c.logprobs or [], top_n) if body.logprobs else None
-            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
+            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent, tools=tool_parts(i, c))
+
+        def tool_parts(i, c) -> tuple | None:
+            """(content, tool_calls) of the answer so far, or None without tools to read."""
+            if tools is None or tools.choice == "none":
+                return None
+            if not body.stream:
+                content, calls = tools.parse(c.text)
+                return content, [{"id": new_call_id(), "type": "function",
+                                  "function": {"name": name, "arguments": args}} for name, args in calls]
+            streamer = streamers.setdefault((i, c.index), tools.streamer())
+            return streamer.feed(c.text, c.finish_reason is not None)
 
         if body.stream:
             return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)

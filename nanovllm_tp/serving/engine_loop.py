@@ -9,7 +9,9 @@ lock: on a small model a step takes a few milliseconds, about what the HTTP side
 
 Between two steps the loop takes every command that arrived (adds join the next step: continuous batching
 across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
-figures for /metrics. When the engine fails, the HTTP process is told once and the loop only waits to be
+figures for /metrics. A request with a structured output is added once its grammar has compiled (in the
+backend's threads, LLM.prepare), so no step waits for a compile; a compile that fails or runs past its time limit
+is that request's 400. When the engine fails, the HTTP process is told once and the loop only waits to be
 stopped: the server answers 503 from then on.
 """
 import logging
@@ -20,6 +22,7 @@ from nanovllm_tp.serving import wire
 
 log = logging.getLogger("nanovllm_tp")
 IDLE_POLL_MS = 200
+COMPILE_POLL_MS = 2        # how often an idle loop looks at compiles in flight
 
 
 def scheduler_stats(llm) -> dict:
@@ -41,6 +44,7 @@ class EngineLoop:
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
+        self._compiling: dict[str, tuple] = {}  # id -> (add message, params, Pending): waiting for their grammar
         self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
     def run(self, keep_going) -> None:
@@ -48,9 +52,12 @@ class EngineLoop:
         dead = False
         while keep_going():
             busy = not dead and self.llm.has_unfinished_requests()
-            if self._commands.poll(0 if busy else IDLE_POLL_MS):
-                changed = self._take_commands(dead)
-                if changed and not dead and not self.llm.has_unfinished_requests():
+            wait = 0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS
+            changed = self._admit_compiled(dead)
+            if self._commands.poll(wait):
+                changed = self._take_commands(dead) or changed
+            if changed:
+                if not dead and not self.llm.has_unfinished_requests():
                     self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})
             if dead or not self.llm.has_unfinished_requests():
                 continue
@@ -89,22 +96,44 @@ class EngineLoop:
                 break
             msg = wire.unpack(raw.buffer)
             if msg["op"] == "abort" and not dead:
-                self.llm.abort_request(msg["id"])
+                if self._compiling.pop(msg["id"], None) is None:
+                    self.llm.abort_request(msg["id"])
                 changed = True
             elif msg["op"] == "add":
-                accepted.append(self._add(msg, dead))
+                item = self._add(msg, dead)
+                if item is not None:
+                    accepted.append(item)
                 changed = True
         if accepted:
             self._send({"op": "accepted", "items": accepted})
         return changed
 
-    def _add(self, msg: dict, dead: bool) -> list:
-        """[id, error message or None, error type]: validation errors go back to the client as a 400."""
+    def _add(self, msg: dict, dead: bool, params=None) -> list | None:
+        """[id, error message or None, error type]: validation errors go back to the client as a 400. None: the
+        request waits for its grammar (_admit_compiled adds it)."""
         if dead:
             return [msg["id"], "the engine stopped", "EngineDead"]
         try:
-            self.llm.add_request(msg["prompt"], wire.params_from_wire(msg["params"]), request_id=msg["id"])
+            if params is None:
+                params = wire.params_from_wire(msg["params"])
+                pending = self.llm.prepare(params)
+                if pending is not None and not pending.ready():
+                    self._compiling[msg["id"]] = (msg, params, pending)
+                    return None
+            self.llm.add_request(msg["prompt"], params, request_id=msg["id"])
         except (ValueError, TypeError) as exc:
             return [msg["id"], str(exc), type(exc).__name__]
         return [msg["id"], None, None]
+
+    def _admit_compiled(self, dead: bool) -> bool:
+        """Add the requests whose grammar is ready (or failed, or ran out of time: their error goes back)."""
+        done = [rid for rid, (_, _, pending) in self._compiling.items() if dead or pending.ready()]
+        if not done:
+            return False
+        items = []
+        for rid in done:
+            msg, params, _ = self._compiling.pop(rid)
+            items.append(self._add(msg, dead, params))
+        self._send({"op": "accepted", "items": items})
+        return True
 

@@ -255,8 +255,9 @@ def test_smollm2_outputs_validate():
         outs = llm.chat([c for c in chats for _ in range(2)], params, use_tqdm=False)
         assert_valid_json(outs, [s for _, s in SMOL_CASES for _ in range(2)])
         expr, obj = llm.chat([[{"role": "user", "content": "Write an arithmetic expression that equals 10."}],
-                              [{"role": "user", "content": "Describe a cat as a JSON object."}]],
-                             [structured(grammar=ARITHMETIC, max_tokens=40), structured(json_object=True)],
+                              [{"role": "user", "content": "Give a cat's name and age as a JSON object."}]],
+                             [structured(grammar=ARITHMETIC, max_tokens=40), structured(json_object=True,
+                                                                                         max_tokens=300)],
                              use_tqdm=False)
         assert expr.outputs[0].finish_reason == "stop" and is_arithmetic(expr.outputs[0].text)
         assert obj.outputs[0].finish_reason == "stop" and isinstance(json.loads(obj.outputs[0].text), dict)

@@ -188,15 +188,15 @@ def build_app(engine: EngineClient, model: ServedModel, api_key: str | None = No
             return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent, tools=tool_parts(i, c))
 
         def tool_parts(i, c) -> tuple | None:
-            """(content, tool_calls) of the answer so far, or None without tools to read."""
+            """(content, tool_calls, whether it made calls) of the answer so far, or None without tools to read."""
             if tools is None or tools.choice == "none":
                 return None
             if not body.stream:
                 content, calls = tools.parse(c.text)
                 return content, [{"id": new_call_id(), "type": "function",
-                                  "function": {"name": name, "arguments": args}} for name, args in calls]
+                                  "function": {"name": name, "arguments": args}} for name, args in calls], bool(calls)
             streamer = streamers.setdefault((i, c.index), tools.streamer())
-            return streamer.feed(c.text, c.finish_reason is not None)
+            return *streamer.feed(c.text, c.finish_reason is not None), streamer.called
 
         if body.stream:
             return _stream(request, streams, builder, body.include_usage, choice, _abort, rid)

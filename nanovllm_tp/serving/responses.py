@@ -61,12 +61,12 @@ class ResponseBuilder:
 
     def choice(self, prompt_index: int, c: CompletionOutput, prefix: str = "", logprobs: dict | None = None,
                delta: bool = False, first: bool = False, tools: tuple | None = None) -> dict:
-        """One choice; `tools`: (content, tool_calls) of a chat answer read for tool calls (serving/tool_calls.py)
-        instead of its text, its finish_reason "tool_calls" when it made any."""
+        """One choice; `tools`: (content, tool_calls, whether the answer made calls) of a chat answer read for tool
+        calls (serving/tool_calls.py) instead of its text; its finish_reason is then "tool_calls"."""
         index = prompt_index * self.n + c.index
         if self.kind == "chat":
-            text, calls = (c.text, None) if tools is None else tools
-            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            text, calls, called = (c.text, None, False) if tools is None else tools
+            finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
             body = {"index": index, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason}
             if delta and tools is None:
                 body["delta"] = ({"role": "assistant", "content": text} if first else

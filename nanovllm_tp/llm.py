@@ -281,8 +281,11 @@ class LLM:
         quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths: linear_paths in
         layers/linear.py), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         prefix_cache_hit_tokens, num_running and num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
-        in use). RuntimeError once closed."""
-        return self.engine.stats()
+        in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled
+        grammar masks, masks filled, time spent filling them). RuntimeError once closed."""
+        g = self.grammars
+        return {**self.engine.stats(), "grammar_mask_steps": g.mask_steps, "grammar_masks": g.masks_filled,
+                "grammar_mask_seconds": g.mask_seconds}
 
     def close(self) -> None:
         self.grammars.close()

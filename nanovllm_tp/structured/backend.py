@@ -127,8 +127,8 @@ class GrammarBackend:
         self._tokenizer = None
         self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._executor = None                       # llguidance's threads for a step's masks
         self._cache: OrderedDict[tuple, Pending] = OrderedDict()
+        self.mask_steps, self.masks_filled, self.mask_seconds = 0, 0, 0.0     # fill_masks' lifetime cost
 
     def submit(self, params: StructuredOutputsParams) -> Pending:
         """Start (or find) the compile of a validated constraint."""
@@ -183,16 +183,18 @@ class GrammarBackend:
 
     def fill_masks(self, grammars: list[tuple[Grammar, object]]) -> np.ndarray:
         """The next-token bitmasks ([len, words] int32, bit t of a row: token t allowed) of (grammar, sequence)
-        pairs, each grammar brought up to its sequence first; computed by llguidance's threads at once."""
-        import llguidance
+        pairs, each grammar brought up to its sequence first. One after another in this thread: tens of
+        microseconds each, where llguidance's thread pool lost more than it won next to the model's threads on a
+        busy 2-core machine (BENCHMARKS.md)."""
         import llguidance.numpy
+        start = time.perf_counter()
         masks = np.zeros((len(grammars), self.words), np.int32)
         for g, seq in grammars:
             g.advance(seq.token_ids, seq.num_prompt_tokens)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, (g, _) in
-                                                                     enumerate(grammars)], masks)
+        for i, (g, _) in enumerate(grammars):
+            llguidance.numpy.fill_next_token_bitmask(g.matcher, masks, i)
+        self.mask_steps, self.masks_filled = self.mask_steps + 1, self.masks_filled + len(grammars)
+        self.mask_seconds += time.perf_counter() - start
         return masks
 
     def close(self) -> None:

@@ -261,3 +261,22 @@ def test_smollm2_outputs_validate():
                              use_tqdm=False)
         assert expr.outputs[0].finish_reason == "stop" and is_arithmetic(expr.outputs[0].text)
         assert obj.outputs[0].finish_reason == "stop" and isinstance(json.loads(obj.outputs[0].text), dict)
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+                  "({{ t.function.parameters | tojson }}){% endfor %}<|im_end|>\n{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_renders_tools_as_transformers_does(tiny_llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    out, = tiny_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TOOLS_TEMPLATE,
+                         tools=tools)
+    want = tiny_llm.tokenizer.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                                  add_generation_prompt=True)
+    assert "get_weather" in want and out.prompt_token_ids == tiny_llm.tokenizer.encode(want, add_special_tokens=False)
+    with pytest.raises(TypeError, match="tools must be a list of dicts"):
+        tiny_llm.chat(messages, use_tqdm=False, tools="get_weather")

@@ -145,3 +145,9 @@ def test_a_matcher_follows_its_sequence_and_rolls_back(tokenizer, backend):
     seq.token_ids += [EOS]                    # EOS where the language cannot end: an error, named
     assert "doesn't satisfy the grammar" in seq.grammar.advance(seq.token_ids, 2)
     assert not seq.grammar.constrains
+
+
+def test_structured_requests_take_no_speculative_proposals():
+    from nanovllm_tp.scheduler.speculative import speculates
+    assert speculates(SamplingParams(temperature=0))
+    assert not speculates(SamplingParams(temperature=0, structured_outputs={"regex": "[ab]+"}))

@@ -123,7 +123,7 @@ class GrammarBackend:
         eos = tuple(eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer is not None and
                                        tokenizer.eos_token_id is not None else ())
         self.eos = frozenset(eos)
-        self.words = (vocab_size + 31) // 32        # int32 words of one mask
+        self.words = (vocab_size + 31) // 32        # int32 words of one mask (the tokenizer's size if larger)
         self._tokenizer = None
         self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -177,8 +177,13 @@ class GrammarBackend:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 import llguidance.hf
-                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=sorted(self.eos) or None)
+                size = max(self.vocab_size, len(self.hf_tokenizer))     # ids past the logits are never sampled
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=size,
+                                                                   eos_token=sorted(self.eos) or None)
+                except Exception as exc:          # a slow (non-Rust) tokenizer, or one llguidance cannot read
+                    raise ValueError(f"structured outputs cannot use this model's tokenizer: {exc}") from None
+                self.words = (size + 31) // 32
             return self._tokenizer
 
     def fill_masks(self, grammars: list[tuple[Grammar, object]]) -> np.ndarray:

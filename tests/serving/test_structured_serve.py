@@ -57,6 +57,20 @@ def test_parse_with_a_pydantic_model_returns_the_parsed_object(server):
         assert pet == Pet.model_validate_json(done.choices[0].message.content)
 
 
+class GetWeather(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_parse_with_a_pydantic_function_tool_returns_parsed_arguments(server):
+    import openai
+    done = client(server).chat.completions.parse(model="tiny", messages=ASK, max_tokens=120,
+                                                  tools=[openai.pydantic_function_tool(GetWeather)],
+                                                  tool_choice="required", temperature=1.0, seed=2)
+    call = done.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+
+
 def test_response_format_and_structured_outputs_constrain_both_endpoints(server):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}

@@ -3,9 +3,10 @@
     python -m nanovllm_tp.launch.bench_struct --model SmolLM2.gguf --num-requests 32 --repeats 3
 
 Each repeat sends --num-requests chat requests at once (through the chat template when the model has one) asking
-for a JSON record, constrained by a JSON schema (nested object, bounded array, enum, integer range), then the
+for a JSON record, constrained by a JSON schema (nested object, bounded array, enum, integer range), and the
 same prompts unconstrained with each request's max_tokens set to the token count its constrained answer had
-(ignore_eos), so both sides generate the same number of tokens. Throughput = generated tokens / wall time;
+(ignore_eos; seeds are the same every repeat, so are the answers), so both sides generate the same number of
+tokens; the two runs alternate which goes first. Throughput = generated tokens / wall time;
 ratio = constrained / unconstrained, medians of the repeats. The grammar mask's cost per step (llguidance filling
 every constrained row's bitmask; LLM.stats' grammar counters) and the first compile of the schema are printed
 too; every constrained output is checked against the schema (jsonschema, where installed).
@@ -93,12 +94,14 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         llm.grammars.compile(StructuredOutputsParams(json=SCHEMA))
         compile_s = time.perf_counter() - start
+        constrained = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.max_tokens,
+                                      structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                       for i in range(len(prompts))]
+        free = lengths = None
         for r in range(args.repeats):
-            constrained = [SamplingParams(temperature=args.temperature, seed=r * 1000 + i, max_tokens=args.max_tokens,
-                                          structured_outputs=StructuredOutputsParams(json=SCHEMA))
-                           for i in range(len(prompts))]
+            if free is not None and r % 2:              # odd repeats: the unconstrained run first
+                _, f_sec, f_counts = timed(llm, prompts, free)
             outs, s_sec, s_counts = timed(llm, prompts, constrained)
-            lengths = [len(o.outputs[0].token_ids) for o in outs]
             for o in outs:
                 if o.outputs[0].finish_reason != "stop":
                     invalid += 1
@@ -107,13 +110,18 @@ def main(argv=None) -> dict:
                         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
                     except (ValueError, jsonschema.ValidationError):
                         invalid += 1
-            free = [SamplingParams(temperature=args.temperature, seed=r * 1000 + i, max_tokens=n, ignore_eos=True)
-                    for i, n in enumerate(lengths)]
-            _, f_sec, f_counts = timed(llm, prompts, free)
-            tokens = sum(lengths)
+            if free is None:         # the same seeds every repeat: the same answers, so the first run's lengths
+                lengths = [len(o.outputs[0].token_ids) for o in outs]
+                free = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=n, ignore_eos=True)
+                        for i, n in enumerate(lengths)]
+            if not r % 2:
+                _, f_sec, f_counts = timed(llm, prompts, free)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            if tokens != sum(lengths):
+                bc.log(args, f"[{r + 1}] the constrained answers changed length: {tokens} against {sum(lengths)}")
             runs.append({"tokens": tokens, "constrained_s": s_sec, "free_s": f_sec,
-                         "constrained_tok_s": tokens / s_sec, "free_tok_s": tokens / f_sec,
-                         "ratio": f_sec / s_sec, "constrained_steps": s_counts["num_steps"],
+                         "constrained_tok_s": tokens / s_sec, "free_tok_s": sum(lengths) / f_sec,
+                         "ratio": tokens / s_sec / (sum(lengths) / f_sec), "constrained_steps": s_counts["num_steps"],
                          "free_steps": f_counts["num_steps"], "mask_steps": s_counts["grammar_mask_steps"],
                          "masks": s_counts["grammar_masks"], "mask_s": s_counts["grammar_mask_seconds"]})
             bc.log(args, f"[{r + 1}/{args.repeats}] constrained {bc.fmt(runs[-1]['constrained_tok_s'])} tok/s, "

@@ -280,3 +280,15 @@ def test_chat_renders_tools_as_transformers_does(tiny_llm):
     assert "get_weather" in want and out.prompt_token_ids == tiny_llm.tokenizer.encode(want, add_special_tokens=False)
     with pytest.raises(TypeError, match="tools must be a list of dicts"):
         tiny_llm.chat(messages, use_tqdm=False, tools="get_weather")
+
+
+@pytest.mark.slow
+def test_bench_struct_runs_and_reports_figures(tiny_model_dir, tmp_path, capsys):
+    from nanovllm_tp.launch import bench_struct
+    result = bench_struct.main(["--model", tiny_model_dir, "--num-requests", "3", "--max-tokens", "600",
+                                "--repeats", "2", "--kv-cache-memory", str(32 << 20), "--quiet",
+                                "--out", str(tmp_path / "s.json")])
+    f = result["figures"]
+    assert f["invalid_outputs"] == 0 and f["tokens"] > 3 and f["ratio"] > 0 and f["mask_us_per_row"] > 0
+    assert json.loads((tmp_path / "s.json").read_text())["figures"] == f
+    assert "JSON/free" in capsys.readouterr().out.rstrip().splitlines()[-4]

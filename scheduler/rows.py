@@ -172,7 +172,7 @@ class SamplingBatch:
                 grammars.append((seq.grammar, seq))
                 masked.append(e)
         masks = None
-        if grammars:                 # one call computes every grammar's mask (the backend's threads)
+        if grammars:                 # one call fills every grammar's mask
             masks = grammars[0][0].backend.fill_masks(grammars)
             add(np.asarray(masked, np.int64), np.arange(len(masked), dtype=np.int64), MASK, 0.0)
         if not entry:

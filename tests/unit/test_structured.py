@@ -151,3 +151,13 @@ def test_structured_requests_take_no_speculative_proposals():
     from nanovllm_tp.scheduler.speculative import speculates
     assert speculates(SamplingParams(temperature=0))
     assert not speculates(SamplingParams(temperature=0, structured_outputs={"regex": "[ab]+"}))
+
+
+def test_structured_outputs_cross_the_wire_as_plain_fields():
+    from nanovllm_tp.serving import wire
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"},
+                                                                   disable_any_whitespace=True))
+    raw = wire.pack({"op": "add", "params": wire.params_to_wire(sp)})
+    back = wire.params_from_wire(wire.unpack(raw)["params"])
+    back.validate()
+    assert back.structured_outputs == sp.structured_outputs

@@ -120,6 +120,7 @@ class SamplingBatch:
     rows: np.ndarray              # ROW_DTYPE [entries]
     sample_index: np.ndarray      # int64 [entries]: tokens generated before this one (the noise counter)
     logits_index: np.ndarray | None = None   # int64 [entries]: the logits row each entry reads (None: i -> i)
+    pending_masks: tuple | None = None       # (entries, a future of their grammar masks): start_masks()
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -163,17 +164,11 @@ class SamplingBatch:
         e, t = self.suppressed(eos)
         if len(e):
             add(e, t, SUPPRESS, 0.0)
-        grammars, masked = [], []
         for e in self.rows["modifiers"].nonzero()[0].tolist():       # nonzero: no copy of the strided field
-            seq = self.seqs[e]
-            for t, k, v in request_modifiers(seq):
+            for t, k, v in request_modifiers(self.seqs[e]):
                 add(e, t, k, v)
-            if seq.grammar is not None and seq.grammar.constrains:
-                grammars.append((seq.grammar, seq))
-                masked.append(e)
-        masks = None
-        if grammars:                 # one call fills every grammar's mask
-            masks = grammars[0][0].backend.fill_masks(grammars)
+        masked, masks = self.grammar_masks()
+        if masked:
             add(np.asarray(masked, np.int64), np.arange(len(masked), dtype=np.int64), MASK, 0.0)
         if not entry:
             return None
@@ -189,6 +184,31 @@ class SamplingBatch:
         start = np.zeros(len(self) + 1, np.int64)
         np.cumsum(np.bincount(entry, minlength=len(self)), out=start[1:])
         return Modifiers(start, token, kind, value, masks)
+
+    def _grammars(self) -> tuple[list[int], list]:
+        """The entries whose sequence's grammar constrains this token, and (grammar, sequence) pairs of them."""
+        entries, pairs = [], []
+        for e in self.rows["modifiers"].nonzero()[0].tolist():
+            seq = self.seqs[e]
+            if seq.grammar is not None and seq.grammar.constrains:
+                entries.append(e)
+                pairs.append((seq.grammar, seq))
+        return entries, pairs
+
+    def start_masks(self) -> None:
+        """Start filling the grammar masks on the backend's own thread, so that they are made while the model
+        runs (the engine calls this before the forward; modifiers() waits for them)."""
+        entries, pairs = self._grammars()
+        if pairs:
+            self.pending_masks = (entries, pairs[0][0].backend.fill_masks_soon(pairs))
+
+    def grammar_masks(self) -> tuple[list[int], np.ndarray | None]:
+        """(entries, their grammar bitmasks [entries, words]): those start_masks began, else made now."""
+        if self.pending_masks is not None:
+            entries, future = self.pending_masks
+            return entries, future.result()
+        entries, pairs = self._grammars()
+        return entries, (pairs[0][0].backend.fill_masks(pairs) if pairs else None)
 
     def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""

@@ -126,7 +126,8 @@ class GrammarBackend:
         self.words = (vocab_size + 31) // 32        # int32 words of one mask (the tokenizer's size if larger)
         self._tokenizer = None
         self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None          # compiles
+        self._mask_thread: ThreadPoolExecutor | None = None   # a step's masks, during the forward
         self._cache: OrderedDict[tuple, Pending] = OrderedDict()
         self.mask_steps, self.masks_filled, self.mask_seconds = 0, 0, 0.0     # fill_masks' lifetime cost
 
@@ -188,9 +189,9 @@ class GrammarBackend:
 
     def fill_masks(self, grammars: list[tuple[Grammar, object]]) -> np.ndarray:
         """The next-token bitmasks ([len, words] int32, bit t of a row: token t allowed) of (grammar, sequence)
-        pairs, each grammar brought up to its sequence first. One after another in this thread: tens of
-        microseconds each, where llguidance's thread pool lost more than it won next to the model's threads on a
-        busy 2-core machine (BENCHMARKS.md)."""
+        pairs, each grammar brought up to its sequence first. One after another: tens of microseconds each,
+        where llguidance's thread pool lost more than it won next to the model's threads on a busy 2-core machine
+        (BENCHMARKS.md)."""
         import llguidance.numpy
         start = time.perf_counter()
         masks = np.zeros((len(grammars), self.words), np.int32)
@@ -202,7 +203,16 @@ class GrammarBackend:
         self.mask_seconds += time.perf_counter() - start
         return masks
 
+    def fill_masks_soon(self, grammars: list[tuple[Grammar, object]]) -> Future:
+        """fill_masks on a thread of its own (never behind a compile): llguidance leaves the interpreter lock
+        while it computes, so the masks are made while the model runs."""
+        with self._lock:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-masks")
+            return self._mask_thread.submit(self.fill_masks, grammars)
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._mask_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._mask_thread = None

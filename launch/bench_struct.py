@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
     runs, invalid = [], 0
     try:
         prompts = prompts_of(llm.get_tokenizer(), args.num_requests)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)       # warm-up
+        # warm-up, and every prompt in the prefix cache: no run pays a prefill the other gets from the cache
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
         start = time.perf_counter()
         llm.grammars.compile(StructuredOutputsParams(json=SCHEMA))
         compile_s = time.perf_counter() - start

@@ -50,7 +50,7 @@ class ToolMode:
         if self.choice == "named":
             return None, [(self.name, text.strip())]
         if self.choice == "required":
-            return None, [(c.name, c.args) for c in scan_calls(text)]
+            return None, [(c.name, c.args) for c in scan_calls(text) if c.name is not None]
         if self.choice == "auto":
             return parse_auto(text, self.names)
         return text, []

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serving.test_serve import KEY, client, start_server, wait_ready
+from tests.serving.test_serve import KEY, client, server, start_server, wait_ready  # noqa: F401 (server: fixture)
 
 pytestmark = pytest.mark.spawn
 
@@ -33,14 +33,6 @@ class Pet(BaseModel):
     age: int = Field(ge=0, le=30)
     kind: Literal["cat", "dog"]
     tags: list[Literal["a", "b"]] = Field(max_length=2)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    port, ctx = start_server(tiny_model_dir, "--api-key", KEY)
-    with ctx as proc:
-        wait_ready(port, proc)
-        yield port
 
 
 def post(port: int, path: str, body: dict) -> httpx.Response:

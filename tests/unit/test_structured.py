@@ -108,14 +108,17 @@ def test_the_mask_allows_exactly_the_tokens_that_continue_a_choice(both_paths, t
         allowed = {t for t, s in enumerate(texts) if s and any(c.startswith(done + s) for c in choices)}
         return allowed | ({EOS} if done in choices else set())
 
+    some = sorted(want(""))[::2] + list(range(100, 140))       # half the grammar's tokens, and others
+
     params = [SamplingParams(temperature=0, structured_outputs={"choice": choices}),
               SamplingParams(temperature=0, structured_outputs={"choice": choices}, logit_bias={yes[0]: 7.0}),
               SamplingParams(temperature=0, structured_outputs={"choice": choices}),
-              SamplingParams(temperature=0)]
-    batch = batch_of(params, prompts=[[5]] * 4, outputs=[[], [], yes, []])
-    for seq in batch.seqs[:3]:
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, structured_outputs={"choice": choices}, allowed_token_ids=some)]
+    batch = batch_of(params, prompts=[[5]] * 5, outputs=[[], [], yes, [], []])
+    for seq in batch.seqs[:3] + batch.seqs[4:]:
         seq.grammar = compiled.new()
-    logits = torch.from_numpy(np.random.default_rng(0).standard_normal((4, VOCAB)).astype(np.float32))
+    logits = torch.from_numpy(np.random.default_rng(0).standard_normal((5, VOCAB)).astype(np.float32))
     sampler = Sampler(eos_token_ids=[EOS])
     fast, reference = both_paths(lambda: sampler.modified(logits, batch))
     assert torch.equal(fast, reference)
@@ -124,6 +127,7 @@ def test_the_mask_allows_exactly_the_tokens_that_continue_a_choice(both_paths, t
     assert allowed[2] == {EOS} and allowed[3] == set(range(VOCAB))
     assert fast[1, yes[0]] == logits[1, yes[0]] + 7.0 and fast[0, yes[0]] == logits[0, yes[0]]
     assert fast[3].equal(logits[3])
+    assert allowed[4] == want("") & set(some)                 # the allowed set and the grammar: both hold
     if len(ye) == 1:                       # part-way: only what completes "yes"
         seq = Sequence(9, [5] + ye, params[0], grammar=compiled.new())
         masks = backend.fill_masks([(seq.grammar, seq)])

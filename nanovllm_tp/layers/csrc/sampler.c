@@ -249,13 +249,21 @@ static knobs_t read_knobs(const char *rec, const int64_t *off)
  */
 enum { MOD_PENALTY, MOD_SUPPRESS, MOD_BIAS, MOD_ALLOW, MOD_MASK };
 
-/* row[c] <- -inf where bit c of mask is clear (and past its words) */
-static void apply_mask(float *row, int64_t cols, const uint32_t *mask, int64_t words)
+/* row[c] <- src[c] where bit c of mask is set, else -inf (also past its words); src may be row. Word by word: a
+ * grammar's mask is mostly empty words (a run of -inf) and, inside strings, full ones (a copy). */
+static void masked_copy(float *row, const float *src, int64_t cols, const uint32_t *mask, int64_t words)
 {
-    const int64_t covered = words * 32 < cols ? words * 32 : cols;
-    for (int64_t c = 0; c < covered; c++)
-        row[c] = (mask[c >> 5] >> (c & 31)) & 1u ? row[c] : -INFINITY;
-    for (int64_t c = covered; c < cols; c++) row[c] = -INFINITY;
+    for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+        const int64_t n = cols - c0 < 32 ? cols - c0 : 32;
+        const uint32_t bits = c0 / 32 < words ? mask[c0 / 32] : 0u;
+        if (bits == 0u) {
+            for (int64_t i = 0; i < n; i++) row[c0 + i] = -INFINITY;
+        } else if (bits == 0xffffffffu) {
+            if (row != src) memcpy(row + c0, src + c0, sizeof(float) * (size_t)n);
+        } else {
+            for (int64_t i = 0; i < n; i++) row[c0 + i] = (bits >> i) & 1u ? src[c0 + i] : -INFINITY;
+        }
+    }
 }
 
 INLINE int is_masked(float v) { return !is_finite_or_max(order_key(v)); }
@@ -265,19 +273,24 @@ static void modify(float *row, const float *raw, int64_t cols, const int64_t *to
                    const float *value, int64_t n, const knobs_t *k, const int32_t *masks, int64_t words)
 {
     int allow_only = 0, biased = 0;
+    int64_t first_mask = -1;
     for (int64_t i = 0; i < n; i++) {
         allow_only |= kind[i] == MOD_ALLOW;
         biased |= kind[i] == MOD_BIAS;
+        if (kind[i] == MOD_MASK && first_mask < 0) first_mask = i;
     }
     if (allow_only) {
         for (int64_t c = 0; c < cols; c++) row[c] = -INFINITY;
         for (int64_t i = 0; i < n; i++)
             if (kind[i] == MOD_ALLOW) row[token[i]] = raw[token[i]];
+    } else if (first_mask >= 0) {             /* the copy and the first mask in one pass */
+        masked_copy(row, raw, cols, (const uint32_t *)(masks + token[first_mask] * words), words);
     } else {
         memcpy(row, raw, sizeof(float) * (size_t)cols);
     }
     for (int64_t i = 0; i < n; i++)
-        if (kind[i] == MOD_MASK) apply_mask(row, cols, (const uint32_t *)(masks + token[i] * words), words);
+        if (kind[i] == MOD_MASK && (allow_only || i != first_mask))
+            masked_copy(row, row, cols, (const uint32_t *)(masks + token[i] * words), words);
     for (int64_t i = 0; biased && i < n; i++) {
         float *v = row + token[i];
         if (kind[i] != MOD_BIAS || is_masked(*v)) continue;
@@ -409,6 +422,19 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     }
 }
 
+/* a row buffer of at least cols floats, one per thread, grown when needed and kept (NULL if allocation fails) */
+static float *scratch_row(int64_t cols)
+{
+    static __thread float *buf = NULL;
+    static __thread int64_t capacity = 0;
+    if (capacity < cols) {
+        free(buf);
+        buf = malloc(sizeof(float) * (size_t)cols);
+        capacity = buf ? cols : 0;
+    }
+    return buf;
+}
+
 /* ---------------------------------------------------------------- a step's entries
  *   x [rows, cols] fp32 logits (row stride `stride`); entry e reads row row_of[e]
  *   records: the entries' ROW_DTYPE records (record_size bytes apart), offsets: their fields (enum above)
@@ -437,10 +463,10 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
     for (int64_t e = 0; e < entries; e++) {
         const knobs_t k = read_knobs(records + e * record_size, offsets);
         const float *raw = x + row_of[e] * stride, *row = raw;
-        float *copy = NULL;
+        float *copy = NULL;        /* this thread's row buffer, kept between calls (no fresh pages per row) */
         const int64_t first = mod_start[e], mods = mod_start[e + 1] - first;
         if (mods > 0) {
-            copy = malloc(sizeof(float) * (size_t)cols);
+            copy = scratch_row(cols);
             if (!copy) {
                 failed = 1;
                 continue;
@@ -454,7 +480,6 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
         if (s >= 0 && !failed)
             failed |= logprob_row(raw, cols, tokens[e], top_n, logprob + s, rank + s, top_logprobs + s * top_n,
                                   top_ids + s * top_n);
-        free(copy);
     }
     free(slot);
     return failed ? -1 : 0;

@@ -303,6 +303,10 @@ class EngineConfig:
                                                "priority (lower first, then arrival), and a waiting request may "
                                                "preempt running ones of a lower priority",
                                   choices=("fcfs", "priority"))
+    grammar_compile_timeout: float = knob(10.0, help="seconds a request's structured output (JSON schema, regex, "
+                                                     "choice, grammar) may take to compile; past it the request "
+                                                     "fails with a ValueError (a 400 from the server)",
+                                          minimum=0.0, open_minimum=True)
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod

@@ -110,6 +110,7 @@ class LLMEngine:
         if step is None:
             return [], 0, False
         plan, prompt_lp = step.plan, None
+        step.sampling.start_masks()          # structured outputs: grammar masks made while the model runs
         try:
             with self._scope():
                 if self.writer is not None:

@@ -1,5 +1,6 @@
 """The client API, with vLLM's names: LLM(model, ...).generate / chat / add_request / step / abort_request."""
 import itertools
+import logging
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+log = logging.getLogger("nanovllm_tp")
 
 
 class LLM:
@@ -32,9 +34,12 @@ class LLM:
             sys.exit(run_worker(config))
         from nanovllm_tp.engine import LLMEngine
         from nanovllm_tp.loader import load_tokenizer
+        from nanovllm_tp.structured.backend import GrammarBackend
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.engine = LLMEngine(config)
+        self.grammars = GrammarBackend(self.tokenizer, config.model_config.vocab_size,
+                                       config.model_config.eos_token_ids, config.grammar_compile_timeout)
         self._request_numbers = itertools.count()
         self._seq_ids = itertools.count()
         self._requests: dict[str, RequestState] = {}
@@ -99,7 +104,18 @@ class LLM:
             sp.validate()
             sp.check_vocab(vocab)
             sp.tokenize_bad_words(self.tokenizer, vocab)
+            if sp.structured_outputs is not None:
+                self.grammars.compile(sp.structured_outputs)     # compiled (or refused) before the engine
         return list(sampling_params)
+
+    def prepare(self, sampling_params: SamplingParams):
+        """Start compiling a request's structured output in the background (the server calls it before
+        add_request, so that no step waits for a compile): the compile's `Pending` (`.ready()`), or None when
+        there is nothing to compile. Validation errors are raised here."""
+        if sampling_params.structured_outputs is None:
+            return None
+        sampling_params.validate()
+        return self.grammars.submit(sampling_params.structured_outputs)
 
     # ---- generation ----
 
@@ -113,16 +129,18 @@ class LLM:
                               self._priorities(priority, len(items)))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        rendered with the tokenizer's chat template (or `chat_template`)."""
+        rendered with the tokenizer's chat template (or `chat_template`); `tools` (OpenAI's function tools) are
+        handed to the template as transformers does."""
         conversations = [messages] if _is_conversation(messages) else messages
         if not isinstance(conversations, list) or not conversations or \
                 not all(_is_conversation(c) for c in conversations):
             raise TypeError("messages must be a list of {'role': str, 'content': str} dicts, or a list of such lists")
         items = []
         for i, conv in enumerate(conversations):
-            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs)
+            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
             items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
         return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
 
@@ -219,12 +237,22 @@ class LLM:
         with trace.span("detokenize"):
             for seq in progressed:
                 state = self._by_seq[seq.seq_id]
+                if seq.grammar is not None and not seq.is_finished:
+                    self._advance_grammar(seq)
                 hit = state.update(seq)
                 if hit is not None:           # a stop string: the sequence ends at the token that completes it
                     self.engine.finish(seq, "stop", *hit)
                     state.update(seq)
                 self._dirty[state.request_id] = None
         return num_tokens, is_prefill
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """The sequence's matcher takes its new tokens; a token outside the language (another knob left the grammar
+        nothing to choose: min_tokens against its end, allowed_token_ids, bad_words) ends the request."""
+        error = seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+        if error is not None:
+            log.warning("request %s: structured output ended: %s", self._by_seq[seq.seq_id].request_id, error)
+            self.engine.finish(seq, "abort")
 
     def _generate(self, items, params, use_tqdm: bool, priorities=None) -> list[RequestOutput]:
         priorities = priorities or [0] * len(items)
@@ -264,8 +292,10 @@ class LLM:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
+        compiled = None if sp.structured_outputs is None else self.grammars.compile(sp.structured_outputs)
         seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i,
-                         priority=priority) for i in range(sp.n)]
+                         priority=priority, grammar=None if compiled is None else compiled.new())
+                for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])
         state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,
@@ -295,10 +325,14 @@ class LLM:
         quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths: linear_paths in
         layers/linear.py), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         prefix_cache_hit_tokens, num_running and num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
-        in use). RuntimeError once closed."""
-        return self.engine.stats()
+        in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled
+        grammar masks, masks filled, time spent filling them). RuntimeError once closed."""
+        g = self.grammars
+        return {**self.engine.stats(), "grammar_mask_steps": g.mask_steps, "grammar_masks": g.masks_filled,
+                "grammar_mask_seconds": g.mask_seconds}
 
     def close(self) -> None:
+        self.grammars.close()
         self.engine.close()
 
     def __enter__(self):
@@ -309,5 +343,7 @@ class LLM:
 
 
 def _is_conversation(x) -> bool:
+    """Messages with a role and text content (an assistant's tool calls may stand for its content)."""
     return isinstance(x, list) and bool(x) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in x)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and (
+            isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))) for m in x)

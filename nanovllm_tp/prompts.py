@@ -17,9 +17,10 @@ def check_prompt_length(i: int, num_tokens: int, max_model_len: int, at_least: b
 
 
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
-                chat_template_kwargs: dict | None = None) -> str:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
     """A conversation ({"role", "content"} dicts) as prompt text, through the tokenizer's chat template (or
-    `chat_template`). ValueError when there is no template."""
+    `chat_template`), with the tools (OpenAI's {"type": "function", "function": {...}} objects) as transformers
+    hands them to the template. ValueError when there is no template."""
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template (give one, or send a plain completion)")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -28,7 +29,9 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
     if taken:
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(map(repr, taken))}: apply_chat_template's own "
                          "arguments are the engine's to set (add_generation_prompt has a parameter of its own)")
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise TypeError("tools must be a list of dicts ({'type': 'function', 'function': {...}})")
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False, tools=tools,
                                          add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
 
 

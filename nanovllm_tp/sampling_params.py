@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 from nanovllm_tp.checks import flag as _flag, integer as _integer, number as _number
+from nanovllm_tp.structured.params import StructuredOutputsParams
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5
@@ -46,6 +47,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None   # only these tokens may be sampled
     bad_words: list[str] | None = None    # words the output never completes (tokenized when the request is admitted)
+    structured_outputs: StructuredOutputsParams | None = None   # JSON schema, regex, choice or grammar (a dict works)
     # forms derived by validate(), by the sampler on first use (arrays), by tokenize_bad_words()
     _stops: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _bias: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -150,6 +152,9 @@ class SamplingParams:
                 raise TypeError("bad_words must be a list of strings")
             if any(not w.strip() for w in self.bad_words):
                 raise ValueError("bad_words cannot contain an empty or blank string")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            self.structured_outputs.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids inside the vocabulary."""

@@ -6,10 +6,11 @@ A new sampling knob is a SamplingParams field, a line here, and its op in the sa
 
 What changes single logits before the draw reaches the sampler as one list per step (`SamplingBatch.modifiers`),
 items of (entry, token, kind, value) that the C pass and the numpy/torch sampler both apply, in this order:
-ALLOW (the entry samples among its ALLOW tokens only: every other logit is -inf), BIAS (+ value), PENALTY (the
+ALLOW (the entry samples among its ALLOW tokens only: every other logit is -inf), MASK (a grammar's bitmask:
+token is a row of `Modifiers.masks`, and every token whose bit is clear is -inf), BIAS (+ value), PENALTY (the
 row's repetition, presence and frequency penalties; value: the token's count in the output), SUPPRESS (-inf).
-That is vLLM's order (allowed set; bad words, min_tokens and logit bias; penalties): -inf stays -inf through
-what comes after it, and the bias comes before the penalties. A logit knob of a request is a list of such
+That is vLLM's order (allowed set and grammar; bad words, min_tokens and logit bias; penalties): -inf stays -inf
+through what comes after it, and the bias comes before the penalties. A logit knob of a request is a list of such
 items (`request_modifiers`) and no change to either sampler.
 The stop rule (`finish_codes`) is here too, so prefill, mixed and decode steps finish requests the same way.
 """
@@ -32,7 +33,7 @@ ROW_DTYPE = np.dtype([
 # Finish codes, per row
 RUNNING, STOP_EOS, STOP_TOKEN, LENGTH = 0, 1, 2, 3
 # Kinds of logit modifiers (csrc/sampler.c has the same numbers)
-PENALTY, SUPPRESS, BIAS, ALLOW = 0, 1, 2, 3
+PENALTY, SUPPRESS, BIAS, ALLOW, MASK = 0, 1, 2, 3, 4
 
 
 def row_record(params, seed: int) -> tuple:
@@ -42,7 +43,7 @@ def row_record(params, seed: int) -> tuple:
                "max_tokens": _NO_LIMIT if params.max_tokens is None else params.max_tokens,
                "has_stop_ids": bool(params.stop_token_ids),
                "modifiers": params.logit_bias is not None or params.allowed_token_ids is not None
-               or bool(params.bad_words)}
+               or bool(params.bad_words) or params.structured_outputs is not None}
     return tuple(special[name] if name in special else getattr(params, name) for name in ROW_DTYPE.names)
 
 
@@ -75,9 +76,10 @@ def request_modifiers(seq) -> list[tuple[np.ndarray, int, np.ndarray | float]]:
 class Modifiers:
     """A step's logit modifiers grouped by entry: entry e's items are [start[e], start[e + 1]), in no set order."""
     start: np.ndarray    # int64 [entries + 1]
-    token: np.ndarray    # int64 [items]
-    kind: np.ndarray     # int32 [items]: PENALTY, SUPPRESS, BIAS or ALLOW
+    token: np.ndarray    # int64 [items]: the token (MASK: the row of masks)
+    kind: np.ndarray     # int32 [items]: PENALTY, SUPPRESS, BIAS, ALLOW or MASK
     value: np.ndarray    # float32 [items]: PENALTY: the token's count in the output; BIAS: the bias; else 0
+    masks: np.ndarray | None = None    # int32 [masks, words]: grammars' bitmasks (bit t of a row: token t allowed)
 
     @property
     def entry(self) -> np.ndarray:
@@ -119,6 +121,7 @@ class SamplingBatch:
     rows: np.ndarray              # ROW_DTYPE [entries]
     sample_index: np.ndarray      # int64 [entries]: tokens generated before this one (the noise counter)
     logits_index: np.ndarray | None = None   # int64 [entries]: the logits row each entry reads (None: i -> i)
+    pending_masks: tuple | None = None       # (entries, a future of their grammar masks): start_masks()
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -165,6 +168,9 @@ class SamplingBatch:
         for e in self.rows["modifiers"].nonzero()[0].tolist():       # nonzero: no copy of the strided field
             for t, k, v in request_modifiers(self.seqs[e]):
                 add(e, t, k, v)
+        masked, masks = self.grammar_masks()
+        if masked:
+            add(np.asarray(masked, np.int64), np.arange(len(masked), dtype=np.int64), MASK, 0.0)
         if not entry:
             return None
         if len(entry) == 1:
@@ -173,12 +179,37 @@ class SamplingBatch:
             entry, token, kind, value = (np.concatenate(a) for a in (entry, token, kind, value))
             order = np.argsort(entry, kind="stable")
             entry, token, kind, value = entry[order], token[order], kind[order], value[order]
-        keep = (token >= 0) & (token < vocab)
+        keep = ((token >= 0) & (token < vocab)) | (kind == MASK)
         if not keep.all():
             entry, token, kind, value = entry[keep], token[keep], kind[keep], value[keep]
         start = np.zeros(len(self) + 1, np.int64)
         np.cumsum(np.bincount(entry, minlength=len(self)), out=start[1:])
-        return Modifiers(start, token, kind, value)
+        return Modifiers(start, token, kind, value, masks)
+
+    def _grammars(self) -> tuple[list[int], list]:
+        """The entries whose sequence's grammar constrains this token, and (grammar, sequence) pairs of them."""
+        entries, pairs = [], []
+        for e in self.rows["modifiers"].nonzero()[0].tolist():
+            seq = self.seqs[e]
+            if seq.grammar is not None and seq.grammar.constrains:
+                entries.append(e)
+                pairs.append((seq.grammar, seq))
+        return entries, pairs
+
+    def start_masks(self) -> None:
+        """Start filling the grammar masks on the backend's own thread, so that they are made while the model
+        runs (the engine calls this before the forward; modifiers() waits for them)."""
+        entries, pairs = self._grammars()
+        if pairs:
+            self.pending_masks = (entries, pairs[0][0].backend.fill_masks_soon(pairs))
+
+    def grammar_masks(self) -> tuple[list[int], np.ndarray | None]:
+        """(entries, their grammar bitmasks [entries, words]): those start_masks began, else made now."""
+        if self.pending_masks is not None:
+            entries, future = self.pending_masks
+            return entries, future.result()
+        entries, pairs = self._grammars()
+        return entries, (pairs[0][0].backend.fill_masks(pairs) if pairs else None)
 
     def suppressed(self, eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(entry, token id) pairs that may not be sampled: EOS and stop ids of rows still under min_tokens."""

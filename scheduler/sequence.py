@@ -17,11 +17,11 @@ class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
                  "num_scheduled_tokens", "block_table", "num_window_freed", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
-                 "seen", "draft", "spec_wait", "spec_misses", "priority", "arrival_time", "first_token_time",
-                 "last_token_time", "finish_time")
+                 "seen", "grammar", "draft", "spec_wait", "spec_misses", "priority", "arrival_time",
+                 "first_token_time", "last_token_time", "finish_time")
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
-                 seed: int = 0, index: int = 0, priority: int = 0, **sampling):
+                 seed: int = 0, index: int = 0, priority: int = 0, grammar=None, **sampling):
         """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise)."""
         if params is None:
             params = SamplingParams(**{"temperature": 0.0, **sampling})
@@ -46,6 +46,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.seen = None                        # rows.SeenTokens, made when a penalty first reads it
+        self.grammar = grammar                  # structured outputs: its matcher (structured/backend.Grammar)
         self.draft: list[int] = []              # proposed tokens computed in the step being run (speculative)
         self.spec_wait = 0                      # decode steps to skip proposing (after proposals that failed)
         self.spec_misses = 0                    # proposing steps in a row that accepted nothing

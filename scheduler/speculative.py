@@ -73,9 +73,10 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 def speculates(params) -> bool:
     """Whether a request may take proposals: every knob it uses reads only the logits of its position. Penalties,
-    bad words and logprobs read or report the tokens before it, which a proposed position does not have yet."""
+    bad words, logprobs and a grammar read or report the tokens before it, which a proposed position does not
+    have yet."""
     return (params.logprobs is None and params.repetition_penalty == 1 and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and not params.bad_words)
+            and params.frequency_penalty == 0 and not params.bad_words and params.structured_outputs is None)
 
 
 def propose(seqs, spec: SpeculativeConfig) -> dict[int, np.ndarray]:

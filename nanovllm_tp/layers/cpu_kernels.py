@@ -49,9 +49,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "linear_q": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]),
     "gather_q_rows": (None, [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]),
     "row_logprobs": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
-    "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr,
-                           _int, _ptr, _ptr, _ptr, _ptr]),
-    "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                           _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
+    "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -256,12 +256,13 @@ class CpuKernels:
         logprob, rank = np.empty(with_lp, np.float32), np.empty(with_lp, np.int64)
         top_lps, top_ids = np.empty((with_lp, top_n), np.float32), np.empty((with_lp, top_n), np.int64)
         row_of, counter = np.ascontiguousarray(row_of, np.int64), np.ascontiguousarray(counter, np.int64)
-        start, token, kind, value = _mod_arrays(mods, n)
+        start, token, kind, value, masks = _mod_arrays(mods, n)
         if not records.flags.c_contiguous:
             raise ValueError("sample: the records must be contiguous")
         if self._sample_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
                              records.itemsize, offsets.ctypes.data, counter.ctypes.data, start.ctypes.data,
-                             token.ctypes.data, kind.ctypes.data, value.ctypes.data, min_temperature,
+                             token.ctypes.data, kind.ctypes.data, value.ctypes.data, masks.ctypes.data,
+                             masks.shape[1], min_temperature,
                              tokens.ctypes.data, top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data,
                              top_ids.ctypes.data):
             raise MemoryError("the CPU sampler could not allocate its scratch")
@@ -273,21 +274,26 @@ class CpuKernels:
         n = len(row_of)
         out = torch.empty(n, x.shape[1], dtype=torch.float32)
         row_of = np.ascontiguousarray(row_of, np.int64)
-        start, token, kind, value = _mod_arrays(mods, n)
+        start, token, kind, value, masks = _mod_arrays(mods, n)
         if not records.flags.c_contiguous:
             raise ValueError("modify_rows: the records must be contiguous")
         self._modify_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
                           records.itemsize, offsets.ctypes.data, start.ctypes.data, token.ctypes.data,
-                          kind.ctypes.data, value.ctypes.data, out.data_ptr())
+                          kind.ctypes.data, value.ctypes.data, masks.ctypes.data, masks.shape[1], out.data_ptr())
         return out
 
 
+_NO_MASKS = np.zeros((0, 1), np.int32)
+
+
 def _mod_arrays(mods, entries: int) -> list[np.ndarray]:
-    """A Modifiers' arrays as sampler.c reads them (no items for None)."""
+    """A Modifiers' arrays as sampler.c reads them (no items for None), its bitmasks last ([masks, words])."""
     if mods is None:
-        return [np.zeros(entries + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)]
+        return [np.zeros(entries + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32),
+                _NO_MASKS]
+    masks = _NO_MASKS if mods.masks is None else np.ascontiguousarray(mods.masks, np.int32)
     return [np.ascontiguousarray(a, t) for a, t in ((mods.start, np.int64), (mods.token, np.int64),
-                                                     (mods.kind, np.int32), (mods.value, np.float32))]
+                                                     (mods.kind, np.int32), (mods.value, np.float32))] + [masks]
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

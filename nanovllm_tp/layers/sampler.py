@@ -18,7 +18,7 @@ import torch
 
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.sampling_params import MIN_TEMPERATURE
-from nanovllm_tp.scheduler.rows import ALLOW, BIAS, PENALTY, ROW_DTYPE, SUPPRESS, Modifiers, SamplingBatch
+from nanovllm_tp.scheduler.rows import ALLOW, BIAS, MASK, PENALTY, ROW_DTYPE, SUPPRESS, Modifiers, SamplingBatch
 from nanovllm_tp.scheduler.scheduled_step import PromptChunk, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -204,6 +204,11 @@ def _modify(logits: torch.Tensor, rows: np.ndarray, mods: Modifiers | None) -> t
         keep[_np(slot, dev), _np(mods.token[allow], dev)] = True
         index = _np(masked, dev)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    grammar = np.flatnonzero(kind == MASK)
+    if len(grammar):
+        keep = mask_bits(mods.masks[mods.token[grammar]], vocab)
+        index = _np(entry[grammar], dev)
+        logits[index] = logits[index].masked_fill(~torch.from_numpy(keep).to(dev), float("-inf"))
     flat = logits.view(-1)
     host = flat.numpy() if logits.is_cpu else None    # numpy's gather and scatter: cheaper than torch indexing here
     for k in (BIAS, PENALTY):
@@ -227,6 +232,16 @@ def _modify(logits: torch.Tensor, rows: np.ndarray, mods: Modifiers | None) -> t
     if len(off):
         logits[_np(entry[off], dev), _np(mods.token[off], dev)] = float("-inf")
     return logits
+
+
+def mask_bits(masks: np.ndarray, vocab: int) -> np.ndarray:
+    """Bitmasks ([rows, words] int32, bit t: token t allowed) as bool [rows, vocab]; columns past the words are
+    False."""
+    bits = np.unpackbits(np.ascontiguousarray(masks, "<i4").view(np.uint8), axis=1, bitorder="little")
+    keep = np.zeros((len(masks), vocab), np.bool_)
+    width = min(vocab, bits.shape[1])
+    keep[:, :width] = bits[:, :width]
+    return keep
 
 
 def _top_p_mask(vals, masked, top_p, lib):

@@ -24,6 +24,7 @@ from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, compl
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                               tokenize_response)
+from nanovllm_tp.serving.tool_calls import new_call_id
 
 log = logging.getLogger("nanovllm_tp")
 VERSION = "0.1.0"
@@ -193,10 +194,11 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         check_model(body.model)
         check_template_kwargs(body.chat_template_kwargs)
         try:
-            params = body.sampling_params()
+            tools = body.tool_mode()
+            params = body.sampling_params(tools)
             check_request(config, params)
             prompt = await encoder.chat([m.as_template_message() for m in body.messages],
-                                        body.add_generation_prompt, body.chat_template_kwargs)
+                                        body.add_generation_prompt, body.chat_template_kwargs, body.template_tools())
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors (jinja raises its own types)
@@ -205,10 +207,22 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         streams = await submit_all(rid, [prompt], params, body.priority)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
         top_n = body.top_logprobs or 0
+        streamers = {}                  # choice -> its ToolStreamer (streams with tools)
 
         def choice(i, out, c, sent):
             lp = chat_logprobs(c.token_ids, c.logprobs or [], top_n) if body.logprobs else None
-            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent)
+            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent, tools=tool_parts(i, c))
+
+        def tool_parts(i, c) -> tuple | None:
+            """(content, tool_calls, whether it made calls) of the answer so far, or None without tools to read."""
+            if tools is None or tools.choice == "none":
+                return None
+            if not body.stream:
+                content, calls = tools.parse(c.text)
+                return content, [{"id": new_call_id(), "type": "function",
+                                  "function": {"name": name, "arguments": args}} for name, args in calls], bool(calls)
+            streamer = streamers.setdefault((i, c.index), tools.streamer())
+            return *streamer.feed(c.text, c.finish_reason is not None), streamer.called
 
         if body.stream:
             return _stream(streams, builder, body.include_usage, choice, aborter(rid, 1))

@@ -11,8 +11,10 @@ HTTP side spends per step on 64 streams.
 Between two steps the loop takes every command that arrived (adds join the next step: continuous batching
 across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
 figures for /metrics; idle, it still sends those figures every HEARTBEAT_S, so that a silent loop means a stuck
-one (/health). When the engine fails, the HTTP process is told once and the loop only waits to be stopped: the
-server answers 503 from then on.
+one (/health). A batch with a structured output is added once its grammar has compiled (in the backend's threads,
+LLM.prepare), so no step waits for a compile; a compile that fails or runs past its time limit is that request's
+400. When the engine fails, the HTTP process is told once and the loop only waits to be stopped: the server
+answers 503 from then on.
 """
 import logging
 import time
@@ -24,6 +26,7 @@ from nanovllm_tp.serving import wire
 log = logging.getLogger("nanovllm_tp")
 IDLE_POLL_MS = 200
 HEARTBEAT_S = 1.0
+COMPILE_POLL_MS = 2        # how often an idle loop looks at compiles in flight
 
 
 def scheduler_stats(llm) -> dict:
@@ -46,6 +49,7 @@ class EngineLoop:
             sock.bind(endpoint)
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
+        self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
         self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
 
     def run(self, keep_going) -> None:
@@ -54,10 +58,11 @@ class EngineLoop:
         dead = False
         while keep_going():
             busy = not dead and self.llm.has_unfinished_requests()
-            if self._commands.poll(0 if busy else IDLE_POLL_MS):
-                changed = self._take_commands(dead)
-                if changed and not dead and not self.llm.has_unfinished_requests():
-                    self._send_stats()
+            changed = self._admit_compiled(dead)
+            if self._commands.poll(0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS):
+                changed = self._take_commands(dead) or changed
+            if changed and not dead and not self.llm.has_unfinished_requests():
+                self._send_stats()
             if dead or not self.llm.has_unfinished_requests():
                 if time.monotonic() - self._last_sent > HEARTBEAT_S:
                     self._send_stats()
@@ -109,24 +114,46 @@ class EngineLoop:
                 break
             msg = wire.unpack(raw.buffer)
             if msg["op"] == "abort" and not dead:
+                for key in msg["ids"]:            # a batch still waiting for its grammar is dropped whole
+                    self._compiling.pop(key, None)
                 self.llm.abort_request(msg["ids"])
                 changed = True
             elif msg["op"] == "add":
-                accepted.append(self._add(msg, dead))
+                item = self._add(msg, dead)
+                if item is not None:
+                    accepted.append(item)
                 changed = True
         if accepted:
             self._send({"op": "accepted", "items": accepted})
         return changed
 
-    def _add(self, msg: dict, dead: bool) -> list:
+    def _add(self, msg: dict, dead: bool, params=None) -> list | None:
         """[first id, error message or None, error type] for one batch, queued all or none: validation errors
-        go back to the client as a 400."""
+        go back to the client as a 400. None: the batch waits for its grammar (_admit_compiled adds it)."""
         key = msg["ids"][0]
         if dead:
             return [key, "the engine stopped", "EngineDead"]
         try:
-            self.llm.add_requests(msg["prompts"], wire.params_from_wire(msg["params"]), request_ids=msg["ids"],
-                                  max_tokens_must_fit=True, priority=msg["priority"])
+            if params is None:
+                params = wire.params_from_wire(msg["params"])
+                pending = self.llm.prepare(params)
+                if pending is not None and not pending.ready():
+                    self._compiling[key] = (msg, params, pending)
+                    return None
+            self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
+                                  priority=msg["priority"])
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]
+
+    def _admit_compiled(self, dead: bool) -> bool:
+        """Add the batches whose grammar is ready (or failed, or ran out of time: their error goes back)."""
+        done = [key for key, (_, _, pending) in self._compiling.items() if dead or pending.ready()]
+        if not done:
+            return False
+        items = []
+        for key in done:
+            msg, params, _ = self._compiling.pop(key)
+            items.append(self._add(msg, dead, params))
+        self._send({"op": "accepted", "items": items})
+        return True

@@ -24,16 +24,17 @@ class PromptEncoder:
         prompt that cannot fit."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_all, prompts)
 
-    async def chat(self, messages: list[dict], add_generation_prompt: bool,
-                   chat_template_kwargs: dict | None) -> list[int]:
+    async def chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
+                   tools: list[dict] | None = None) -> list[int]:
         """The conversation rendered through the model's chat template, as token ids. ValueError / TypeError for
         bad input; the template's own errors as they come (jinja raises its own types). A `chat_template` among
-        the kwargs is the template (the handler lets one through only when the operator trusts them)."""
+        the kwargs is the template (the handler lets one through only when the operator trusts them); `tools` go to
+        the template as transformers hands them."""
         kwargs = dict(chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None)
 
         def run():
-            text = render_chat(self.tokenizer, messages, template, add_generation_prompt, kwargs)
+            text = render_chat(self.tokenizer, messages, template, add_generation_prompt, kwargs, tools)
             return self._encode(0, text, add_special_tokens=False)    # the template has them
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 

@@ -8,6 +8,7 @@ what the Python API refuses, with the same message. A body field named as a Samp
 (absent or null: its default); the endpoints set the rest (max_tokens, logprobs, prompt_logprobs, output_kind) from
 OpenAI's names.
 """
+import json
 from dataclasses import fields
 from typing import Annotated, Literal
 
@@ -16,23 +17,22 @@ from pydantic_core import PydanticCustomError
 
 from nanovllm_tp.prompts import is_token_ids
 from nanovllm_tp.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from nanovllm_tp.serving.tool_calls import ToolMode
 
 _SET_BY_ENDPOINT = ("max_tokens", "logprobs", "prompt_logprobs", "output_kind")
 _FROM_BODY = tuple(f.name for f in fields(SamplingParams) if f.init and f.name not in _SET_BY_ENDPOINT)
 
-_STRUCTURED = "structured outputs are not implemented"
-_TOOLS = "tool and function calling are not implemented"
+_GUIDED = "vLLM's older guided_* fields are not accepted: use structured_outputs (or response_format)"
+_FUNCTIONS = "OpenAI's deprecated function calling is not implemented: use tools and tool_choice"
 _BEAM = "beam search is not implemented"
 _REASONING = "reasoning options are not implemented"
 # Fields of the OpenAI and vLLM APIs that this server does not implement, each refused with a 400 that names it and
 # says why (a field that is neither declared nor here is refused as unknown). The change that implements one
 # deletes its entry and declares the field.
 REFUSED_FIELDS: dict[str, str] = {
-    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED, "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
-    "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
-    "function_call": _TOOLS, "tool_calls": _TOOLS, "tool_call_id": _TOOLS,
+    "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
+    "guided_decoding_backend": _GUIDED, "guided_whitespace_pattern": _GUIDED,
+    "functions": _FUNCTIONS, "function_call": _FUNCTIONS,
     "best_of": "best_of is not implemented (n completions come back as sampled, none ranked or dropped)",
     "use_beam_search": _BEAM, "length_penalty": _BEAM, "early_stopping": _BEAM,
     "suffix": "suffix (text after the completion) is not implemented",
@@ -136,6 +136,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text, json_object, or json_schema {"name", "schema", "strict", ...}."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, object] | None = None
+
+
+def structured_outputs_of(response_format: ResponseFormat | None, structured_outputs: dict | None,
+                          tools: ToolMode | None = None) -> dict | None:
+    """The request's structured_outputs (as StructuredOutputsParams' dict) from response_format, vLLM's
+    structured_outputs body field, or the schema tool_choice "required" / a named function enforces; at most one
+    of them."""
+    given = {}
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        else:
+            spec = response_format.json_schema or {}
+            if not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs a 'schema' object")
+            given["response_format"] = {"json": spec["schema"]}
+    if structured_outputs is not None:
+        given["structured_outputs"] = structured_outputs
+    schema = tools.schema() if tools is not None else None
+    if schema is not None:
+        given[f"tool_choice={tools.choice if tools.choice != 'named' else tools.name!r}"] = {"json": schema}
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} both constrain the output; give one")
+    return next(iter(given.values()), None)
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
     model: str | None = None
@@ -169,6 +199,8 @@ class _Sampling(_Body):
     allowed_token_ids: list[Int] | None = None
     priority: Int = 0          # lower first, on a server started with --scheduling-policy priority
     bad_words: list[str] | None = None
+    structured_outputs: dict[str, object] | None = None     # StructuredOutputsParams' fields: json, regex, ...
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -180,10 +212,12 @@ class _Sampling(_Body):
                                       {"param": bad[0] or "body", "index": bad[1]})
         return data
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                tools: ToolMode | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         kw = {name: value for name in _FROM_BODY if (value := getattr(self, name)) is not None}
+        kw["structured_outputs"] = structured_outputs_of(self.response_format, self.structured_outputs, tools)
         return SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
@@ -230,12 +264,50 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[dict[str, object]] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                       # a tool's answer: to which call
 
     def as_template_message(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:            # templates read the arguments as an object (they write it with tojson)
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError:
+            raise ValueError(f"tool call {call.get('id')!r}: arguments are not valid JSON") from None
+    return {**call, "function": function}
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -246,18 +318,42 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, object] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_mode(self) -> ToolMode | None:
+        """What the tools and tool_choice ask for (None: no tools)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice or "auto"
+        mode = ToolMode(functions, "named" if isinstance(choice, NamedToolChoice) else choice,
+                        parallel=self.parallel_tool_calls)
+        if mode.choice == "named":
+            mode.name = choice.function.name
+            if mode.name not in mode.names:
+                raise ValueError(f"tool_choice names {mode.name!r}, which is not among the tools "
+                                 f"({', '.join(sorted(mode.names))})")
+        return mode
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def sampling_params(self, tools: ToolMode | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None)
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None, tools)
 
 
 # every field name a body may hold somewhere (the wording of refusals offers the closest one)
 DECLARED_FIELDS = sorted({name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
-                                         StreamOptions) for name in m.model_fields})
+                                         StreamOptions, ResponseFormat, FunctionDef, ToolDef, NamedToolChoice)
+                           for name in m.model_fields})
 if set(REFUSED_FIELDS) & set(DECLARED_FIELDS):
     raise ImportError(f"fields both declared and refused: {set(REFUSED_FIELDS) & set(DECLARED_FIELDS)}")

@@ -12,7 +12,8 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once
                                                                        going away; nothing more comes)
 
 Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
-any key type) and are validated once on arrival, by LLM.add_requests; outputs as their dataclasses' fields,
+any key type; structured_outputs as its fields' map) and are validated once on arrival, by LLM.add_requests;
+outputs as their dataclasses' fields,
 logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids) travels with its first
 output only (None in the later ones, which the HTTP side fills in): at one token per step, the prompt would
 otherwise be most of every message.
@@ -39,7 +40,8 @@ def unpack(raw) -> dict:
 
 
 def params_to_wire(p: SamplingParams) -> dict:
-    return {name: (int(v) if name == "output_kind" else v) for name in _PARAM_FIELDS for v in (getattr(p, name),)}
+    return {name: (int(v) if name == "output_kind" else v.to_dict() if name == "structured_outputs" and v else v)
+            for name in _PARAM_FIELDS for v in (getattr(p, name),)}
 
 
 def params_from_wire(d: dict) -> SamplingParams:

@@ -1,8 +1,8 @@
 /* Rank 0's sampler on CPU, over fp32 logits: per-row top-k, logprobs, and one pass per entry that applies the
- * entry's logit modifiers (allowed set, biases, penalties, suppressed tokens), then takes the argmax or draws
- * (temperature, top-k, min-p, top-p, Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into one library
- * (nanovllm_tp/layers/cpu_kernels.py); nanovllm_tp/layers/sampler.py holds the same operations in numpy/torch: their
- * reference, and the path off the CPU.
+ * entry's logit modifiers (allowed set, grammar mask, biases, penalties, suppressed tokens), then takes the argmax
+ * or draws (temperature, top-k, min-p, top-p, Gumbel-max), and gives the logprobs. Built with cpu_kernels.c into
+ * one library (nanovllm_tp/layers/cpu_kernels.py); nanovllm_tp/layers/sampler.py holds the same operations in
+ * numpy/torch: their reference, and the path off the CPU.
  *
  * Built with -ffast-math, yet exact where the reference is: suppressed logits are -inf, so orderings go through
  * integer keys and exp's argument is clamped; divisions go through double, which rounds to the float32 quotient
@@ -242,30 +242,55 @@ static knobs_t read_knobs(const char *rec, const int64_t *off)
 
 /* ---------------------------------------------------------------- logit modifiers
  * An entry's items (token, kind, value), kinds as scheduler/rows.py numbers them, applied kind by kind: ALLOW
- * (only those tokens keep their logit), BIAS (+ value), PENALTY (value: the token's count in the output),
- * SUPPRESS (-inf). A logit that is -inf stays so. Each op rounded as float32 numpy rounds it: no fused
- * multiply-adds.
+ * (only those tokens keep their logit), MASK (token: a row of the step's bitmasks, `words` uint32 words each; a
+ * column whose bit is clear, or past the mask, becomes -inf), BIAS (+ value), PENALTY (value: the token's count
+ * in the output), SUPPRESS (-inf). A logit that is -inf stays so. Each op rounded as float32 numpy rounds it: no
+ * fused multiply-adds.
  */
-enum { MOD_PENALTY, MOD_SUPPRESS, MOD_BIAS, MOD_ALLOW };
+enum { MOD_PENALTY, MOD_SUPPRESS, MOD_BIAS, MOD_ALLOW, MOD_MASK };
+
+/* row[c] <- src[c] where bit c of mask is set, else -inf (also past its words); src may be row. Word by word: a
+ * grammar's mask is mostly empty words (a run of -inf) and, inside strings, full ones (a copy). */
+static void masked_copy(float *row, const float *src, int64_t cols, const uint32_t *mask, int64_t words)
+{
+    for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+        const int64_t n = cols - c0 < 32 ? cols - c0 : 32;
+        const uint32_t bits = c0 / 32 < words ? mask[c0 / 32] : 0u;
+        if (bits == 0u) {
+            for (int64_t i = 0; i < n; i++) row[c0 + i] = -INFINITY;
+        } else if (bits == 0xffffffffu) {
+            if (row != src) memcpy(row + c0, src + c0, sizeof(float) * (size_t)n);
+        } else {
+            for (int64_t i = 0; i < n; i++) row[c0 + i] = (bits >> i) & 1u ? src[c0 + i] : -INFINITY;
+        }
+    }
+}
 
 INLINE int is_masked(float v) { return !is_finite_or_max(order_key(v)); }
 
 /* row <- the entry's modified copy of raw */
 static void modify(float *row, const float *raw, int64_t cols, const int64_t *token, const int32_t *kind,
-                   const float *value, int64_t n, const knobs_t *k)
+                   const float *value, int64_t n, const knobs_t *k, const int32_t *masks, int64_t words)
 {
     int allow_only = 0, biased = 0;
+    int64_t first_mask = -1;
     for (int64_t i = 0; i < n; i++) {
         allow_only |= kind[i] == MOD_ALLOW;
         biased |= kind[i] == MOD_BIAS;
+        if (kind[i] == MOD_MASK && first_mask < 0) first_mask = i;
     }
     if (allow_only) {
         for (int64_t c = 0; c < cols; c++) row[c] = -INFINITY;
         for (int64_t i = 0; i < n; i++)
             if (kind[i] == MOD_ALLOW) row[token[i]] = raw[token[i]];
+    } else if (first_mask >= 0) {             /* the copy and the first mask in one pass */
+        masked_copy(row, raw, cols, (const uint32_t *)(masks + token[first_mask] * words), words);
     } else {
         memcpy(row, raw, sizeof(float) * (size_t)cols);
     }
+    for (int64_t i = 0; i < n; i++)
+        if (kind[i] == MOD_MASK && (allow_only || i != first_mask))
+            masked_copy(row, row, cols, (const uint32_t *)(masks + token[i] * words), words);
     for (int64_t i = 0; biased && i < n; i++) {
         float *v = row + token[i];
         if (kind[i] != MOD_BIAS || is_masked(*v)) continue;
@@ -422,11 +447,25 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
     }
 }
 
+/* a row buffer of at least cols floats, one per thread, grown when needed and kept (NULL if allocation fails) */
+static float *scratch_row(int64_t cols)
+{
+    static __thread float *buf = NULL;
+    static __thread int64_t capacity = 0;
+    if (capacity < cols) {
+        free(buf);
+        buf = malloc(sizeof(float) * (size_t)cols);
+        capacity = buf ? cols : 0;
+    }
+    return buf;
+}
+
 /* ---------------------------------------------------------------- a step's entries
  *   x [rows, cols] fp32 logits (row stride `stride`); entry e reads row row_of[e]
  *   records: the entries' ROW_DTYPE records (record_size bytes apart), offsets: their fields (enum above)
  *   counter [entries]: tokens each entry generated before (the noise counter)
  *   mod_start [entries + 1], mod_token, mod_kind, mod_value: each entry's logit modifiers, in a CSR layout
+ *   masks [*, words]: the bitmasks MASK items point at (grammars; NULL when there are none)
  * Out: tokens [entries]; for the entries with logprobs >= 0, in entry order: logprob, rank, and the top_n best of
  * the raw row (top_n = the largest logprobs asked). Rows are read, never written (a modified row is a copy). An
  * entry whose modifiers leave no logit above -inf takes the argmax of what is left (column 0), drawn or not.
@@ -435,8 +474,8 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
 int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, const int64_t *row_of,
                 const char *records, int64_t record_size, const int64_t *offsets, const int64_t *counter,
                 const int64_t *mod_start, const int64_t *mod_token, const int32_t *mod_kind, const float *mod_value,
-                float min_temperature, int64_t *tokens, int top_n, float *logprob, int64_t *rank,
-                float *top_logprobs, int64_t *top_ids)
+                const int32_t *masks, int64_t words, float min_temperature, int64_t *tokens, int top_n,
+                float *logprob, int64_t *rank, float *top_logprobs, int64_t *top_ids)
 {
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)(entries > 0 ? entries : 1));
     if (!slot) return -1;
@@ -449,15 +488,15 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
     for (int64_t e = 0; e < entries; e++) {
         const knobs_t k = read_knobs(records + e * record_size, offsets);
         const float *raw = x + row_of[e] * stride, *row = raw;
-        float *copy = NULL;
+        float *copy = NULL;        /* this thread's row buffer, kept between calls (no fresh pages per row) */
         const int64_t first = mod_start[e], mods = mod_start[e + 1] - first;
         if (mods > 0) {
-            copy = malloc(sizeof(float) * (size_t)cols);
+            copy = scratch_row(cols);
             if (!copy) {
                 failed = 1;
                 continue;
             }
-            modify(copy, raw, cols, mod_token + first, mod_kind + first, mod_value + first, mods, &k);
+            modify(copy, raw, cols, mod_token + first, mod_kind + first, mod_value + first, mods, &k, masks, words);
             row = copy;
         }
         tokens[e] = k.temperature < min_temperature ? argmax_row(row, cols) : draw_row(row, cols, &k, counter[e]);
@@ -466,7 +505,6 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
         if (s >= 0 && !failed)
             failed |= logprob_row(raw, cols, tokens[e], top_n, logprob + s, rank + s, top_logprobs + s * top_n,
                                   top_ids + s * top_n);
-        free(copy);
     }
     free(slot);
     return failed ? -1 : 0;
@@ -475,12 +513,13 @@ int sample_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, c
 /* The modified rows alone (what sample_rows draws from): out [entries, cols]; arguments as sample_rows's. */
 void modify_rows(const float *x, int64_t stride, int64_t cols, int64_t entries, const int64_t *row_of,
                  const char *records, int64_t record_size, const int64_t *offsets, const int64_t *mod_start,
-                 const int64_t *mod_token, const int32_t *mod_kind, const float *mod_value, float *out)
+                 const int64_t *mod_token, const int32_t *mod_kind, const float *mod_value, const int32_t *masks,
+                 int64_t words, float *out)
 {
     for (int64_t e = 0; e < entries; e++) {
         const knobs_t k = read_knobs(records + e * record_size, offsets);
         const int64_t first = mod_start[e];
         modify(out + e * cols, x + row_of[e] * stride, cols, mod_token + first, mod_kind + first, mod_value + first,
-               mod_start[e + 1] - first, &k);
+               mod_start[e + 1] - first, &k, masks, words);
     }
 }

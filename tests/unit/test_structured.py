@@ -1,0 +1,167 @@
+"""Structured outputs on their own: StructuredOutputsParams' checks, the llguidance backend (compile errors by
+name, the cache, the time limit, matchers that follow and roll back), and the grammar mask as a logit modifier on
+both samplers, against masks worked out from the token texts alone."""
+import numpy as np
+import pytest
+import torch
+
+from nanovllm_tp.layers.sampler import Sampler, mask_bits
+from nanovllm_tp.loader import load_tokenizer
+from nanovllm_tp.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm_tp.scheduler import Sequence
+from nanovllm_tp.structured.backend import GrammarBackend
+from tests.unit.test_sampler import batch_of
+
+VOCAB = 2003
+EOS = 2000        # the tiny checkpoint's
+NEG = np.float32(-np.inf)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    b = GrammarBackend(tokenizer, VOCAB, [EOS], timeout=30.0)
+    yield b
+    b.close()
+
+
+def token_texts(tokenizer) -> list[str | None]:
+    """Each token's text (None for special tokens, which no grammar here produces)."""
+    special = set(tokenizer.all_special_ids)
+    return [None if t in special or t >= len(tokenizer) else tokenizer.decode([t]) for t in range(VOCAB)]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({}, ValueError, "exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, ValueError, "got regex, choice"),
+    ({"json": "{not json"}, ValueError, "structured_outputs.json is not valid JSON"),
+    ({"json": [1, 2]}, TypeError, "must be a JSON schema"),
+    ({"regex": ""}, ValueError, "structured_outputs.regex cannot be empty"),
+    ({"choice": []}, TypeError, "non-empty list of strings"),
+    ({"choice": ["a", 3]}, TypeError, "each of structured_outputs.choice must be a string"),
+    ({"grammar": 5}, TypeError, "structured_outputs.grammar must be a string"),
+    ({"json_object": "yes"}, TypeError, "json_object must be true"),
+    ({"json_object": True, "disable_any_whitespace": 1}, TypeError, "disable_any_whitespace must be a bool"),
+])
+def test_params_take_exactly_one_kind_of_a_checked_shape(bad, error, match):
+    with pytest.raises(error, match=match):
+        StructuredOutputsParams(**bad)
+    with pytest.raises(error, match=match):
+        SamplingParams(structured_outputs=bad)          # a dict is read as StructuredOutputsParams
+
+
+def test_params_from_a_dict_refuse_unknown_fields_and_keep_a_canonical_key():
+    with pytest.raises(ValueError, match="unknown or unsupported field.*'structural_tag'"):
+        StructuredOutputsParams.from_dict({"json_object": True, "structural_tag": "x"})
+    a = SamplingParams(structured_outputs={"json": '{"type": "object", "required": ["a"]}'}).structured_outputs
+    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    assert isinstance(a, StructuredOutputsParams) and a.key == b.key and a.kind == "json"
+    assert StructuredOutputsParams.from_dict(b.to_dict()) == b
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"regex": "(?=a)b"}, "look-around"),
+    ({"json": {"type": "strin"}}, "strin"),
+    ({"json": {"$ref": "#/$defs/missing"}}, "/\\$defs/missing"),
+    ({"json": {"type": "string", "format": "credit-card"}}, "Unknown format: credit-card"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "Unimplemented keys: \\[\"uniqueItems\"\\]"),
+    ({"grammar": "root ::= missing_rule"}, "missing_rule"),
+])
+def test_a_constraint_that_cannot_compile_is_a_value_error_naming_it(backend, spec, match):
+    params = StructuredOutputsParams(**spec)
+    with pytest.raises(ValueError, match=match):
+        backend.compile(params)
+    with pytest.raises(ValueError, match=match):        # cached: the same answer, not a new compile
+        backend.compile(params)
+
+
+def test_compiles_are_cached_and_a_missed_time_limit_fails_that_constraint_only(tokenizer, backend):
+    params = StructuredOutputsParams(regex="[0-9]{3}")
+    assert backend.submit(params) is backend.submit(StructuredOutputsParams(regex="[0-9]{3}"))
+    assert backend.compile(params) is backend.compile(params)
+    hurried = GrammarBackend(tokenizer, VOCAB, [EOS], timeout=1e-9)
+    try:
+        slow = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
+        with pytest.raises(ValueError, match="did not compile within the time limit.*grammar_compile_timeout"):
+            hurried.compile(slow)
+        assert hurried.submit(slow).ready()
+        with pytest.raises(ValueError, match="time limit"):        # remembered: no second wait
+            hurried.compile(slow)
+    finally:
+        hurried.close()
+
+
+def test_the_mask_allows_exactly_the_tokens_that_continue_a_choice(both_paths, tokenizer, backend):
+    """From the start, a token is allowed iff its text is a non-empty prefix of a choice; after "ye" only what
+    finishes "yes"; once complete, EOS alone. On both samplers, with a bias and the allowed set on top."""
+    choices = ["yes", "no", "maybe"]
+    compiled = backend.compile(StructuredOutputsParams(choice=choices))
+    texts = token_texts(tokenizer)
+    ye = tokenizer.encode("ye", add_special_tokens=False)
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+
+    def want(done: str) -> set[int]:
+        allowed = {t for t, s in enumerate(texts) if s and any(c.startswith(done + s) for c in choices)}
+        return allowed | ({EOS} if done in choices else set())
+
+    some = sorted(want(""))[::2] + list(range(100, 140))       # half the grammar's tokens, and others
+
+    params = [SamplingParams(temperature=0, structured_outputs={"choice": choices}),
+              SamplingParams(temperature=0, structured_outputs={"choice": choices}, logit_bias={yes[0]: 7.0}),
+              SamplingParams(temperature=0, structured_outputs={"choice": choices}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, structured_outputs={"choice": choices}, allowed_token_ids=some)]
+    batch = batch_of(params, prompts=[[5]] * 5, outputs=[[], [], yes, [], []])
+    for seq in batch.seqs[:3] + batch.seqs[4:]:
+        seq.grammar = compiled.new()
+    logits = torch.from_numpy(np.random.default_rng(0).standard_normal((5, VOCAB)).astype(np.float32))
+    sampler = Sampler(eos_token_ids=[EOS])
+    fast, reference = both_paths(lambda: sampler.modified(logits, batch))
+    assert torch.equal(fast, reference)
+    allowed = [set(np.flatnonzero(~np.isneginf(row)).tolist()) for row in fast.numpy()]
+    assert allowed[0] == allowed[1] == want("") and yes[0] in allowed[0] and EOS not in allowed[0]
+    assert allowed[2] == {EOS} and allowed[3] == set(range(VOCAB))
+    assert fast[1, yes[0]] == logits[1, yes[0]] + 7.0 and fast[0, yes[0]] == logits[0, yes[0]]
+    assert fast[3].equal(logits[3])
+    assert allowed[4] == want("") & set(some)                 # the allowed set and the grammar: both hold
+    if len(ye) == 1:                       # part-way: only what completes "yes"
+        seq = Sequence(9, [5] + ye, params[0], grammar=compiled.new())
+        masks = backend.fill_masks([(seq.grammar, seq)])
+        assert set(np.flatnonzero(mask_bits(masks, VOCAB)[0]).tolist()) == want("ye")
+
+
+def test_a_matcher_follows_its_sequence_and_rolls_back(tokenizer, backend):
+    compiled = backend.compile(StructuredOutputsParams(regex="[a-z]+-[0-9]{2}"))
+    text = tokenizer.encode("ab-12", add_special_tokens=False)
+    seq = Sequence(0, [7, 8], SamplingParams(temperature=0), grammar=compiled.new())
+    fresh = backend.fill_masks([(seq.grammar, seq)])
+    for t in text:
+        seq.token_ids.append(t)
+        assert seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens) is None
+    assert seq.grammar.consumed == len(text)
+    assert np.flatnonzero(mask_bits(backend.fill_masks([(seq.grammar, seq)]), VOCAB)[0]).tolist() == [EOS]
+    del seq.token_ids[2:]                     # back to the prompt: the mask of the start again
+    assert np.array_equal(backend.fill_masks([(seq.grammar, seq)]), fresh) and seq.grammar.consumed == 0
+    seq.token_ids += [EOS]                    # EOS where the language cannot end: an error, named
+    assert "doesn't satisfy the grammar" in seq.grammar.advance(seq.token_ids, 2)
+    assert not seq.grammar.constrains
+
+
+def test_structured_requests_take_no_speculative_proposals():
+    from nanovllm_tp.scheduler.speculative import speculates
+    assert speculates(SamplingParams(temperature=0))
+    assert not speculates(SamplingParams(temperature=0, structured_outputs={"regex": "[ab]+"}))
+
+
+def test_structured_outputs_cross_the_wire_as_plain_fields():
+    from nanovllm_tp.serving import wire
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"},
+                                                                   disable_any_whitespace=True))
+    raw = wire.pack({"op": "add", "params": wire.params_to_wire(sp)})
+    back = wire.params_from_wire(wire.unpack(raw)["params"])
+    back.validate()
+    assert back.structured_outputs == sp.structured_outputs

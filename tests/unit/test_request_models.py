@@ -20,8 +20,10 @@ def message(model, body: dict) -> tuple[str, str | None]:
 
 
 @pytest.mark.parametrize("model,body,want", [
-    (CompletionRequest, {"prompt": "x", "tools": [], "n": "two"}, ("tools: not supported: " + REFUSED_FIELDS["tools"],
-                                                                  "tools")),
+    (CompletionRequest, {"prompt": "x", "best_of": 2, "n": "two"}, (
+        "best_of: not supported: " + REFUSED_FIELDS["best_of"], "best_of")),
+    (CompletionRequest, {"prompt": "x", "tools": []}, (
+        "tools: not a field here (it is one of another endpoint or object)", "tools")),
     (CompletionRequest, {"prompt": "x", "temprature": 1}, ("temprature: unknown field; did you mean 'temperature'?",
                                                           "temprature")),
     (ChatCompletionRequest, {"messages": CHAT, "echo": True}, (

@@ -21,6 +21,7 @@ from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
                                            unreadable_body, validation_message)
+from nanovllm_tp.serving.reasoning import ThinkSplitter, split_reasoning
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                               tokenize_response)
@@ -207,22 +208,35 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         streams = await submit_all(rid, [prompt], params, body.priority)
         builder = ResponseBuilder("chat", rid, model_name, params.n)
         top_n = body.top_logprobs or 0
-        streamers = {}                  # choice -> its ToolStreamer (streams with tools)
+        streamers, splitters = {}, {}   # choice -> its ToolStreamer / ThinkSplitter (streams with tools / reasoning)
 
         def choice(i, out, c, sent):
             lp = chat_logprobs(c.token_ids, c.logprobs or [], top_n) if body.logprobs else None
-            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent, tools=tool_parts(i, c))
+            reasoning, text = reasoning_parts(i, c)
+            return builder.choice(i, c, logprobs=lp, delta=body.stream, first=not sent, tools=tool_parts(i, c, text),
+                                  text=text, reasoning=reasoning)
 
-        def tool_parts(i, c) -> tuple | None:
-            """(content, tool_calls, whether it made calls) of the answer so far, or None without tools to read."""
+        def reasoning_parts(i, c) -> tuple[str | None, str]:
+            """(reasoning, content) of the answer (so far, streamed); (None, its text) without a reasoning parser."""
+            if config.reasoning_parser is None:
+                return None, c.text
+            if not body.stream:
+                reasoning, content = split_reasoning(config.reasoning_parser, c.text)
+                return reasoning, content or ""
+            splitter = splitters.setdefault((i, c.index), ThinkSplitter.of(config.reasoning_parser))
+            return splitter.feed(c.text, c.finish_reason is not None)
+
+        def tool_parts(i, c, text: str) -> tuple | None:
+            """(content, tool_calls, whether it made calls) of the answer's content so far, or None without tools to
+            read."""
             if tools is None or tools.choice == "none":
                 return None
             if not body.stream:
-                content, calls = tools.parse(c.text)
+                content, calls = tools.parse(text)
                 return content, [{"id": new_call_id(), "type": "function",
                                   "function": {"name": name, "arguments": args}} for name, args in calls], bool(calls)
             streamer = streamers.setdefault((i, c.index), tools.streamer())
-            return *streamer.feed(c.text, c.finish_reason is not None), streamer.called
+            return *streamer.feed(text, c.finish_reason is not None), streamer.called
 
         if body.stream:
             return _stream(streams, builder, body.include_usage, choice, aborter(rid, 1))

@@ -64,22 +64,26 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(self, prompt_index: int, c: CompletionOutput, prefix: str = "", logprobs: dict | None = None,
-               delta: bool = False, first: bool = False, tools: tuple | None = None) -> dict:
+               delta: bool = False, first: bool = False, tools: tuple | None = None, text: str | None = None,
+               reasoning: str | None = None) -> dict:
         """One choice; `tools`: (content, tool_calls, whether the answer made calls) of a chat answer read for tool
-        calls (serving/tool_calls.py) instead of its text; its finish_reason is then "tool_calls"."""
+        calls (serving/tool_calls.py) instead of its text; its finish_reason is then "tool_calls". With a reasoning
+        parser (serving/reasoning.py), `text` is the answer's content and `reasoning` its reasoning_content."""
         index = prompt_index * self.n + c.index
         if self.kind == "chat":
-            text, calls, called = (c.text, None, False) if tools is None else tools
+            text, calls, called = (c.text if text is None else text, None, False) if tools is None else tools
             finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
             body = {"index": index, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason}
-            if delta and tools is None:
+            if delta and tools is None and reasoning is None:
                 body["delta"] = ({"role": "assistant", "content": text} if first else
                                  ({"content": text} if text else {}))
             elif delta:
                 body["delta"] = {**({"role": "assistant"} if first else {}), **({"content": text} if text else {}),
+                                 **({"reasoning_content": reasoning} if reasoning else {}),
                                  **({"tool_calls": calls} if calls else {})}
             else:
-                body["message"] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+                body["message"] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                                   **({"reasoning_content": reasoning} if reasoning is not None else {})}
             return body
         return {"index": index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from nanovllm_tp.knobs import add_args, check_knobs, knob, kwargs_of
+from nanovllm_tp.serving.reasoning import PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -37,6 +38,9 @@ class ServerConfig:
     max_stop_string_chars: int = knob(1024, help="longest stop string, in characters", minimum=1)
     trust_request_chat_template: bool = knob(False, help="render a chat template sent in a request "
                                                          "(chat_template_kwargs.chat_template); refused otherwise")
+    reasoning_parser: str | None = knob(None, help="split a chat answer's think block into reasoning_content "
+                                                   "(vLLM's parsers: qwen3, deepseek_r1)",
+                                        choices=tuple(PARSERS))
     disable_fastapi_docs: bool = knob(False, help="no /docs, /redoc or /openapi.json")
     # liveness and shutdown
     engine_iteration_timeout: float = knob(60.0, help="seconds the engine loop may go silent (one step, or a "

@@ -45,3 +45,17 @@ def test_nothing_of_a_tag_is_shown_before_it_is_known():
     assert s.feed("<th") == ("", "")
     assert s.feed("ink>step one</th") == ("step one", "")
     assert s.feed("ink>The answer") == ("", "The answer")
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
+    """What turns thinking off in Qwen3's template (`enable_thinking`) is a template variable like any other."""
+    from transformers import AutoTokenizer
+
+    from nanovllm_tp.prompts import render_chat
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}" \
+               "{{ messages[0]['content'] }}"
+    chat = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, chat, template, chat_template_kwargs={"enable_thinking": False}) == \
+        "<think>\n\n</think>\n\nhi"
+    assert render_chat(tok, chat, template) == "hi"

@@ -102,6 +102,19 @@ def add_workload_args(parser: argparse.ArgumentParser, *, num_requests=64, promp
                              "count here; default: torch's default, or OMP_NUM_THREADS)")
 
 
+def add_paired_workload_args(parser: argparse.ArgumentParser, *, max_tokens: int):
+    """The workload flags of the benchmarks that pair two runs of one workload (bench_spec, bench_struct): output
+    length, temperature, repeats, the random checkpoint, threads. Returns the group, for the benchmark's own."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                   help="random-weight checkpoint to use when --model is not given")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    return g
+
+
 def apply_threads(args) -> None:
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:

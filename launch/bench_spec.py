@@ -26,15 +26,9 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
-    g = parser.add_argument_group("workload")
+    g = bc.add_paired_workload_args(parser, max_tokens=256)
     g.add_argument("--workloads", nargs="+", choices=["copy", "random"], default=["copy", "random"])
     g.add_argument("--passage-tokens", type=int, default=300, help="length of the passage to copy")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--repeats", type=int, default=3)
-    g.add_argument("--preset", choices=["tiny", "small"], default="tiny",
-                   help="random-weight checkpoint to use when --model is not given")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     bc.add_output_args(parser)
     return parser
 

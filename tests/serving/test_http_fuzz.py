@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanovllm_tp.serving.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.helpers import hf_greedy
-from tests.serving.test_serve import metrics, start_server, wait_ready
+from tests.serving.test_serve import metrics, served
 
 pytestmark = pytest.mark.spawn
 
@@ -158,10 +158,8 @@ def send(http: httpx.Client, url: str, path: str, raw: bytes, content_type: str,
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir):
-    port, ctx = start_server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN))
-    with ctx as proc:
-        wait_ready(port, proc)
-        yield f"http://127.0.0.1:{port}"
+    with served(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

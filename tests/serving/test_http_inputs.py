@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from nanovllm_tp.serving.protocol import REFUSED_FIELDS
-from tests.serving.test_serve import start_server, wait_ready
+from tests.serving.test_serve import served
 
 pytestmark = pytest.mark.spawn
 
@@ -17,10 +17,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir):
-    port, ctx = start_server(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN))
-    with ctx as proc:
-        wait_ready(port, proc)
-        yield f"http://127.0.0.1:{port}"
+    with served(tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN)) as base:
+        yield base
 
 
 def post(url: str, path: str, body=None, raw: bytes | None = None, content_type: str | None = "application/json"):

@@ -46,6 +46,15 @@ def start_server(model_dir: str, *extra: str):
     return port, run()
 
 
+@contextlib.contextmanager
+def served(model_dir: str, *extra: str):
+    """A started server's base URL (http://127.0.0.1:PORT), for as long as the block runs."""
+    port, ctx = start_server(model_dir, *extra)
+    with ctx as proc:
+        wait_ready(port, proc)
+        yield f"http://127.0.0.1:{port}"
+
+
 def rundirs(pid: int) -> list[str]:
     """The socket directories a server process made (it removes them on every exit it lives through)."""
     return glob.glob(os.path.join(tempfile.gettempdir(), f"nanovllm_tp-serve-{pid}-*"))

@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.scheduler import policy
 from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
-from nanovllm_tp.scheduler import policy
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL
 from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
@@ -238,10 +238,10 @@ class Scheduler:
         """Under priority: running sequences that rank below the head of waiting are preempted (lowest first) until
         the head can start."""
         head, cfg = self.waiting[0], self.config
-        while not head.block_table and (len(self.running) >= cfg.max_num_seqs
-                                        or self.block_manager.can_allocate(head) is None):
-            out = policy.lower_priority_running(self.running, head)
-            if out is None:
+        while not head.block_table:
+            out = policy.lower_priority_running(self.running, head)     # first: cheaper than the head's hashes
+            if out is None or (len(self.running) < cfg.max_num_seqs
+                               and self.block_manager.can_allocate(head) is not None):
                 return
             self.running.remove(out)
             self._preempt(out)

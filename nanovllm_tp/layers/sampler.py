@@ -173,12 +173,17 @@ class Sampler:
         limited = (rows["top_k"] > 0) & (rows["top_k"] < vocab)
         group = np.flatnonzero(limited)
         if len(group):       # a temperature keeps the order: the k best logits are the k best scaled ones
-            sub, k = logits[_np(hot[group], dev)], rows["top_k"][group]
-            kth = sub.topk(int(k.max()), dim=-1).values.gather(1, _np(k.astype(np.int64) - 1, dev)[:, None])
-            # ties of the k-th best value are kept too, as transformers and vLLM keep them
-            keep = torch.where(torch.isfinite(kth[:, 0]), (sub >= kth).sum(-1), _np(k.astype(np.int64), dev))
-            keep = keep.cpu().numpy()
-            vals, ids = sub.topk(int(keep.max()), dim=-1)
+            sub, k = logits[_np(hot[group], dev)], rows["top_k"][group].astype(np.int64)
+            # ties of the k-th best value are kept too, as transformers and vLLM keep them: one candidate past the
+            # largest k says whether a row has any (then they are counted over its row)
+            vals, ids = sub.topk(int(k.max()) + 1, dim=-1)
+            kth = vals.gather(1, _np(k - 1, dev)[:, None])
+            tied = (vals.gather(1, _np(k, dev)[:, None]) == kth)[:, 0] & torch.isfinite(kth[:, 0])
+            keep = k
+            if tied.any():
+                keep = torch.where(tied, (sub >= kth).sum(-1), _np(k, dev)).cpu().numpy()
+                if keep.max() > vals.shape[1]:
+                    vals, ids = sub.topk(int(keep.max()), dim=-1)
             scaled = vals.cpu().numpy() / rows["temperature"][group][:, None]
             out[torch.from_numpy(group)] = torch.from_numpy(
                 _draw_candidates(scaled, ids.cpu().numpy(), keep, rows[group], index[group]))

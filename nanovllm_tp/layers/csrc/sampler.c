@@ -378,8 +378,8 @@ static int scaled_candidates(const float *row, int64_t cols, int k, float temper
     return n;
 }
 
-/* A draw at the entry's temperature: among its top_k best (0 < top_k < cols; with the ties of the k-th), else over the whole vocabulary, where
- * top-p takes the best 64, 128, ... until the kept mass is reached. A row of nothing but -inf gives column 0 (the
+/* A draw at the entry's temperature: among its top_k best (0 < top_k < cols; with the ties of the k-th), else
+ * over the whole vocabulary, where top-p takes the best 64, 128, ... until the kept mass is reached. A row of nothing but -inf gives column 0 (the
  * argmax; the candidate draws take their first candidate, the lowest column of equal keys). Returns -1 if scratch
  * fails. */
 static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_t counter)
@@ -406,7 +406,8 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
         return pick >= 0 ? pick : argmax_row(row, cols);
     }
     float total = -1.0f;
-    int want = limited ? k->top_k : (cols < 64 ? (int)cols : 64);
+    /* top-k takes one candidate past the k-th: whether it equals the k-th says if the k-th best has ties */
+    int want = limited ? k->top_k + 1 : (cols < 64 ? (int)cols : 64);
     if (!limited) {                                /* top-p over the vocabulary: its mass, after min-p */
         total = 0.0f;
         for (int64_t c = 0; c < cols; c++) {
@@ -426,15 +427,18 @@ static int64_t draw_row(const float *row, int64_t cols, const knobs_t *k, int64_
             free(vals);
             return -1;
         }
-        const int n = scaled_candidates(row, cols, want, k->temperature, maxima, best, vals);
-        /* top-k keeps every token equal to the k-th best as well (as transformers and vLLM do) */
-        const int64_t tied = limited && n == want ? count_at_least(row, cols, best[want - 1].key) : 0;
-        if (tied > want) {
-            free(maxima);
-            free(best);
-            free(vals);
-            want = (int)tied;
-            continue;
+        int n = scaled_candidates(row, cols, want, k->temperature, maxima, best, vals);
+        if (limited && n > k->top_k) {   /* top-k keeps every token equal to the k-th best too (transformers, vLLM) */
+            const uint32_t kth = best[k->top_k - 1].key;
+            const int64_t tied = best[k->top_k].key == kth ? count_at_least(row, cols, kth) : k->top_k;
+            if (tied > want) {
+                free(maxima);
+                free(best);
+                free(vals);
+                want = (int)tied;
+                continue;
+            }
+            n = (int)tied;
         }
         const int keep = keep_prefix(vals, n, k, total);
         const int done = limited || keep < n || n < want || want == cols;

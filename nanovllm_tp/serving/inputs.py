@@ -13,6 +13,15 @@ from nanovllm_tp.prompts import check_prompt_length, render_chat
 THREADS = 2
 
 
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
+           tools: list[dict] | None = None) -> str:
+    """A request's conversation as prompt text. A `chat_template` among the kwargs is the template (the handlers
+    let one through only when the operator trusts them); `tools` go to the template as transformers hands them."""
+    kwargs = dict(chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None)
+    return render_chat(tokenizer, messages, template, add_generation_prompt, kwargs, tools)
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, max_model_len: int, threads: int = THREADS):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
@@ -22,24 +31,19 @@ class PromptEncoder:
     async def completions(self, prompts: list) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt (a string or a list of token ids); ValueError for the first
         prompt that cannot fit."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_all, prompts)
+        return await self.run(self._encode_all, prompts)
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
                    tools: list[dict] | None = None) -> list[int]:
-        """The conversation rendered through the model's chat template, as token ids. ValueError / TypeError for
-        bad input; the template's own errors as they come (jinja raises its own types). A `chat_template` among
-        the kwargs is the template (the handler lets one through only when the operator trusts them); `tools` go to
-        the template as transformers hands them."""
-        kwargs = dict(chat_template_kwargs or {})
-        template = kwargs.pop("chat_template", None)
-
-        def run():
-            text = render_chat(self.tokenizer, messages, template, add_generation_prompt, kwargs, tools)
+        """The conversation rendered through the model's chat template (render), as token ids. ValueError /
+        TypeError for bad input; the template's own errors as they come (jinja raises its own types)."""
+        def encode():
+            text = render(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools)
             return self._encode(0, text, add_special_tokens=False)    # the template has them
-        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        return await self.run(encode)
 
     async def run(self, fn, *args):
-        """fn(*args) in a tokenizer thread (the /tokenize and /detokenize work)."""
+        """fn(*args) in a tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import Discriminator, Field, Tag
 
-from nanovllm_tp.prompts import render_chat
+from nanovllm_tp.serving.inputs import render
 from nanovllm_tp.serving.protocol import ChatMessage, Int, _Body
 
 
@@ -28,10 +28,8 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool = False
 
     def token_ids(self, tokenizer) -> list[int]:
-        kwargs = dict(self.chat_template_kwargs or {})
-        template = kwargs.pop("chat_template", None)     # the handler lets one through only when trusted
-        text = render_chat(tokenizer, [m.as_template_message() for m in self.messages], template,
-                           self.add_generation_prompt, kwargs)
+        text = render(tokenizer, [m.as_template_message() for m in self.messages], self.add_generation_prompt,
+                      self.chat_template_kwargs)
         return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
 
 

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from tests.procs import left_behind, run_files
+
 # One thread per test process keeps the 2-core CI machine from oversubscribing when ranks run side by side.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -71,3 +73,21 @@ def busy_cores(request):
     for p in spinners:
         p.kill()
         p.wait()
+
+
+# Nothing left behind: after each test, no socket directory, shared-memory segment or torchrun log directory whose
+# maker is gone; after the session, none of the engine's directories at all.
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_by_the_session():
+    before = run_files()
+    yield
+    leaks = left_behind(before, unowned=True)
+    assert not leaks, f"the test session left these behind: {leaks}"
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_by_the_test():
+    before = run_files()
+    yield
+    leaks = left_behind(before)
+    assert not leaks, f"this test left these behind: {leaks}"

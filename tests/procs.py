@@ -1,6 +1,7 @@
 """Process helpers for tests that start engines: every tree they start is killed, whatever happens."""
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,6 +97,10 @@ def python_cmd(*args) -> list[str]:
     return [sys.executable, *args]
 
 
+# torchrun as torchrun.sh runs it (the same flags; its log directory removed on exit, which plain torchrun leaves)
+TORCHRUN = ("-m", "nanovllm_tp.launch.torchrun")
+
+
 # Printed by Python's resource_tracker when a process dies with shared memory it still had registered: the
 # engine removes its own segments, so this must never appear in a rank's output.
 LEAK_WARNING = "leaked shared_memory objects"
@@ -115,3 +120,50 @@ def rank_pid(root: int, rank: int, marker: str) -> int | None:
         if marker in cmdline and f"RANK={rank}".encode() in environ:
             return pid
     return None
+
+
+# What the engine, the server and torchrun.sh leave in /tmp and /dev/shm while they run, each name carrying the pid
+# of the process that made it and removes it; and what they must never leave at all.
+_OWNED = (("/tmp", re.compile(r"nanovllm_tp-(?:serve|torchrun)-(\d+)-")), (SHM_DIR, re.compile(r"nvtp_(\d+)_")))
+_NEVER = (("/tmp", "torchelastic_"),)
+_UNOWNED = (("/tmp", "nvtp_store_"), ("/tmp", "nvtp_secret_"))     # removed by the engine that made them, at close
+
+
+def _listing(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+def run_files() -> set[str]:
+    """Every path of the kinds above that exists now."""
+    found = set()
+    for directory, pattern in _OWNED:
+        found |= {os.path.join(directory, n) for n in _listing(directory) if pattern.match(n)}
+    for directory, prefix in _NEVER + _UNOWNED:
+        found |= {os.path.join(directory, n) for n in _listing(directory) if n.startswith(prefix)}
+    return found
+
+
+def left_behind(before: set[str], unowned: bool = False, grace: float = 15.0) -> list[str]:
+    """Paths made since `before` that outlive their maker (or that nothing should make), after a grace period for
+    the cleanups that run asynchronously (a rank that finds its writer dead unlinks the writer's segments).
+    `unowned`: also count the engine's pid-less directories (only meaningful once every engine is closed)."""
+    def leaks() -> list[str]:
+        out = []
+        for path in run_files() - before:
+            name = os.path.basename(path)
+            owner = next((m for d, p in _OWNED if path.startswith(d + "/") and (m := p.match(name))), None)
+            if owner is not None:
+                if not alive(int(owner.group(1))):
+                    out.append(path)
+            elif unowned or any(name.startswith(prefix) for _, prefix in _NEVER):
+                out.append(path)
+        return sorted(out)
+    deadline = time.monotonic() + grace
+    found = leaks()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = leaks()
+    return found

@@ -8,7 +8,7 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from tests.helpers import hf_greedy, mixed_prompts
-from tests.procs import free_port, python_cmd, segments_of, started
+from tests.procs import TORCHRUN, free_port, python_cmd, segments_of, started
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tp_scripts", "generate_tokens.py")
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
@@ -103,7 +103,7 @@ def run_and_read(cmd, out, timeout=180, env=None):
 @pytest.mark.slow
 def test_torchrun_matches_tp1(tiny_model_dir, tmp_path, tp1_tokens):
     out = tmp_path / "tokens.json"
-    result = run_and_read(python_cmd("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    result = run_and_read(python_cmd(*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                                      SCRIPT, tiny_model_dir, str(out), "2", "--engine-json", json.dumps(SMALL_KV)),
                           out)
     assert result["tokens"] == tp1_tokens
@@ -118,7 +118,7 @@ def test_two_node_torchrun_crosses_zmq(tiny_model_dir, tmp_path, tp1_tokens):
     port = free_port()
     agents = []
     for node in range(2):
-        cmd = python_cmd("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+        cmd = python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(node),
                          "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                          SCRIPT, tiny_model_dir, str(out), "2", "--engine-json", json.dumps(SMALL_KV))
         agents.append(cmd)

@@ -11,8 +11,8 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.channel import PeerError
-from tests.procs import (GONE_WITHIN, LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of, session_pids, started,
-                         wait_gone)
+from tests.procs import (TORCHRUN, GONE_WITHIN, LEAK_WARNING, alive, free_port, python_cmd, rank_pid, segments_of,
+                         session_pids, started, wait_gone)
 
 pytestmark = pytest.mark.spawn
 
@@ -155,7 +155,7 @@ def test_signals_end_every_rank(tiny_model_dir, tmp_path, how):
 
 @pytest.mark.slow
 def test_torchrun_rank0_death_ends_the_worker(tiny_model_dir, tmp_path):
-    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    torchrun = (*TORCHRUN, "--standalone", "--nproc-per-node", "2")
     cmd, pids_file = start_rank0(tiny_model_dir, tmp_path, launcher=torchrun)
     with logged(cmd, tmp_path / "torchrun.log") as agent:
         pids = wait_for_pids(pids_file, agent)
@@ -173,7 +173,7 @@ def test_remote_rank_death_is_detected_within_seconds(tiny_model_dir, tmp_path):
     port = free_port()
     agents = []
     for node in range(2):
-        torchrun = ("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+        torchrun = (*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
                     "1", "--master-addr", "127.0.0.1", "--master-port", str(port))
         agents.append(start_rank0(tiny_model_dir, tmp_path, launcher=torchrun))
     secret = {"NANOVLLM_TP_SECRET": "remote-death-test-secret-0123456789abcdef"}   # multi-node needs one

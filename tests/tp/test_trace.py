@@ -13,7 +13,7 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams, trace
 from tests.helpers import hf_greedy, mixed_prompts
-from tests.procs import GONE_WITHIN, alive, python_cmd, segments_of, started, wait_gone
+from tests.procs import TORCHRUN, GONE_WITHIN, alive, python_cmd, segments_of, started, wait_gone
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
@@ -186,7 +186,7 @@ def test_dead_rank_leaves_rank0_trace_and_a_log_line(tiny_model_dir, tmp_path, c
 def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path):
     out, path = tmp_path / "tokens.json", tmp_path / "run.json"
     engine = dict(SMALL_KV, trace_path=str(path))
-    cmd = python_cmd("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
+    cmd = python_cmd(*TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT,
                      tiny_model_dir, str(out), "2", "--engine-json", json.dumps(engine))
     with started(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         log, _ = proc.communicate(timeout=180)

@@ -13,7 +13,7 @@ from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.channel import PeerError
 from nanovllm_tp.distributed.trust import ChannelKeys
 from tests.helpers import mixed_prompts
-from tests.procs import free_port, python_cmd, started
+from tests.procs import TORCHRUN, free_port, python_cmd, started
 
 pytestmark = pytest.mark.spawn
 
@@ -134,7 +134,7 @@ def test_worker_refuses_out_of_range_plan(tp2, prompts):
 
 def _two_node_agents(tiny_model_dir, out):
     port = free_port()
-    return [python_cmd("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+    return [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(node),
                        "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                        os.path.join(TESTS, "tp_scripts", "generate_tokens.py"), tiny_model_dir, str(out), "2",
                        "--engine-json", json.dumps(SMALL_KV)) for node in range(2)]

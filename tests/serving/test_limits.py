@@ -13,7 +13,7 @@ import pytest
 
 from nanovllm_tp.launch.bench_hf import hf_greedy
 from nanovllm_tp.launch.bench_limits import MB, abandoned_batch, raw_post
-from tests.procs import descendants, our_shm_segments, python_cmd, started, wait_gone
+from tests.procs import descendants, our_shm_segments, wait_gone
 from tests.serving.test_serve import ENGINE_ARGS, metrics, rundirs, start_server, wait_ready
 
 pytestmark = pytest.mark.spawn
@@ -195,11 +195,7 @@ def test_health_says_503_while_the_engine_loop_is_stuck(server):
 
 def _serve(model_dir: str, log, *extra: str):
     """A server whose stderr goes to `log`: (port, the context of its process tree)."""
-    from tests.procs import free_port
-    port = free_port()
-    cmd = python_cmd("-m", "nanovllm_tp.launch.serve", "--model", model_dir, "--port", str(port),
-                     "--served-model-name", "tiny", "--http-priority", "normal", *ENGINE_ARGS, *extra)
-    return port, started(cmd, stdout=open(os.devnull, "w"), stderr=log)
+    return start_server(model_dir, "--http-priority", "normal", *extra, stderr=log)
 
 
 def test_operator_flags_set_the_limits(tiny_model_dir):

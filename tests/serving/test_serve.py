@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from nanovllm_tp import SamplingParams
-from tests.procs import free_port, our_shm_segments, python_cmd, started, wait_gone
+from tests.procs import GONE_WITHIN, free_port, our_shm_segments, python_cmd, started, wait_gone
 
 pytestmark = pytest.mark.spawn     # a server process, or several
 
@@ -26,22 +26,23 @@ PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning", "Once
 ENGINE_ARGS = ["--block-size", "16", "--kv-cache-memory", str(32 << 20), "--max-model-len", "512"]
 
 
-def start_server(model_dir: str, *extra: str):
-    """(port, a context manager of the server process: SIGTERM when it ends, then everything left is killed)."""
+def start_server(model_dir: str, *extra: str, stderr=None):
+    """(port, a context manager of the server process: SIGTERM when it ends, then everything left is killed).
+    `stderr`: a file for the server's log (default: discarded)."""
     port = free_port()
     cmd = python_cmd("-m", "nanovllm_tp.launch.serve", "--model", model_dir, "--port", str(port),
                      "--served-model-name", "tiny", *ENGINE_ARGS, *extra)
 
     @contextlib.contextmanager
     def run():
-        with started(cmd, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w")) as proc:
+        with started(cmd, stdout=open(os.devnull, "w"), stderr=stderr or open(os.devnull, "w")) as proc:
             try:
                 yield proc
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=15)
+                        proc.wait(timeout=GONE_WITHIN)
                 assert not rundirs(proc.pid), "the server left its sockets"
     return port, run()
 
@@ -343,7 +344,7 @@ def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir):
     with ctx as proc:
         wait_ready(port, proc)
         os.kill(_frontend(proc.pid), signal.SIGKILL)
-        assert proc.wait(timeout=30) != 0
+        assert proc.wait(timeout=GONE_WITHIN) != 0
         assert not rundirs(proc.pid)
 
 

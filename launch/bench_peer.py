@@ -6,11 +6,14 @@ This file imports only the standard library at the top and vLLM inside main(), s
 vLLM and not this package (launch/bench_vllm.py starts it that way). Protocol, one JSON object per line:
 
   in  1st line  {"op": "config", "model", "dtype", "max_model_len", "enforce_eager", "max_num_seqs",
-                 "max_num_batched_tokens", "seed", "cold_prompt": [ids]}
+                 "max_num_batched_tokens", "seed", "cold_prompt": [ids]} and optionally "speculative_config" (vLLM's
+                 dict, passed as it is) and "request_times" (true: vLLM keeps per-request timestamps and counters)
   out           {"event": "ready", "import_s", "load_s" (LLM(...) until built), "first_token_s" (LLM(...) until
                  the first token of cold_prompt), "vllm", "torch", "torch_threads", "pid"}
   in  each      {"op": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "temperature": t}
-  out           {"event": "run", "seconds", "tok_s", "token_ids": [[ids], ...]}
+  out           {"event": "run", "seconds", "tok_s", "token_ids": [[ids], ...]}; with request_times also
+                 "decode_s": [last token - first token, per request] and "spec": {"draft", "accepted"} (vLLM's
+                 speculative-decoding counters over the run, 0 without speculation)
   in  last      {"op": "quit"}
   out on error  {"event": "error", "message"} (then exit status 1)
 
@@ -26,6 +29,8 @@ import time
 
 CONFIG_FIELDS = {"model": str, "dtype": str, "max_model_len": int, "enforce_eager": bool, "max_num_seqs": int,
                  "max_num_batched_tokens": int, "seed": int, "cold_prompt": list}
+OPTIONAL_FIELDS = {"speculative_config": dict, "request_times": bool}
+SPEC_COUNTERS = {"draft": "vllm:spec_decode_num_draft_tokens", "accepted": "vllm:spec_decode_num_accepted_tokens"}
 
 
 def _ids(value, what: str) -> list[int]:
@@ -46,6 +51,9 @@ def decode_config(line: str) -> dict:
     for name, kind in CONFIG_FIELDS.items():
         if type(msg.get(name)) is not kind:
             raise TypeError(f"config field {name!r} must be {kind.__name__}, got {msg.get(name)!r:.60}")
+    for name, kind in OPTIONAL_FIELDS.items():
+        if name in msg and type(msg[name]) is not kind:
+            raise TypeError(f"config field {name!r} must be {kind.__name__}, got {msg[name]!r:.60}")
     _ids(msg["cold_prompt"], "cold_prompt")
     return msg
 
@@ -86,7 +94,29 @@ def _generate(llm, msg: dict):
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+    return seconds, outputs
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (0 where it keeps none)."""
+    found = {key: 0 for key in SPEC_COUNTERS}
+    for metric in llm.get_metrics():
+        for key, name in SPEC_COUNTERS.items():
+            if metric.name == name:
+                found[key] += int(metric.value)
+    return found
+
+
+def _run(llm, msg: dict, request_times: bool) -> dict:
+    before = _spec_counters(llm) if request_times else None
+    seconds, outputs = _generate(llm, msg)
+    reply = {"event": "run", "seconds": seconds, "tok_s": sum(msg["max_tokens"]) / seconds,
+             "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+    if request_times:
+        reply["decode_s"] = [o.metrics.last_token_ts - o.metrics.first_token_ts for o in outputs]
+        after = _spec_counters(llm)
+        reply["spec"] = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+    return reply
 
 
 def serve(inp, out) -> None:
@@ -100,9 +130,12 @@ def serve(inp, out) -> None:
     import vllm
     from vllm import LLM
     t1 = time.perf_counter()
+    request_times = config.get("request_times", False)
+    extra = {"speculative_config": config["speculative_config"]} if config.get("speculative_config") else {}
     llm = LLM(model=config["model"], dtype=config["dtype"], max_model_len=config["max_model_len"],
               enforce_eager=config["enforce_eager"], max_num_seqs=config["max_num_seqs"],
-              max_num_batched_tokens=config["max_num_batched_tokens"], seed=config["seed"])
+              max_num_batched_tokens=config["max_num_batched_tokens"], seed=config["seed"],
+              disable_log_stats=not request_times, **extra)
     t2 = time.perf_counter()
     _generate(llm, run_message([config["cold_prompt"]], [1]))
     t3 = time.perf_counter()
@@ -115,8 +148,7 @@ def serve(inp, out) -> None:
         msg = decode_command(line)
         if msg["op"] == "quit":
             break
-        seconds, token_ids = _generate(llm, msg)
-        say({"event": "run", "seconds": seconds, "tok_s": sum(msg["max_tokens"]) / seconds, "token_ids": token_ids})
+        say(_run(llm, msg, request_times))
 
 
 def main() -> int:

@@ -10,15 +10,15 @@ vLLM and not this package (launch/bench_vllm.py starts it that way). Protocol, o
                  dict, passed as it is) and "request_times" (true: vLLM keeps per-request timestamps and counters)
   out           {"event": "ready", "import_s", "load_s" (LLM(...) until built), "first_token_s" (LLM(...) until
                  the first token of cold_prompt), "vllm", "torch", "torch_threads", "pid"}
-  in  each      {"op": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "temperature": t}
+  in  each      {"op": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "temperature": t, "ignore_eos"}
   out           {"event": "run", "seconds", "tok_s", "token_ids": [[ids], ...]}; with request_times also
                  "decode_s": [last token - first token, per request] and "spec": {"draft", "accepted"} (vLLM's
                  speculative-decoding counters over the run, 0 without speculation)
   in  last      {"op": "quit"}
   out on error  {"event": "error", "message"} (then exit status 1)
 
-Every request runs with ignore_eos, so it yields exactly max_tokens; tok_s = sum(max_tokens) / seconds of one
-generate(). vLLM's own logs (and anything its processes print) go to stderr: stdout carries the protocol only.
+Requests run with ignore_eos unless told otherwise, so they yield exactly max_tokens; tok_s = sum(max_tokens) /
+seconds of one generate(). vLLM's own logs (and anything its processes print) go to stderr: stdout carries the protocol only.
 """
 from __future__ import annotations
 
@@ -58,9 +58,10 @@ def decode_config(line: str) -> dict:
     return msg
 
 
-def run_message(prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0) -> dict:
+def run_message(prompts: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
+                ignore_eos: bool = True) -> dict:
     return {"op": "run", "prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
-            "temperature": float(temperature)}
+            "temperature": float(temperature), "ignore_eos": bool(ignore_eos)}
 
 
 def decode_command(line: str) -> dict:
@@ -80,6 +81,8 @@ def decode_command(line: str) -> dict:
         raise ValueError("run: max_tokens must hold one int >= 1 per prompt")
     if type(msg.get("temperature")) not in (int, float) or msg["temperature"] < 0:
         raise ValueError("run: temperature must be a number >= 0")
+    if type(msg.setdefault("ignore_eos", True)) is not bool:
+        raise ValueError("run: ignore_eos must be true or false")
     return msg
 
 
@@ -89,7 +92,7 @@ def _generate(llm, msg: dict):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     prompts = [TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]]
-    params = [SamplingParams(temperature=msg["temperature"], max_tokens=m, ignore_eos=True, seed=i)
+    params = [SamplingParams(temperature=msg["temperature"], max_tokens=m, ignore_eos=msg["ignore_eos"], seed=i)
               for i, m in enumerate(msg["max_tokens"])]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -12,6 +12,8 @@ from nanovllm_tp.checks import integer
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
+from nanovllm_tp.pooling import EmbeddingRequestOutput, EmbeddingState
+from nanovllm_tp.pooling_params import ModelPooling, PoolingParams
 from nanovllm_tp.prompts import check_prompt_length, is_token_ids, render_chat
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
@@ -46,6 +48,7 @@ class LLM:
         self._by_seq: dict[int, RequestState] = {}
         self._dirty: dict[str, None] = {}       # requests with news that step() has not returned yet
         self._token_text: dict[int, str] = {}
+        self._model_pooling: ModelPooling | None = None     # read from the model's files on the first embedding
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -62,7 +65,10 @@ class LLM:
             raise ValueError("prompts is empty")
         return [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
 
-    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True,
+                          embedding: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+        """One prompt as (text or None, token ids). `embedding`: an embedding request's prompt, cut to its
+        truncate_prompt_tokens; it may fill max_model_len (no output follows it)."""
         vocab = self.config.model_config.vocab_size
         if isinstance(p, dict):
             p = p.get("prompt_token_ids", p.get("prompt"))
@@ -84,7 +90,16 @@ class LLM:
             raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        check_prompt_length(i, len(ids), self.config.max_model_len)
+        limit = self.config.max_model_len
+        if embedding is None:
+            check_prompt_length(i, len(ids), limit)
+            return text, ids
+        keep = embedding.truncate_prompt_tokens
+        if keep is not None:
+            ids = ids[-(limit if keep == -1 else keep):]
+        if len(ids) > limit:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={limit} (truncate_prompt_tokens "
+                             "keeps a prompt's last tokens)")
         return text, ids
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -152,11 +167,12 @@ class LLM:
         return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id],
                                  max_tokens_must_fit, priority)[0]
 
-    def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
+    def add_requests(self, prompts: list, sampling_params: SamplingParams | PoolingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
                      priority: int = 0) -> list[str]:
         """Queue one request per prompt, all with the same sampling parameters (and priority), all or none: every
-        prompt, id and parameter is checked before the first is queued. Returns their request ids."""
+        prompt, id and parameter is checked before the first is queued. Returns their request ids. PoolingParams
+        make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
         if not isinstance(prompts, list) or not prompts:
             raise TypeError("prompts must be a non-empty list (one entry per request)")
         ids = [None] * len(prompts) if request_ids is None else request_ids
@@ -167,6 +183,11 @@ class LLM:
             if rid is not None and (not isinstance(rid, str) or rid in self._requests or rid in seen):
                 raise ValueError(f"request_id must be a new string, got {rid!r}")
             seen.add(rid)
+        if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
+            rank, = self._priorities([priority], 1)
+            items, pooling = self._embedding_inputs(prompts, [sampling_params])
+            return [self._add_embedding(text, token_ids, pooling[0], rid, rank)
+                    for (text, token_ids), rid in zip(items, ids)]
         items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
         rank, = self._priorities([priority], 1)
@@ -258,11 +279,15 @@ class LLM:
         priorities = priorities or [0] * len(items)
         ids = [self._add(text, token_ids, sp, priority=rank)
                for (text, token_ids), sp, rank in zip(items, params, priorities)]
+        return self._run(ids, use_tqdm, "Generating")
+
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
+        """Step until the requests `ids` have finished; their whole outputs in that order."""
         mine = [self._requests[i] for i in ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
+            bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True)
         prefill_tps = decode_tps = 0.0
         done = 0
         try:
@@ -286,6 +311,57 @@ class LLM:
             self._dirty.pop(state.request_id, None)
             self._forget(state)
         return outputs
+
+    # ---- embeddings ----
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings, token-id lists or prompt dicts, as generate takes), in input order:
+        the model's final hidden states pooled as its sentence-transformers files say (else the last token's,
+        normalized). `pooling_params`: one for all prompts or one each; `truncate_prompt_tokens` (vLLM's
+        keyword) sets that field of every one of them. Requests queued with add_request keep going alongside."""
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise TypeError("prompts must be a string, a token-id list, a prompt dict or a non-empty list of them")
+        params = pooling_params if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [PoolingParams(**{**(p or PoolingParams()).to_dict(),
+                                       "truncate_prompt_tokens": truncate_prompt_tokens}) for p in params]
+        items, pooling = self._embedding_inputs(prompts, [p or PoolingParams() for p in params])
+        ids = [self._add_embedding(text, token_ids, pool) for (text, token_ids), pool in zip(items, pooling)]
+        return self._run(ids, use_tqdm, "Embedding")
+
+    def _embedding_inputs(self, prompts: list, params: list) -> tuple[list, list]:
+        """Checked and tokenized prompts, and one resolved pooling per prompt (`params`: one for all, or one each),
+        before anything is queued."""
+        if self._model_pooling is None:
+            self._model_pooling = ModelPooling.read(self.config.model)
+        params = params * len(prompts) if len(params) == 1 else params
+        hidden, limit = self.config.model_config.hidden_size, self.config.max_model_len
+        resolved = {}
+        for p in params:
+            if not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
+            if id(p) not in resolved:
+                if (p.truncate_prompt_tokens or 0) > limit:
+                    raise ValueError(f"truncate_prompt_tokens must be <= max_model_len {limit}, "
+                                     f"got {p.truncate_prompt_tokens}")
+                resolved[id(p)] = self._model_pooling.resolve(p, hidden)
+        items = [self._normalize_prompt(i, prompt, embedding=p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        return items, [resolved[id(p)] for p in params]
+
+    def _add_embedding(self, text: str | None, token_ids: list[int], pooling, request_id: str | None = None,
+                       priority: int = 0) -> str:
+        request_id = str(next(self._request_numbers)) if request_id is None else request_id
+        seq = Sequence(next(self._seq_ids), token_ids, priority=priority, pooling=pooling)
+        self.engine.add(seq)
+        state = EmbeddingState(request_id, text, token_ids, seq)
+        self._requests[request_id] = state
+        self._by_seq[seq.seq_id] = state
+        return request_id
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
              incremental: bool = False, priority: int = 0) -> str:

@@ -94,12 +94,8 @@ class LLM:
         if embedding is None:
             check_prompt_length(i, len(ids), limit)
             return text, ids
-        keep = embedding.truncate_prompt_tokens
-        if keep is not None:
-            ids = ids[-(limit if keep == -1 else keep):]
-        if len(ids) > limit:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={limit} (truncate_prompt_tokens "
-                             "keeps a prompt's last tokens)")
+        ids = embedding.truncated(ids, limit)
+        check_prompt_length(i, len(ids), limit, output_room=0)
         return text, ids
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -127,7 +123,7 @@ class LLM:
         """Start compiling a request's structured output in the background (the server calls it before
         add_request, so that no step waits for a compile): the compile's `Pending` (`.ready()`), or None when
         there is nothing to compile. Validation errors are raised here."""
-        if sampling_params.structured_outputs is None:
+        if isinstance(sampling_params, PoolingParams) or sampling_params.structured_outputs is None:
             return None
         sampling_params.validate()
         return self.grammars.submit(sampling_params.structured_outputs)

@@ -1,9 +1,7 @@
 """Embeddings on rank 0: the results (vLLM's EmbeddingRequestOutput shape), a request's state between the engine
 and the caller, and the step's pooled sums of hidden states. Torch is imported only where the sums are made (the
-HTTP process reads the result types)."""
+HTTP process reads the result types, and numpy is left to rank 0 too)."""
 from dataclasses import dataclass
-
-import numpy as np
 
 
 @dataclass(slots=True)
@@ -49,8 +47,9 @@ class EmbeddingState:
         return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(vector), self.prompt_ids, True, self.prompt)
 
 
-def pool_sums(hidden, chunks) -> np.ndarray:
-    """float32 [chunks, hidden]: per pool chunk, the sum of the hidden states at its token rows (zeros for none)."""
+def pool_sums(hidden, chunks):
+    """numpy float32 [chunks, hidden]: per pool chunk, the sum of the hidden states at its token rows (zeros for none)."""
+    import numpy as np
     import torch
     counts = torch.tensor([len(c.token_rows) for c in chunks])
     rows = torch.from_numpy(np.concatenate([c.token_rows for c in chunks])).to(hidden.device)

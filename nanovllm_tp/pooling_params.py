@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from nanovllm_tp.checks import flag, integer
+from nanovllm_tp.sampling_params import RequestOutputKind
 
 LAST, MEAN, CLS = "LAST", "MEAN", "CLS"
 _MODES = {"pooling_mode_lasttoken": LAST, "pooling_mode_mean_tokens": MEAN, "pooling_mode_cls_token": CLS}
@@ -38,6 +39,16 @@ class PoolingParams:
         integer("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=-1, optional=True)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got 0")
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        """An embedding is reported once, whole."""
+        return RequestOutputKind.FINAL_ONLY
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: max_model_len), or all of them when unset."""
+        keep = self.truncate_prompt_tokens
+        return ids if keep is None else ids[-(max_model_len if keep == -1 else keep):]
 
     def to_dict(self) -> dict:
         return {"normalize": self.normalize, "dimensions": self.dimensions,

@@ -1,12 +1,14 @@
 """LLM.embed equals transformers' AutoModel hidden states pooled by hand (fp32, cosine >= 0.9999): last-token,
 mean and CLS pooling as the model's files say, chunked prefill, prefix-cache hits, mixed with generation,
 Matryoshka dimensions; bad input is refused before the engine and the engine keeps serving."""
+import os
+
 import pytest
 import torch
 
 from nanovllm_tp import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
 from tests.embedding_helpers import cosine, hf_embedding, model_copy
-from tests.helpers import hf_greedy, mixed_prompts
+from tests.helpers import GGUF, GGUF_DIR, hf_greedy, mixed_prompts, smollm2
 
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 CLOSE = 0.9999
@@ -162,3 +164,23 @@ def test_bad_input_refused_and_engine_keeps_serving(tiny_llm, hf_base, prompts):
             tiny_llm.embed(*args, use_tqdm=False)
     assert not tiny_llm.has_unfinished_requests()
     assert_matches(tiny_llm.embed(prompts[:2], use_tqdm=False), hf_base, prompts[:2])
+
+
+@pytest.mark.slow
+@smollm2
+def test_smollm2_gguf_embeddings_match_transformers():
+    """A real decoder model without sentence-transformers files: last token, normalized; the file's weights
+    dequantized (fp32) against transformers reading the same file, and the quantized kernels close to it."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    from transformers import AutoModel
+    hf = AutoModel.from_pretrained(GGUF_DIR, gguf_file=os.path.basename(GGUF), dtype=torch.float32).eval()
+    texts = ["What is the capital of France?", "A primary color", "The quick brown fox jumps over the lazy dog."]
+    for quantization, close in (("none", CLOSE), ("auto", 0.99)):
+        llm = LLM(GGUF, dtype="float32", max_model_len=256, quantization=quantization, **SMALL_KV)
+        try:
+            outs = llm.embed(texts, use_tqdm=False)
+        finally:
+            llm.close()
+        for o in outs:
+            assert o.outputs.hidden_size == 576
+            assert cosine(o.outputs.embedding, hf_embedding(hf, o.prompt_token_ids)) >= close, quantization

@@ -318,8 +318,9 @@ class LLM:
         keyword) sets that field of every one of them. Requests queued with add_request keep going alongside."""
         if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a string, a token-id list, a prompt dict or a non-empty list of them")
+        prompts = list(prompts)
         params = pooling_params if isinstance(pooling_params, (list, tuple)) else [pooling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")

@@ -123,6 +123,12 @@ def test_step_driven_embedding_requests(tiny_llm, hf_base, prompts):
     assert sorted(o.request_id for o in seen) == ids
     by_id = {o.request_id: o for o in seen}
     assert_matches([by_id[i] for i in ids], hf_base, prompts[:3])
+    rid = tiny_llm.add_request(prompts[-1], PoolingParams())      # aborted before it ran: reported, empty
+    tiny_llm.abort_request(rid)
+    out, = tiny_llm.step()
+    assert (out.request_id, out.finished, out.outputs.embedding) == (rid, True, [])
+    assert not tiny_llm.has_unfinished_requests()
+    assert_all_blocks_free(tiny_llm)
 
 
 def test_dimensions_normalize_and_truncation(tiny_model_dir, tmp_path, hf_base, prompts):

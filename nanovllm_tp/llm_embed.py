@@ -34,7 +34,7 @@ class EmbeddingRequests:
         """Checked and tokenized prompts, and one resolved pooling per prompt (`params`: one for all, or one each),
         before anything is queued."""
         if self._model_pooling is None:
-            self._model_pooling = ModelPooling.read(self.config.model)
+            self._model_pooling = ModelPooling.read(self.config.model, self.config.pooler_config)
         params = params * len(prompts) if len(params) == 1 else params
         hidden, limit = self.config.model_config.hidden_size, self.config.max_model_len
         resolved = {}

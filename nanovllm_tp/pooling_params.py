@@ -4,7 +4,8 @@ the scheduler carries. Torch-free (the scheduler and the HTTP process import it)
 A model's pooling comes from its sentence-transformers files: `modules.json` names the modules, `1_Pooling/
 config.json` (or wherever the Pooling module's path points) sets one `pooling_mode_*`, and a `Normalize` module
 makes unit vectors. Without them the model is taken as a decoder embedding model: the last token's hidden state,
-normalized (vLLM's default). The hidden state is the output of the model's final norm.
+normalized (vLLM's default). The engine's pooler_config knob (vLLM's dict) overrides the kind and the
+normalization. The hidden state is the output of the model's final norm.
 """
 import json
 import os
@@ -85,10 +86,21 @@ class ModelPooling:
     normalize: bool = True
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
-    refused: str | None = None    # why this model cannot embed (a sentence-transformers part not implemented)
+    refused: str | None = None    # why this model cannot embed (a sentence-transformers module not implemented)
+    refused_pooling: str | None = None    # a pooling mode not implemented (a pooler_config may choose another)
 
     @classmethod
-    def read(cls, model: str) -> "ModelPooling":
+    def read(cls, model: str, pooler_config: dict | None = None) -> "ModelPooling":
+        """From the model's files, then the engine's pooler_config (its pooling_type and normalize win)."""
+        out = cls._from_files(model)
+        if pooler_config:
+            if "pooling_type" in pooler_config:
+                out.kind, out.refused_pooling = pooler_config["pooling_type"], None
+            out.normalize = pooler_config.get("normalize", out.normalize)
+        return out
+
+    @classmethod
+    def _from_files(cls, model: str) -> "ModelPooling":
         if not os.path.isdir(model):
             return cls()
         config = _json(os.path.join(model, "config.json")) or {}
@@ -113,15 +125,16 @@ class ModelPooling:
         modes = [_MODES[k] for k in _MODES if config.get(k)]
         others = [k for k in _UNIMPLEMENTED_MODES if config.get(k)]
         if others or len(modes) != 1:
-            self.refused = (f"its pooling {', '.join(others)} is not implemented" if others else
+            self.refused_pooling = (f"its pooling {', '.join(others)} is not implemented" if others else
                             f"its pooling config sets {len(modes)} modes (one of {sorted(_MODES)} is implemented)")
         else:
             self.kind = modes[0]
 
     def resolve(self, params: PoolingParams, hidden_size: int) -> Pooling:
         """The request's pooling; ValueError for what this model cannot do (as vLLM refuses it)."""
-        if self.refused:
-            raise ValueError(f"this model cannot embed: {self.refused}")
+        if self.refused or self.refused_pooling:
+            raise ValueError(f"this model cannot embed: {self.refused or self.refused_pooling}" +
+                             ("" if self.refused else " (the pooler_config knob may choose another pooling)"))
         params.validate()
         d = params.dimensions
         if d is not None:
@@ -134,6 +147,22 @@ class ModelPooling:
                 raise ValueError(f"dimensions must be <= the model's hidden size {hidden_size}, got {d}")
         normalize = self.normalize if params.normalize is None else params.normalize
         return Pooling(self.kind, normalize, d)
+
+
+def check_pooler_config(config: dict | None) -> None:
+    """The pooler_config knob: vLLM's names, the parts implemented here; ValueError/TypeError naming the key."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise TypeError(f"pooler_config must be a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"pooler_config: {unknown} not implemented (pooling_type and normalize are)")
+    if "pooling_type" in config and config["pooling_type"] not in (LAST, MEAN, CLS):
+        raise ValueError(f"pooler_config: pooling_type must be one of {[LAST, MEAN, CLS]}, "
+                         f"got {config['pooling_type']!r}")
+    if "normalize" in config:
+        flag("pooler_config.normalize", config["normalize"])
 
 
 def _json(path: str):

@@ -72,6 +72,11 @@ def test_mean_and_cls_pooling_chunked_without_prefix_hits(tiny_model_dir, tmp_pa
         assert_matches(llm.embed(prompts, use_tqdm=False), hf_base, prompts, kind="CLS", normalize=False)
     finally:
         llm.close()
+    llm = LLM(tiny_model_dir, pooler_config={"pooling_type": "MEAN", "normalize": False}, **SMALL_KV)   # vLLM's knob
+    try:
+        assert_matches(llm.embed(prompts, use_tqdm=False), hf_base, prompts, kind="MEAN", normalize=False)
+    finally:
+        llm.close()
 
 
 def test_last_token_uses_prefix_cache(tiny_model_dir, hf_base, prompts):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from nanovllm_tp.pooling_params import CLS, LAST, MEAN, ModelPooling, Pooling, PoolingParams
+from nanovllm_tp.pooling_params import CLS, LAST, MEAN, ModelPooling, Pooling, PoolingParams, check_pooler_config
 from nanovllm_tp.scheduler import PREFILL, Scheduler, SchedulerConfig, Sequence, StepPlan
 from nanovllm_tp.scheduler.plan import PlanError
 from nanovllm_tp.workers.plan_check import PlanLimits, check_plan
@@ -40,6 +40,17 @@ def test_default_and_refusals(plain_dir, tmp_path):
     (tmp_path / "dense" / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="'Dense' is not implemented"):
         ModelPooling.read(d).resolve(PoolingParams(), 8)
+
+
+def test_pooler_config_overrides_the_files(plain_dir, tmp_path):
+    d = model_copy(plain_dir, str(tmp_path / "max"), "pooling_mode_max_tokens", normalize=False)
+    chosen = ModelPooling.read(d, {"pooling_type": MEAN, "normalize": True})
+    assert chosen.resolve(PoolingParams(), 8) == Pooling(MEAN, True)        # the refused mode replaced
+    assert ModelPooling.read(plain_dir, {"normalize": False}).resolve(PoolingParams(), 8) == Pooling(LAST, False)
+    for bad, error in [({"pooling_type": "MAX"}, ValueError), ({"softmax": True}, ValueError),
+                       ({"normalize": 1}, TypeError), ([LAST], TypeError)]:
+        with pytest.raises(error, match="pooler_config"):
+            check_pooler_config(bad)
 
 
 def test_matryoshka_dimensions(plain_dir, tmp_path):

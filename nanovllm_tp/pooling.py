@@ -48,7 +48,8 @@ class EmbeddingState:
 
 
 def pool_sums(hidden, chunks):
-    """numpy float32 [chunks, hidden]: per pool chunk, the sum of the hidden states at its token rows (zeros for none)."""
+    """numpy float32 [chunks, hidden]: per pool chunk, the sum of the hidden states at its token rows (zeros for
+    none)."""
     import numpy as np
     import torch
     counts = torch.tensor([len(c.token_rows) for c in chunks])

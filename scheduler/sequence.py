@@ -17,7 +17,8 @@ class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
                  "num_scheduled_tokens", "block_table", "num_window_freed", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
-                 "seen", "grammar", "pooling", "embedding", "draft", "spec_wait", "spec_misses", "priority", "arrival_time",
+                 "seen", "grammar", "pooling", "embedding", "draft", "spec_wait", "spec_misses", "priority",
+                 "arrival_time",
                  "first_token_time", "last_token_time", "finish_time")
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,

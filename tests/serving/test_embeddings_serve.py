@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.embedding_helpers import cosine, hf_embedding, model_copy
-from tests.serving.test_serve import KEY, client, served
+from tests.serving.test_serve import KEY, client, metrics, served
 
 pytestmark = pytest.mark.spawn
 TEXTS = ["The quick brown fox", "Hello, my name is café ✓", "Once upon a time there was a small model"]
@@ -88,9 +88,15 @@ def test_bad_bodies_answered_with_why(embed_server, body, status, words):
     assert post(embed_server, {"input": "still serving"}).status_code == 200
 
 
-def test_generation_beside_embeddings(embed_server):
-    """The same deployment generates too."""
+def test_generation_beside_embeddings_and_metrics(embed_server):
+    """The same deployment generates too; /metrics counts embedding requests and their prompt tokens."""
     c = client(embed_server)
     out = c.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
-    assert len(c.embeddings.create(model="tiny", input="fox", encoding_format="float").data[0].embedding) == 128
+    before = metrics(embed_server)
+    emb = c.embeddings.create(model="tiny", input=["fox", "a brown fox"], encoding_format="float")
+    assert [len(d.embedding) for d in emb.data] == [128, 128]
+    after = metrics(embed_server)
+    tokens = 'prompt_tokens_total{model_name="tiny"}'
+    ok = 'request_success_total{finished_reason="stop",model_name="tiny"}'
+    assert after[tokens] - before[tokens] == emb.usage.prompt_tokens and after[ok] - before.get(ok, 0) == 2

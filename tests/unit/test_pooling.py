@@ -54,7 +54,8 @@ def test_pooler_config_overrides_the_files(plain_dir, tmp_path):
 
 
 def test_matryoshka_dimensions(plain_dir, tmp_path):
-    listed = ModelPooling.read(model_copy(plain_dir, str(tmp_path / "a"), config_extra={"matryoshka_dimensions": [4, 8]}))
+    listed = ModelPooling.read(model_copy(plain_dir, str(tmp_path / "a"),
+                                          config_extra={"matryoshka_dimensions": [4, 8]}))
     assert listed.resolve(PoolingParams(dimensions=4), 8) == Pooling(LAST, True, 4)
     with pytest.raises(ValueError, match=r"one of this model's \[4, 8\]"):
         listed.resolve(PoolingParams(dimensions=3), 8)

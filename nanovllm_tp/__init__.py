@@ -2,9 +2,11 @@
 
 `LLM` is imported lazily so that `nanovllm_tp.scheduler` (pure Python + numpy) never pulls in torch.
 """
+from nanovllm_tp.pooling_params import PoolingParams
 from nanovllm_tp.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput",
+           "EmbeddingOutput"]
 
 
 def __getattr__(name):
@@ -14,4 +16,7 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput"):
         from nanovllm_tp import outputs
         return getattr(outputs, name)
+    if name in ("EmbeddingRequestOutput", "EmbeddingOutput"):
+        from nanovllm_tp import pooling
+        return getattr(pooling, name)
     raise AttributeError(f"module 'nanovllm_tp' has no attribute {name!r}")

@@ -299,6 +299,9 @@ class EngineConfig:
     speculative_config: dict | None = knob(None, help="speculative decoding, as vLLM's dict: {\"method\": \"ngram\", "
                                                       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
                                                       "\"prompt_lookup_min\": M}")
+    pooler_config: dict | None = knob(None, help="embeddings: the pooling to use instead of the one the model's "
+                                                 "files declare, as vLLM's dict: {\"pooling_type\": \"LAST\" | "
+                                                 "\"MEAN\" | \"CLS\", \"normalize\": true | false}")
     scheduling_policy: str = knob("fcfs", help="fcfs: requests in arrival order; priority: by each request's "
                                                "priority (lower first, then arrival), and a waiting request may "
                                                "preempt running ones of a lower priority",
@@ -326,6 +329,8 @@ class EngineConfig:
         self._check_trace()
         from nanovllm_tp.scheduler.speculative import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)
+        from nanovllm_tp.pooling_params import check_pooler_config
+        check_pooler_config(self.pooler_config)
         from nanovllm_tp.layers.attention.registry import check_backend_name
         check_backend_name(self.attention_backend)
         mc = self.model_config = ModelConfig.from_pretrained(self.model)

@@ -102,14 +102,15 @@ class LLMEngine:
                 "kv_cache_usage": sched.block_manager.usage()}
 
     def step(self) -> tuple[list[Sequence], int, bool]:
-        """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
+        """Run one step: (sequences that got a token or an embedding, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs
+        from nanovllm_tp.pooling import pool_sums
         sched = self.scheduler
         with trace.span("schedule"):
             step = sched.schedule()
         if step is None:
             return [], 0, False
-        plan, prompt_lp = step.plan, None
+        plan, prompt_lp, pooled = step.plan, None, None
         step.sampling.start_masks()          # structured outputs: grammar masks made while the model runs
         try:
             with self._scope():
@@ -121,10 +122,13 @@ class LLMEngine:
                 with trace.plan_span("execute", plan):
                     logits = self.runner.execute(plan)
                 with trace.span("sample"):
-                    tokens, lp = self.sampler(logits, step.sampling)
+                    tokens, lp = ([], None) if logits is None else self.sampler(logits, step.sampling)
                 if step.prompt_chunks:
                     with trace.span("prompt_logprobs"):
                         prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+                if step.pool_chunks:
+                    with trace.span("pool"):
+                        pooled = pool_sums(self.runner.take_hidden(), step.pool_chunks)
         except BaseException as exc:
             self.scheduler.abort_all()
             if self.writer is not None and isinstance(exc, Exception):
@@ -133,7 +137,7 @@ class LLMEngine:
                 self.close()
             raise
         with trace.span("postprocess"):
-            progressed = sched.postprocess(tokens, lp, prompt_lp)
+            progressed = sched.postprocess(tokens, lp, prompt_lp, pooled)
         return progressed, plan.num_tokens, plan.is_prefill
 
     def _fail(self, exc: BaseException) -> None:

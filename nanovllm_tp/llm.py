@@ -12,6 +12,8 @@ from nanovllm_tp.checks import integer
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
+from nanovllm_tp.llm_embed import EmbeddingRequests
+from nanovllm_tp.pooling_params import ModelPooling, PoolingParams
 from nanovllm_tp.prompts import check_prompt_length, is_token_ids, render_chat
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
@@ -20,7 +22,7 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 log = logging.getLogger("nanovllm_tp")
 
 
-class LLM:
+class LLM(EmbeddingRequests):
     def __init__(self, model, **kwargs):
         """`model`: a Hugging Face directory or .gguf file; `kwargs`: any EngineConfig knob (config.py lists them,
         with vLLM's names where vLLM has one). Unknown names are refused with the closest knob."""
@@ -46,6 +48,7 @@ class LLM:
         self._by_seq: dict[int, RequestState] = {}
         self._dirty: dict[str, None] = {}       # requests with news that step() has not returned yet
         self._token_text: dict[int, str] = {}
+        self._model_pooling: ModelPooling | None = None     # read from the model's files on the first embedding
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -62,7 +65,10 @@ class LLM:
             raise ValueError("prompts is empty")
         return [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
 
-    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True,
+                          embedding: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+        """One prompt as (text or None, token ids). `embedding`: an embedding request's prompt, cut to its
+        truncate_prompt_tokens; it may fill max_model_len (no output follows it)."""
         vocab = self.config.model_config.vocab_size
         if isinstance(p, dict):
             p = p.get("prompt_token_ids", p.get("prompt"))
@@ -84,7 +90,12 @@ class LLM:
             raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        check_prompt_length(i, len(ids), self.config.max_model_len)
+        limit = self.config.max_model_len
+        if embedding is None:
+            check_prompt_length(i, len(ids), limit)
+            return text, ids
+        ids = embedding.truncated(ids, limit)
+        check_prompt_length(i, len(ids), limit, output_room=0)
         return text, ids
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -112,7 +123,7 @@ class LLM:
         """Start compiling a request's structured output in the background (the server calls it before
         add_request, so that no step waits for a compile): the compile's `Pending` (`.ready()`), or None when
         there is nothing to compile. Validation errors are raised here."""
-        if sampling_params.structured_outputs is None:
+        if isinstance(sampling_params, PoolingParams) or sampling_params.structured_outputs is None:
             return None
         sampling_params.validate()
         return self.grammars.submit(sampling_params.structured_outputs)
@@ -152,11 +163,12 @@ class LLM:
         return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id],
                                  max_tokens_must_fit, priority)[0]
 
-    def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
+    def add_requests(self, prompts: list, sampling_params: SamplingParams | PoolingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
                      priority: int = 0) -> list[str]:
         """Queue one request per prompt, all with the same sampling parameters (and priority), all or none: every
-        prompt, id and parameter is checked before the first is queued. Returns their request ids."""
+        prompt, id and parameter is checked before the first is queued. Returns their request ids. PoolingParams
+        make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
         if not isinstance(prompts, list) or not prompts:
             raise TypeError("prompts must be a non-empty list (one entry per request)")
         ids = [None] * len(prompts) if request_ids is None else request_ids
@@ -167,6 +179,11 @@ class LLM:
             if rid is not None and (not isinstance(rid, str) or rid in self._requests or rid in seen):
                 raise ValueError(f"request_id must be a new string, got {rid!r}")
             seen.add(rid)
+        if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
+            rank, = self._priorities([priority], 1)
+            items, pooling = self._embedding_inputs(prompts, [sampling_params])
+            return [self._add_embedding(text, token_ids, pooling[0], rid, rank)
+                    for (text, token_ids), rid in zip(items, ids)]
         items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
         rank, = self._priorities([priority], 1)
@@ -258,11 +275,15 @@ class LLM:
         priorities = priorities or [0] * len(items)
         ids = [self._add(text, token_ids, sp, priority=rank)
                for (text, token_ids), sp, rank in zip(items, params, priorities)]
+        return self._run(ids, use_tqdm, "Generating")
+
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
+        """Step until the requests `ids` have finished; their whole outputs in that order."""
         mine = [self._requests[i] for i in ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True)
+            bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True)
         prefill_tps = decode_tps = 0.0
         done = 0
         try:

@@ -8,12 +8,14 @@ def is_token_ids(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) for t in p)
 
 
-def check_prompt_length(i: int, num_tokens: int, max_model_len: int, at_least: bool = False) -> None:
-    """ValueError when prompt i (`num_tokens` long, or at least that long) leaves no room for output."""
-    limit = max_model_len - 1
+def check_prompt_length(i: int, num_tokens: int, max_model_len: int, at_least: bool = False,
+                        output_room: int = 1) -> None:
+    """ValueError when prompt i (`num_tokens` long, or at least that long) leaves no room for output (an embedding's
+    prompt, output_room=0, may fill max_model_len)."""
+    limit = max_model_len - output_room
     if num_tokens > limit:
         raise ValueError(f"prompt {i} has {'at least ' if at_least else ''}{num_tokens} tokens; with max_model_len="
-                         f"{max_model_len} at most {limit} fit (one slot is for output)")
+                         f"{max_model_len} at most {limit} fit" + (" (one slot is for output)" if output_room else ""))
 
 
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,

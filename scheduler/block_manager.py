@@ -81,8 +81,8 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq, leaving at least one token to compute (none for a
-        prompt whose logprobs are still owed: they need the logits of every position)."""
-        if not self.enable_prefix_caching or seq.wants_prompt_logits:
+        prompt whose logprobs are still owed or whose pooling reads every hidden state)."""
+        if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return []
         hits, prefix_hash = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):

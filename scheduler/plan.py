@@ -14,7 +14,8 @@ PREFILL, DECODE, MIXED = 0, 1, 2
 # dtype and rank every decoded array must have; arrays of fields not listed here need only be numeric
 ARRAY_SPECS = {"input_ids": ("<i8", 1), "positions": ("<i8", 1), "slot_mapping": ("<i8", 1),
                "cu_seqlens_q": ("<i4", 1), "context_lens": ("<i4", 1), "block_tables": ("<i4", 2),
-               "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2)}
+               "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2),
+               "hidden_rows": ("|b1", 1)}
 
 
 def slot_mapping(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -45,6 +46,8 @@ class StepPlan:
                                               # (prompt logprobs); None = last token of every row
     block_copies: np.ndarray | None = None    # int32 [copies, 2]: (src, dst) blocks copied in every layer before
                                               # the forward (a forked sequence's partly filled last block)
+    hidden_rows: np.ndarray | None = None     # bool [rows]: rows of embedding requests: no logits, their hidden
+                                              # states kept on rank 0 for pooling; None = no such row
 
     @property
     def num_rows(self) -> int:

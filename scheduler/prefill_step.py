@@ -5,7 +5,8 @@ import numpy as np
 
 from nanovllm_tp.scheduler.plan import StepPlan, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
-from nanovllm_tp.scheduler.scheduled_step import PromptChunk, ScheduledStep
+from nanovllm_tp.pooling_params import CLS, MEAN
+from nanovllm_tp.scheduler.scheduled_step import PoolChunk, PromptChunk, ScheduledStep
 from nanovllm_tp.scheduler.sequence import Sequence
 
 
@@ -30,14 +31,31 @@ def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
     slots = slot_mapping(block_tables, row_of_token, positions, block_size)
     prompt = np.fromiter((s.wants_prompt_logits for s in seqs), np.bool_, rows)
     all_logits = prompt | np.fromiter((bool(s.draft) for s in seqs), np.bool_, rows)
-    logits_end = np.cumsum(np.where(all_logits, q_lens, 1))      # the LM head's rows, per plan row
+    pool = np.fromiter((s.pooling is not None for s in seqs), np.bool_, rows)      # embeddings: no logits
+    logits_end = np.cumsum(np.where(pool, 0, np.where(all_logits, q_lens, 1)))    # the LM head's rows, per plan row
     prompt_chunks = [chunk for i in np.flatnonzero(prompt).tolist() if (chunk := _prompt_chunk(
         seqs[i], int(logits_end[i] - q_lens[i]), int(starts[i]), int(q_lens[i]))) is not None]
     plan = StepPlan(
         step_id=step_id, kind=kind, input_ids=input_ids, positions=positions, slot_mapping=slots,
         cu_seqlens_q=cu_seqlens_q, context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
-        prompt_logits=all_logits if all_logits.any() else None, block_copies=block_copies)
-    return ScheduledStep(plan, _sampling(seqs, logits_end - 1), prompt_chunks)
+        prompt_logits=all_logits if all_logits.any() else None, block_copies=block_copies,
+        hidden_rows=pool if pool.any() else None)
+    pool_chunks = [_pool_chunk(seqs[i], int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(starts[i]))
+                   for i in np.flatnonzero(pool).tolist()]
+    return ScheduledStep(plan, _sampling(seqs, logits_end - 1), prompt_chunks, pool_chunks)
+
+
+def _pool_chunk(seq: Sequence, first: int, end: int, start: int) -> PoolChunk:
+    """The tokens [first, end) of the step (positions start...) that seq's pooling sums: all of them (mean), the
+    prompt's first (CLS) or last token (last-token pooling) where this chunk holds it."""
+    final = start + end - first == seq.num_tokens
+    kind = seq.pooling.kind
+    if kind == MEAN:
+        rows = np.arange(first, end, dtype=np.int64)
+    else:
+        wanted = first if kind == CLS else end - 1
+        rows = np.array([wanted] if (start == 0 if kind == CLS else final) else [], np.int64)
+    return PoolChunk(seq, rows, final)
 
 
 def _prompt_chunk(seq: Sequence, first_row: int, first_pos: int, count: int) -> PromptChunk | None:
@@ -53,11 +71,12 @@ def _prompt_chunk(seq: Sequence, first_row: int, first_pos: int, count: int) -> 
 
 def _sampling(seqs: list[Sequence], last_logits: np.ndarray) -> SamplingBatch:
     """Rows whose prompt is complete after this step sample a token (a middle chunk does not); a prompt with
-    unstarted siblings samples theirs from the same logits; a row with proposed tokens samples at each of its
-    1 + k positions, as the next k + 1 decode steps would (token index and all)."""
+    unstarted siblings samples theirs from the same logits; an embedding request samples nothing; a row with
+    proposed tokens samples at each of its 1 + k positions, as the next k + 1 decode steps would (token index and
+    all)."""
     entries, logits_index, index = [], [], []
     for i, seq in enumerate(seqs):
-        if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+        if seq.pooling is not None or seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens:
             continue
         k = len(seq.draft)
         for j in range(k + 1):

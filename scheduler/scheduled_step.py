@@ -4,7 +4,7 @@
 and the prompt chunks whose logprobs rank 0 computes. `Scheduler.postprocess()` takes the tokens and the
 logprobs back and is the one place that writes them into the sequences.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,7 +45,17 @@ class PromptChunk:
 
 
 @dataclass(slots=True)
+class PoolChunk:
+    """A prompt chunk of an embedding request: the step's tokens (rows of its hidden states) its pooling sums, and
+    whether the prompt ends with this chunk (then the embedding is made)."""
+    seq: object               # the Sequence
+    token_rows: np.ndarray    # int64: indices into the step's tokens (may be empty: a middle chunk of last-token)
+    final: bool
+
+
+@dataclass(slots=True)
 class ScheduledStep:
     plan: StepPlan                    # what every rank runs
     sampling: SamplingBatch           # rank 0: one entry per row that produces a token
     prompt_chunks: list[PromptChunk]  # rank 0: prompt logprobs to compute from the step's logits
+    pool_chunks: list[PoolChunk] = field(default_factory=list)   # rank 0: hidden states to pool (embeddings)

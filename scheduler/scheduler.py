@@ -19,7 +19,7 @@ from nanovllm_tp.scheduler.decode_batch import DecodeBatch
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL
 from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
-from nanovllm_tp.scheduler.scheduled_step import ScheduledStep, TokenLogprobs
+from nanovllm_tp.scheduler.scheduled_step import PoolChunk, ScheduledStep, TokenLogprobs
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
 from nanovllm_tp.scheduler.speculative import SpeculativeConfig, accept, attach_drafts, ordinals, propose
 
@@ -78,9 +78,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; its n > 1 siblings (seq.forks) start from its prompt KV when its prefill ends."""
-        if not 0 < seq.num_tokens < self.config.max_model_len:
+        longest = self.config.max_model_len - (seq.pooling is None)     # an embedding needs no room for output
+        if not 0 < seq.num_tokens <= longest:
             raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens; it needs 1 to "
-                             f"{self.config.max_model_len - 1} (max_model_len={self.config.max_model_len})")
+                             f"{longest} (max_model_len={self.config.max_model_len})")
         policy.enqueue(self.waiting, seq, self.by_priority, front=False)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
@@ -248,16 +249,18 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.decode_batch = None
+        seq.embedding = None          # an embedding request recomputed starts its sum again
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self._requeue_front(seq)
         self.num_preemptions += 1
 
     def postprocess(self, token_ids: list[int], logprobs: TokenLogprobs | None = None,
-                    prompt_logprobs: list[TokenLogprobs] | None = None) -> list[Sequence]:
+                    prompt_logprobs: list[TokenLogprobs] | None = None, pooled=None) -> list[Sequence]:
         """Apply the step's results: one sampled token per sampling entry, the logprobs of the entries that asked
-        for them (in entry order), and those of each prompt chunk. Returns the sequences that got a token
-        (finished ones have status FINISHED and a finish_reason)."""
+        for them (in entry order), those of each prompt chunk, and `pooled` (float32 [pool chunks, hidden]: each
+        chunk's sum of the hidden states its pooling reads). Returns the sequences that got a token, and the
+        embedding requests that finished (finished ones have status FINISHED and a finish_reason)."""
         step, self.in_flight = self.in_flight, None
         if step is None:
             raise RuntimeError("postprocess() without a scheduled step")
@@ -313,7 +316,25 @@ class Scheduler:
         for seq in progressed:
             if seq.seq_id in ended:
                 self._finish(seq, *ended[seq.seq_id], now)
+        for chunk, part in zip(step.pool_chunks, () if pooled is None else pooled):
+            if self._pool(chunk, part, now):
+                progressed.append(chunk.seq)
         return progressed
+
+    def _pool(self, chunk: PoolChunk, part, now: float) -> bool:
+        """Add an embedding request's chunk to its pooled sum; at the prompt's end make the embedding and finish
+        the request (its blocks freed: no KV is kept for it). True when it finished."""
+        seq = chunk.seq
+        if len(chunk.token_rows):
+            seq.embedding = part.copy() if seq.embedding is None else seq.embedding + part
+        if not chunk.final:
+            return False
+        seq.embedding = seq.pooling.finish(seq.embedding, seq.num_prompt_tokens)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+        seq.first_token_time = seq.last_token_time = seq.finish_time = now
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+        return True
 
     def _start_fork(self, parent: Sequence, child: Sequence) -> None:
         """A sibling of an n > 1 request joins with the parent's prompt KV: full blocks shared, the partly

@@ -17,12 +17,14 @@ class Sequence:
     __slots__ = ("seq_id", "status", "token_ids", "num_prompt_tokens", "num_cached_tokens",
                  "num_scheduled_tokens", "block_table", "num_window_freed", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
-                 "seen", "grammar", "draft", "spec_wait", "spec_misses", "priority", "arrival_time",
+                 "seen", "grammar", "pooling", "embedding", "draft", "spec_wait", "spec_misses", "priority",
+                 "arrival_time",
                  "first_token_time", "last_token_time", "finish_time")
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
-                 seed: int = 0, index: int = 0, priority: int = 0, grammar=None, **sampling):
-        """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise)."""
+                 seed: int = 0, index: int = 0, priority: int = 0, grammar=None, pooling=None, **sampling):
+        """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise). `pooling`
+        (pooling_params.Pooling): an embedding request, prefill only: it samples nothing and ends with its prompt."""
         if params is None:
             params = SamplingParams(**{"temperature": 0.0, **sampling})
         elif sampling:
@@ -47,6 +49,8 @@ class Sequence:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.seen = None                        # rows.SeenTokens, made when a penalty first reads it
         self.grammar = grammar                  # structured outputs: its matcher (structured/backend.Grammar)
+        self.pooling = pooling                  # embeddings: how the hidden states are pooled (None: generation)
+        self.embedding = None                   # embeddings: the pooled sum so far, then the embedding (numpy)
         self.draft: list[int] = []              # proposed tokens computed in the step being run (speculative)
         self.spec_wait = 0                      # decode steps to skip proposing (after proposals that failed)
         self.spec_misses = 0                    # proposing steps in a row that accepted nothing
@@ -88,6 +92,11 @@ class Sequence:
     def wants_prompt_logits(self) -> bool:
         """Prompt logprobs need logits at every prompt position, so such a prompt is computed in full."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """No cached prefix may stand for part of the prompt: its prompt logprobs or its pooling read every token."""
+        return self.wants_prompt_logits or (self.pooling is not None and self.pooling.needs_every_token)
 
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size

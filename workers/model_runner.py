@@ -51,6 +51,7 @@ class ModelRunner:
             attn.backend = backend
         self.num_kv_blocks = 0
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
+        self._hidden = None   # rank 0: the last step's final hidden states, when it had embedding rows
 
     def _int8(self, config: EngineConfig) -> bool:
         """quantization "int8": through csrc/linear_q.c, or its torch reference with cpu_kernels off; dense where
@@ -105,7 +106,8 @@ class ModelRunner:
             block_tables=self._to_device(plan.block_tables),
             has_cached_prefix=bool((context_lens > q_lens).any()),
             context_lens_cpu=context_lens.tolist(), q_lens_cpu=q_lens.tolist(),
-            logits_indices=None if plan.prompt_logits is None else self._to_device(self.logits_indices(plan)),
+            logits_indices=None if plan.prompt_logits is None and plan.hidden_rows is None else
+            self._to_device(self.logits_indices(plan)),
         )
         self.backend.prepare(ctx)
         set_context(ctx)
@@ -113,10 +115,18 @@ class ModelRunner:
 
     @staticmethod
     def logits_indices(plan: StepPlan) -> np.ndarray:
-        """Every token of the rows flagged in plan.prompt_logits, the last token of the others."""
-        cu = plan.cu_seqlens_q.astype(np.int64)
-        return np.concatenate([np.arange(cu[i] if flag else cu[i + 1] - 1, cu[i + 1])
-                               for i, flag in enumerate(plan.prompt_logits.tolist())])
+        """Every token of the rows flagged in plan.prompt_logits, none of the rows in plan.hidden_rows (embeddings),
+        the last token of the others."""
+        cu, rows = plan.cu_seqlens_q.astype(np.int64), plan.num_rows
+        every = np.zeros(rows, bool) if plan.prompt_logits is None else plan.prompt_logits
+        none = np.zeros(rows, bool) if plan.hidden_rows is None else plan.hidden_rows
+        return np.concatenate([np.arange(cu[i + 1] if skip else cu[i] if all_ else cu[i + 1] - 1, cu[i + 1])
+                               for i, (all_, skip) in enumerate(zip(every.tolist(), none.tolist()))])
+
+    def take_hidden(self) -> torch.Tensor | None:
+        """Rank 0: the final hidden states [tokens, hidden] of the last step run, if it had embedding rows."""
+        hidden, self._hidden = self._hidden, None
+        return hidden
 
     def copy_blocks(self, copies: np.ndarray) -> None:
         """Copy whole KV blocks (src -> dst) in every layer."""
@@ -128,7 +138,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Forward one step; logits on rank 0 (a row per sampled token, plus every prompt token of the rows in
-        plan.prompt_logits), None on the other ranks."""
+        plan.prompt_logits; None when every row is an embedding's), None on the other ranks. Rank 0 keeps the
+        final hidden states of a step with embedding rows for take_hidden()."""
         if plan.block_copies is not None and len(plan.block_copies):
             self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
@@ -139,6 +150,11 @@ class ModelRunner:
         try:
             with trace.span("forward"):
                 hidden = self.model(input_ids, positions)
+            if plan.hidden_rows is not None:
+                # replicated on every rank after the last all-reduce and the final norm: rank 0's copy is whole
+                self._hidden = hidden if tp_rank() == 0 else None
+                if plan.hidden_rows.all():
+                    return None       # no row wants logits: the LM head (and its gather) is skipped on every rank
             with trace.span("lm_head"):
                 return self.model.compute_logits(hidden)
         finally:

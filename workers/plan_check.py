@@ -11,7 +11,7 @@ import numpy as np
 
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, PlanError, StepPlan
 
-_PER_ROW = ("prompt_logits",)     # optional per-row arrays
+_PER_ROW = ("prompt_logits", "hidden_rows")     # optional per-row arrays
 
 
 @dataclass(slots=True)

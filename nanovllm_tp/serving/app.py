@@ -14,9 +14,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm_tp.serving.embeddings import EmbeddingRequest, embedding_response
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.inputs import PromptEncoder
-from nanovllm_tp.serving.limits import BodyLimit, check_request
+from nanovllm_tp.serving.limits import BodyLimit, check_prompt_count, check_request
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
@@ -242,6 +243,20 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
             return _stream(streams, builder, body.include_usage, choice, aborter(rid, 1))
         outputs = await _finals(request, streams, aborter(rid, 1))
         return builder.response([choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs], outputs)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        check_model(body.model)
+        try:
+            params, prompts = body.pooling_params(), body.prompts()
+            check_prompt_count(config, len(prompts))
+            encoded = await encoder.completions(prompts, params)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        rid = engine.new_request_id("embd")
+        streams = await submit_all(rid, [ids for _, ids in encoded], params, body.priority)
+        outputs = await _finals(request, streams, aborter(rid, len(streams)))
+        return embedding_response(outputs, model_name, body.encoding_format)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -28,10 +28,11 @@ class PromptEncoder:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._chars_per_token: int | None = None
 
-    async def completions(self, prompts: list) -> list[tuple[str | None, list[int]]]:
+    async def completions(self, prompts: list, pooling=None) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt (a string or a list of token ids); ValueError for the first
-        prompt that cannot fit."""
-        return await self.run(self._encode_all, prompts)
+        prompt that cannot fit. `pooling` (PoolingParams): embedding prompts, cut to its truncate_prompt_tokens,
+        which may fill max_model_len."""
+        return await self.run(self._encode_all, prompts, pooling)
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
                    tools: list[dict] | None = None) -> list[int]:
@@ -49,20 +50,27 @@ class PromptEncoder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _encode_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
+    def _encode_all(self, prompts: list, pooling=None) -> list[tuple[str | None, list[int]]]:
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                out.append((p, self._encode(i, p)))
+                out.append((p, self._encode(i, p, pooling=pooling)))
             else:
-                check_prompt_length(i, len(p), self.max_model_len)
-                out.append((None, list(p)))     # token ids: the engine checks them against its vocabulary
+                out.append((None, self._fit(i, list(p), pooling)))    # the engine checks ids against its vocabulary
         return out
 
-    def _encode(self, i: int, text: str, add_special_tokens: bool = True) -> list[int]:
-        check_prompt_length(i, len(text) // (2 * self.chars_per_token()), self.max_model_len, at_least=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        check_prompt_length(i, len(ids), self.max_model_len)
+    def _encode(self, i: int, text: str, add_special_tokens: bool = True, pooling=None) -> list[int]:
+        if pooling is None or pooling.truncate_prompt_tokens is None:
+            check_prompt_length(i, len(text) // (2 * self.chars_per_token()), self.max_model_len, at_least=True,
+                                output_room=int(pooling is None))
+        return self._fit(i, self.tokenizer.encode(text, add_special_tokens=add_special_tokens), pooling)
+
+    def _fit(self, i: int, ids: list[int], pooling=None) -> list[int]:
+        """The prompt's ids as the engine takes them: cut as an embedding's pooling says, checked against the
+        context (a generated prompt leaves room for output)."""
+        if pooling is not None:
+            ids = pooling.truncated(ids, self.max_model_len)
+        check_prompt_length(i, len(ids), self.max_model_len, output_room=int(pooling is None))
         return ids
 
     def chars_per_token(self) -> int:

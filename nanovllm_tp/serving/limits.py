@@ -4,7 +4,8 @@ reaches the engine; each refusal names the flag that sets the limit.
 - `BodyLimit`: plain ASGI, in front of every route: a body larger than --max-request-body-bytes gets 413 as soon
   as that is known (from Content-Length before a byte is read, else once the bytes read pass the limit), and
   the connection is closed; a body within the limit is read whole here and handed on.
-- `check_request`: n, prompts and completions per request, stop strings.
+- `check_request`: n, prompts and completions per request, stop strings; `check_prompt_count` (embeddings):
+  prompts per request.
 """
 from fastapi.responses import JSONResponse
 
@@ -52,11 +53,15 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def check_request(config: ServerConfig, params: SamplingParams, num_prompts: int = 1) -> None:
-    """ValueError naming the limit a request passes."""
+def check_prompt_count(config: ServerConfig, num_prompts: int) -> None:
     if num_prompts > config.max_prompts_per_request:
         raise ValueError(f"{num_prompts} prompts in one request; this server takes at most "
                          f"{config.max_prompts_per_request} (--max-prompts-per-request)")
+
+
+def check_request(config: ServerConfig, params: SamplingParams, num_prompts: int = 1) -> None:
+    """ValueError naming the limit a request passes."""
+    check_prompt_count(config, num_prompts)
     if params.n > config.max_n:
         raise ValueError(f"n={params.n} is more than this server allows: at most {config.max_n} (--max-n)")
     if num_prompts * params.n > config.max_choices_per_request:

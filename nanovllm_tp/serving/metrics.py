@@ -57,9 +57,12 @@ class ServingMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def on_finished(self, out) -> None:
-        """Count one finished request."""
-        m = out.metrics
+        """Count one finished request (an embedding: its prompt tokens, and "stop" unless it was aborted)."""
+        m = getattr(out, "metrics", None)
         self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+        if m is None:
+            self.requests.labels(self.model_name, "stop" if out.outputs.embedding else "abort").inc()
+            return
         self.generation_tokens.labels(self.model_name).inc(m.num_generation_tokens)
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
         self.requests.labels(self.model_name, reason).inc()

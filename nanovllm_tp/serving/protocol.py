@@ -132,6 +132,20 @@ class _Body(BaseModel):
         return data
 
 
+class _TextBody(_Body):
+    """A request body: every string in it, anywhere, valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        bad = _invalid_text(data)
+        if bad is not None:
+            raise PydanticCustomError("invalid_unicode", "{param}: not valid Unicode text (a lone surrogate at "
+                                      "index {index}); every string must encode as UTF-8",
+                                      {"param": bad[0] or "body", "index": bad[1]})
+        return data
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -166,7 +180,7 @@ def structured_outputs_of(response_format: ResponseFormat | None, structured_out
     return next(iter(given.values()), None)
 
 
-class _Sampling(_Body):
+class _Sampling(_TextBody):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     n: Int = 1
@@ -201,16 +215,6 @@ class _Sampling(_Body):
     bad_words: list[str] | None = None
     structured_outputs: dict[str, object] | None = None     # StructuredOutputsParams' fields: json, regex, ...
     response_format: ResponseFormat | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data):
-        bad = _invalid_text(data)
-        if bad is not None:
-            raise PydanticCustomError("invalid_unicode", "{param}: not valid Unicode text (a lone surrogate at "
-                                      "index {index}); every string must encode as UTF-8",
-                                      {"param": bad[0] or "body", "index": bad[1]})
-        return data
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                 tools: ToolMode | None = None) -> SamplingParams:

@@ -1,7 +1,8 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
 HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority"}   (one request per prompt of token ids,
-                                                                       all or none)
+                                                                       all or none; params {"pooling": {...}}:
+                                                                       embedding requests)
                  {"op": "abort", "ids"}
 engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
                  {"op": "accepted", "items": [[first id, error, error type]]}  (per add; error: None, or
@@ -14,15 +15,20 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once
 Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
 any key type; structured_outputs as its fields' map) and are validated once on arrival, by LLM.add_requests;
 outputs as their dataclasses' fields,
-logprobs as [token id, logprob, rank, decoded token] rows. A request's prompt (text and ids) travels with its first
+logprobs as [token id, logprob, rank, decoded token] rows; an embedding as a map {"id", "prompt_token_ids",
+"embedding": little-endian float32 bytes}. A request's prompt (text and ids) travels with its first
 output only (None in the later ones, which the HTTP side fills in): at one token per step, the prompt would
 otherwise be most of every message.
 """
+import sys
+from array import array
 from dataclasses import fields
 
 import msgpack
 
 from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm_tp.pooling import EmbeddingOutput, EmbeddingRequestOutput
+from nanovllm_tp.pooling_params import PoolingParams
 from nanovllm_tp.sampling_params import SamplingParams
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
@@ -39,13 +45,18 @@ def unpack(raw) -> dict:
     return msg
 
 
-def params_to_wire(p: SamplingParams) -> dict:
+def params_to_wire(p: SamplingParams | PoolingParams) -> dict:
+    if isinstance(p, PoolingParams):
+        return {"pooling": p.to_dict()}
     return {name: (int(v) if name == "output_kind" else v.to_dict() if name == "structured_outputs" and v else v)
             for name in _PARAM_FIELDS for v in (getattr(p, name),)}
 
 
-def params_from_wire(d: dict) -> SamplingParams:
-    """Unvalidated: the engine validates them when it takes the request (LLM.add_request)."""
+def params_from_wire(d: dict) -> SamplingParams | PoolingParams:
+    """Unvalidated sampling parameters: the engine validates them when it takes the request (LLM.add_request);
+    pooling parameters are checked as they are made."""
+    if "pooling" in d:
+        return PoolingParams(**d["pooling"])
     return SamplingParams.unvalidated(**d)
 
 
@@ -62,7 +73,10 @@ def _positions_from_wire(rows):
     return [None if pos is None else {t: Logprob(v, rank, text) for t, v, rank, text in pos} for pos in rows]
 
 
-def output_to_wire(out: RequestOutput, with_prompt: bool = True) -> list:
+def output_to_wire(out: RequestOutput | EmbeddingRequestOutput, with_prompt: bool = True) -> list | dict:
+    if isinstance(out, EmbeddingRequestOutput):       # reported once, finished: its prompt ids always travel
+        return {"id": out.request_id, "prompt_token_ids": out.prompt_token_ids,
+                "embedding": float32_bytes(out.outputs.embedding)}
     m = out.metrics
     return [out.request_id, out.prompt if with_prompt else None, out.prompt_token_ids if with_prompt else None,
             _positions_to_wire(out.prompt_logprobs),
@@ -72,9 +86,28 @@ def output_to_wire(out: RequestOutput, with_prompt: bool = True) -> list:
                                     m.num_generation_tokens]]
 
 
-def output_from_wire(row: list) -> RequestOutput:
+def output_from_wire(row: list | dict) -> RequestOutput | EmbeddingRequestOutput:
+    if isinstance(row, dict):
+        return EmbeddingRequestOutput(row["id"], EmbeddingOutput(_floats_from_wire(row["embedding"])),
+                                      row["prompt_token_ids"])
     request_id, prompt, prompt_ids, prompt_lps, completions, finished, metrics = row
     outs = [CompletionOutput(index, text, ids, cum, _positions_from_wire(lps), reason, stop)
             for index, text, ids, cum, lps, reason, stop in completions]
     return RequestOutput(request_id, prompt, prompt_ids, _positions_from_wire(prompt_lps), outs, finished,
                          None if metrics is None else RequestMetrics(*metrics))
+
+
+def float32_bytes(values: list[float]) -> bytes:
+    """float32 values as little-endian bytes (a quarter of msgpack's doubles, exact for float32)."""
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _floats_from_wire(raw: bytes) -> list[float]:
+    packed = array("f")
+    packed.frombytes(raw)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()

@@ -154,3 +154,17 @@ def test_broadcast_latency_micro_benchmark_runs_and_cleans_up():
 def test_thread_counts_below_one_are_refused(threads):
     with pytest.raises(SystemExit, match="--threads must be >= 1"):
         bench.main([*TINY, "--threads", threads, "--quiet"])
+
+
+@pytest.mark.slow
+def test_bench_embed_against_transformers(tiny_model_dir, tmp_path, capsys):
+    from nanovllm_tp.launch import bench_embed
+    result = bench_embed.main(["--model", tiny_model_dir, *SMALL_KV, "--batch", "4", "--prompt-tokens", "16",
+                               "--repeats", "2", "--out", str(tmp_path / "embed.json"), "--quiet"])
+    table = "\n".join(last_block(capsys.readouterr().out))
+    f = result["figures"]
+    assert f["engine_emb_s"] > 0 and f["transformers_emb_s"] > 0 and f["ratio"] > 0
+    assert f["min_cosine"] >= 0.9999          # fp32, the same weights: the same embeddings
+    assert "engine/transformers" in table and len(result["runs"]["engine"]) == 2
+    with open(result["out"]) as fh:
+        check_environment(json.load(fh)["environment"])

@@ -50,3 +50,18 @@ def test_outputs_round_trip(tiny_llm):
 def test_a_message_without_an_op_is_refused():
     with pytest.raises(ValueError):
         wire.unpack(wire.pack([1, 2]))
+
+
+def test_embedding_params_and_outputs_round_trip(tiny_llm):
+    from nanovllm_tp import EmbeddingRequestOutput, PoolingParams
+    p = PoolingParams(normalize=False, truncate_prompt_tokens=5)
+    back = wire.params_from_wire(wire.unpack(wire.pack({"op": "add", "params": wire.params_to_wire(p)}))["params"])
+    assert back == p and back.output_kind == RequestOutputKind.FINAL_ONLY
+    with pytest.raises(ValueError, match="dimensions"):
+        wire.params_from_wire({"pooling": {"dimensions": 0}})
+    out = tiny_llm.embed([[5, 6, 7]], use_tqdm=False)[0]
+    got = wire.output_from_wire(wire.unpack(wire.pack({"op": "outputs", "outputs": [wire.output_to_wire(out)]}))
+                                ["outputs"][0])
+    assert isinstance(got, EmbeddingRequestOutput)
+    assert (got.request_id, got.prompt_token_ids, got.finished) == (out.request_id, [5, 6, 7], True)
+    assert got.outputs.embedding == out.outputs.embedding        # float32 values, exact

@@ -57,7 +57,7 @@ CHAT_TEMPLATE = (
 EMBED_STD = 0.7          # absolute std of embed_tokens (and of an untied lm_head)
 PROJ_GAIN = 2.0          # every projection: std = PROJ_GAIN / sqrt(fan_in)
 NORM_NOISE_STD = 0.05    # norm weights are 1 + noise, so a dropped norm weight is caught
-QUIET_GAIN = 0.15        # output projections of the layers past --quiet-from (a draft's target)
+QUIET_GAIN = 0.05        # output projections of the layers past --quiet-from (a draft's target)
 CORPUS = importlib.resources.files("nanovllm_tp") / "data" / "corpus.txt"
 MARGIN_PROMPTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world!",
                   "In the beginning", "import os", "The file is opened", "1 2 3 4"]

@@ -62,16 +62,12 @@ class SpeculativeConfig:
 
 
 def _draft_model(d: dict, tensor_parallel_size: int) -> str:
-    """The draft's path, checked; draft_tensor_parallel_size must be 1 (also when given as the target's TP of
-    1): the draft runs on rank 0 alone."""
+    """The draft's path; draft_tensor_parallel_size must be 1: the draft runs on rank 0 alone."""
     model = d.get("model")
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError("speculative_config method 'draft_model' needs model: the draft's checkpoint directory "
                         f"or .gguf file, got {type(model).__name__}")
-    model = os.fspath(model)
-    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf"))):
-        raise ValueError(f"speculative_config model {model!r} does not exist (a local checkpoint directory or "
-                         ".gguf file)")
+    model = os.fspath(model)       # checked where it is loaded, on rank 0 (workers never read it)
     tp = d.get("draft_tensor_parallel_size", 1)
     integer("speculative_config draft_tensor_parallel_size", tp, 1)
     if tp != 1:

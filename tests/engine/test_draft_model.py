@@ -35,7 +35,7 @@ def hf_target(target_dir):
 
 @pytest.fixture(scope="module")
 def drafted(target_dir, tiny_model_dir):
-    llm = LLM(target_dir, speculative_config=draft_spec(tiny_model_dir), max_num_batched_tokens=64, **SMALL)
+    llm = LLM(target_dir, speculative_config=draft_spec(tiny_model_dir), max_num_batched_tokens=32, **SMALL)
     yield llm
     llm.close()
 
@@ -73,7 +73,7 @@ def test_draft_config_is_refused_by_name(target_dir, tiny_model_dir, tmp_path):
 
 
 def test_greedy_with_a_draft_equals_transformers(drafted, hf_target):
-    """Chunked prefill (the long prompt, 64-token steps), a second round over prefix-cache hits, n = 2 siblings
+    """Chunked prefill (the long prompt, 32-token steps), a second round over prefix-cache hits, n = 2 siblings
     (their block copies reach the draft's cache too), and per-position counts that add up."""
     tok = drafted.get_tokenizer()
     prompts = [tok.encode(t) for t in TEXTS] + [tok.encode(TEXTS[3]) * 3]

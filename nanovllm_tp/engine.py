@@ -112,8 +112,12 @@ class LLMEngine:
         """Run one step: (sequences that got a token, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs
         sched = self.scheduler
-        with trace.span("schedule"):
-            step = sched.schedule()
+        try:
+            with trace.span("schedule"):
+                step = sched.schedule()          # a draft model proposes in here
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
         if step is None:
             return [], 0, False
         plan, prompt_lp = step.plan, None
@@ -135,15 +139,19 @@ class LLMEngine:
                     with trace.span("prompt_logprobs"):
                         prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
         except BaseException as exc:
-            self.scheduler.abort_all()
-            if self.writer is not None and isinstance(exc, Exception):
-                self._fail(exc)
-            else:
-                self.close()
+            self._step_failed(exc)
             raise
         with trace.span("postprocess"):
             progressed = sched.postprocess(tokens, lp, prompt_lp)
         return progressed, plan.num_tokens, plan.is_prefill
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """Every request ends (aborted) and the engine stops: no rank is left waiting for a plan."""
+        self.scheduler.abort_all()
+        if self.writer is not None and isinstance(exc, Exception):
+            self._fail(exc)
+        else:
+            self.close()
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""

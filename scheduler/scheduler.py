@@ -279,9 +279,10 @@ class Scheduler:
         for chunk, lp in zip(step.prompt_chunks, prompt_logprobs or ()):
             chunk.seq.prompt_logprobs.extend(lp.positions(chunk.seq.params.prompt_logprobs))
         if self.scheduled_kind == DECODE:
-            for seq, lp in zip(entries, entry_lp):
-                if lp is not None:
-                    _add_logprob(seq, lp)
+            if logprobs is not None:
+                for seq, lp in zip(entries, entry_lp):
+                    if lp is not None:
+                        _add_logprob(seq, lp)
             return self._postprocess_decode(token_ids)
         bm, now = self.block_manager, time.perf_counter()
         for seq in entries:

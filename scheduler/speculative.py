@@ -4,10 +4,11 @@ the rules every proposer shares.
 Proposals come from the n-gram lookup (below) or from a draft model (workers/draft_runner.py, which the scheduler
 reaches through the `Proposer` interface only, staying torch-free). With the n-gram method a running request whose
 context repeats itself gets up to k proposed tokens per step: the tokens that followed the earliest earlier
-occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min). The step then computes 1 + k positions of that row at once, and every position is sampled as a plain decode step would
-sample it (same request seed, same token index): a proposed token is accepted while it equals the token sampled
-at its position, and the first position that differs gives the request its next token. So the output is the one
-non-speculative decoding gives, greedy or sampled, and a step yields 1 to k + 1 tokens.
+occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min). The step then computes
+1 + k positions of that row at once, and every position is sampled as a plain decode step would sample it (same
+request seed, same token index): a proposed token is accepted while it equals the token sampled at its position,
+and the first position that differs gives the request its next token. So the output is the one non-speculative
+decoding gives, greedy or sampled, and a step yields 1 to k + 1 tokens.
 """
 import os
 from dataclasses import dataclass

@@ -13,7 +13,6 @@ draft's block bytes together, so every rank holds that many blocks).
 """
 import contextlib
 import dataclasses
-import logging
 
 import numpy as np
 import torch
@@ -26,8 +25,6 @@ from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.platform import resolve_attention_backend
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan, slot_mapping
 from nanovllm_tp.scheduler.speculative import Proposer, SpeculativeConfig, wanting
-
-log = logging.getLogger("nanovllm_tp")
 
 
 def draft_config(config: EngineConfig) -> EngineConfig:

@@ -216,8 +216,9 @@ class LLMEngine:
 
 def _draft_config(config: EngineConfig) -> EngineConfig | None:
     """The draft model's config when speculative_config asks for one (checked against the target)."""
-    spec = config.speculative_config
-    if not (spec and spec.get("method") == "draft_model"):
+    from nanovllm_tp.scheduler.speculative import SpeculativeConfig
+    spec = SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size)
+    if spec is None or spec.method != "draft_model":
         return None
     from nanovllm_tp.workers.draft_runner import draft_config
     return draft_config(config)

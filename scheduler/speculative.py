@@ -33,14 +33,15 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, tensor_parallel_size: int = 1) -> "SpeculativeConfig | None":
-        """Checked as vLLM reads it: method, num_speculative_tokens; for ngram prompt_lookup_max / _min (each
-        defaults to the other, both to 5); for draft_model the draft's model and draft_tensor_parallel_size
-        (1, the one this engine runs: the draft lives on rank 0)."""
+        """Checked as vLLM reads it: method (without one: draft_model when a model is given, else ngram),
+        num_speculative_tokens; for ngram prompt_lookup_max / _min (each defaults to the other, both to 5); for
+        draft_model the draft's model and draft_tensor_parallel_size (1, the one this engine runs: the draft
+        lives on rank 0)."""
         if d is None:
             return None
         if not isinstance(d, dict):
             raise TypeError(f"speculative_config must be a dict, got {type(d).__name__}")
-        method = d.get("method", "ngram")
+        method = d.get("method") or ("draft_model" if "model" in d else "ngram")     # vLLM's inference
         if method not in METHODS:
             raise ValueError(f"speculative_config method {method!r} is not implemented (implemented: "
                              f"{', '.join(METHODS)})")

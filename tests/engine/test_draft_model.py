@@ -134,7 +134,8 @@ def test_seeded_sampling_is_what_plain_decoding_samples(drafted, target_dir):
 
 
 def test_a_draft_equal_to_the_target_is_always_right(tiny_model_dir, hf_model):
-    llm = LLM(tiny_model_dir, speculative_config=draft_spec(tiny_model_dir, k=3), **SMALL)
+    """(Without a method, a model makes it draft_model, as in vLLM.)"""
+    llm = LLM(tiny_model_dir, speculative_config={"model": tiny_model_dir, "num_speculative_tokens": 3}, **SMALL)
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(t) for t in TEXTS[:2]]

@@ -9,6 +9,17 @@ Two workloads, one request at a time (the single stream speculation is for):
   random  random prompt ids (ignore_eos): nothing repeats, which shows what proposing costs when it fails.
 Decode tok/s = (output tokens - 1) / (finish - first token); medians of the repeats. Greedy outputs of the two
 engines must be equal token for token (speculation is exact); the table says so.
+
+A draft model instead of the n-gram lookup, here the tiny checkpoint drafting for a deeper one of the same seed
+whose extra layers stay quiet (so the draft agrees with it on most tokens):
+
+    python -m nanovllm_tp.launch.make_tiny /tmp/draft --layers 2
+    python -m nanovllm_tp.launch.make_tiny /tmp/target --layers 24 --quiet-from 2
+    python -m nanovllm_tp.launch.bench_spec --model /tmp/target \
+        --speculative-config '{"method": "draft_model", "model": "/tmp/draft", "num_speculative_tokens": 4}'
+
+The table's "accepted by place" column: proposals accepted at the draft's first, second, .. place, summed over the
+repeats (a place is reached only past the earlier ones).
 """
 from __future__ import annotations
 
@@ -53,6 +64,8 @@ def run_one(llm, prompt: list[int], params) -> dict:
     return {"tokens": c.token_ids, "decode_tok_s": (len(c.token_ids) - 1) / decode_s if decode_s > 0 else None,
             "seconds": m.finish_time - m.arrival_time,
             "draft": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "per_pos": [a - b for a, b in zip(after["num_accepted_tokens_per_pos"],
+                                              before["num_accepted_tokens_per_pos"])],
             "accepted": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
 
 
@@ -92,21 +105,25 @@ def main(argv=None) -> dict:
     for w in args.workloads:
         p, s = runs[w, "plain"], runs[w, "spec"]
         draft, accepted = sum(x["draft"] for x in s), sum(x["accepted"] for x in s)
+        per_pos = [sum(col) for col in zip(*(x["per_pos"] for x in s))]
         figures[w] = {"plain_tok_s": bc.median(x["decode_tok_s"] for x in p),
                       "spec_tok_s": bc.median(x["decode_tok_s"] for x in s),
                       "ratio": bc.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(p, s)),
                       "acceptance": accepted / draft if draft else None,
+                      "accepted_per_pos": per_pos,
                       "output_tokens": bc.median(len(x["tokens"]) for x in s),
                       "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(p, s))}
     result = {"name": NAME, "config": {**bc.config_dict(args), "speculative_config": spec_config},
               "environment": bc.finish_environment(env), "figures": figures}
     bc.save_result(args, bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME), result, lambda result: None)
     rows = [[w, bc.fmt(f["plain_tok_s"]), bc.fmt(f["spec_tok_s"]), f"{f['ratio']:.2f}x",
-             "-" if f["acceptance"] is None else f"{f['acceptance']:.2f}", f["output_tokens"],
+             "-" if f["acceptance"] is None else f"{f['acceptance']:.2f}",
+             " ".join(map(str, f["accepted_per_pos"])) or "-", f["output_tokens"],
              "yes" if f["same_tokens"] else "NO"] for w, f in figures.items()]
-    print(bc.format_table(["workload", "plain tok/s", "spec tok/s", "spec/plain", "acceptance", "out tokens",
-                           "same tokens"], rows, title=f"decode, one request, medians of {args.repeats}"),
-          flush=True)
+    method = spec_config.get("method", "ngram")
+    print(bc.format_table(["workload", "plain tok/s", "spec tok/s", "spec/plain", "acceptance", "accepted by place",
+                           "out tokens", "same tokens"], rows,
+                          title=f"decode, one request, {method} proposals, medians of {args.repeats}"), flush=True)
     return result
 
 

@@ -57,6 +57,7 @@ CHAT_TEMPLATE = (
 EMBED_STD = 0.7          # absolute std of embed_tokens (and of an untied lm_head)
 PROJ_GAIN = 2.0          # every projection: std = PROJ_GAIN / sqrt(fan_in)
 NORM_NOISE_STD = 0.05    # norm weights are 1 + noise, so a dropped norm weight is caught
+QUIET_GAIN = 0.05        # output projections of the layers past --quiet-from (a draft's target)
 CORPUS = importlib.resources.files("nanovllm_tp") / "data" / "corpus.txt"
 MARGIN_PROMPTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world!",
                   "In the beginning", "import os", "The file is opened", "1 2 3 4"]
@@ -91,8 +92,11 @@ def build_config(preset: str, vocab_size: int, eos_id: int, overrides: dict) -> 
     return config
 
 
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """HF Qwen3 parameter names and shapes, filled from a generator seeded by `seed`."""
+def random_weights(config: dict, seed: int, quiet_from: int | None = None) -> dict[str, torch.Tensor]:
+    """HF Qwen3 parameter names and shapes, filled from a generator seeded by `seed` (so a deeper checkpoint of
+    the same seed shares the shallower one's embedding and first layers). Layers from `quiet_from` on write
+    QUIET_GAIN times less into the residual stream: such a checkpoint stays close to, not equal to, the one of
+    `quiet_from` layers, which then makes a draft model for it with most but not all proposals right."""
     generator = torch.Generator().manual_seed(seed)
     hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
@@ -108,15 +112,16 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}."
         attn_shapes = {"q_proj": (q_dim, hidden), "k_proj": (kv_dim, hidden),
                        "v_proj": (kv_dim, hidden), "o_proj": (hidden, q_dim)}
+        quiet = QUIET_GAIN if quiet_from is not None and i >= quiet_from else 1.0
         for name, shape in attn_shapes.items():
-            weights[f"{prefix}self_attn.{name}.weight"] = linear(*shape)
+            weights[f"{prefix}self_attn.{name}.weight"] = linear(*shape) * (quiet if name == "o_proj" else 1.0)
             if config["attention_bias"]:
                 weights[f"{prefix}self_attn.{name}.bias"] = 0.1 * torch.randn(shape[0], generator=generator)
         weights[prefix + "self_attn.q_norm.weight"] = norm(head_dim)
         weights[prefix + "self_attn.k_norm.weight"] = norm(head_dim)
         weights[prefix + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[prefix + "mlp.up_proj.weight"] = linear(inter, hidden)
-        weights[prefix + "mlp.down_proj.weight"] = linear(hidden, inter)
+        weights[prefix + "mlp.down_proj.weight"] = linear(hidden, inter) * quiet
         weights[prefix + "input_layernorm.weight"] = norm(hidden)
         weights[prefix + "post_attention_layernorm.weight"] = norm(hidden)
     weights["model.norm.weight"] = norm(hidden)
@@ -156,9 +161,10 @@ def write_json(path: pathlib.Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def make_tiny(out_dir, *, preset: str = "tiny", seed: int = 0, num_shards: int = 1,
+def make_tiny(out_dir, *, preset: str = "tiny", seed: int = 0, num_shards: int = 1, quiet_from: int | None = None,
               **config_overrides) -> pathlib.Path:
-    """Write a random-weight Qwen3 checkpoint to `out_dir`; same arguments give the same bytes."""
+    """Write a random-weight Qwen3 checkpoint to `out_dir`; same arguments give the same bytes. `quiet_from`:
+    see random_weights (with num_hidden_layers=6, quiet_from=4: the tiny preset's model drafts for it)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_str(trained_tokenizer_json())
@@ -166,7 +172,7 @@ def make_tiny(out_dir, *, preset: str = "tiny", seed: int = 0, num_shards: int =
                           tokenizer.token_to_id(SPECIAL_TOKENS[0]), config_overrides)
     write_json(out_dir / "config.json", config)
     write_tokenizer_files(out_dir, config["max_position_embeddings"])
-    save_weights(random_weights(config, seed), out_dir, num_shards)
+    save_weights(random_weights(config, seed, quiet_from), out_dir, num_shards)
     return out_dir
 
 
@@ -290,13 +296,18 @@ def main(argv=None) -> None:
                         "initialised through transformers) instead of the Qwen3 preset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    parser.add_argument("--quiet-from", type=int, help="layers from this one on write little into the residual "
+                        "stream: the checkpoint of this many layers (same preset and seed) drafts well for it")
     parser.add_argument("--report-margin", action="store_true", help="measure greedy top-1/top-2 logit margins")
     args = parser.parse_args(argv)
     if args.arch:
         make_tiny_arch(args.out_dir, args.arch, seed=args.seed)
         out_dir = pathlib.Path(args.out_dir)
     else:
-        out_dir = make_tiny(args.out_dir, preset=args.preset, seed=args.seed, num_shards=args.shards)
+        layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        out_dir = make_tiny(args.out_dir, preset=args.preset, seed=args.seed, num_shards=args.shards,
+                            quiet_from=args.quiet_from, **layers)
     for path in sorted(out_dir.iterdir()):
         print(f"{path}  {path.stat().st_size} bytes")
     if args.report_margin:

@@ -298,7 +298,9 @@ class EngineConfig:
                                default_factory=_env_flag("NANOVLLM_TP_SHM_ALLREDUCE"))
     speculative_config: dict | None = knob(None, help="speculative decoding, as vLLM's dict: {\"method\": \"ngram\", "
                                                       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, "
-                                                      "\"prompt_lookup_min\": M}")
+                                                      "\"prompt_lookup_min\": M} or {\"method\": \"draft_model\", "
+                                                      "\"model\": DIR, \"num_speculative_tokens\": K} (a smaller "
+                                                      "model with the same tokenizer, run on rank 0)")
     pooler_config: dict | None = knob(None, help="embeddings: the pooling to use instead of the one the model's "
                                                  "files declare, as vLLM's dict: {\"pooling_type\": \"LAST\" | "
                                                  "\"MEAN\" | \"CLS\", \"normalize\": true | false}")
@@ -328,7 +330,7 @@ class EngineConfig:
         check_knobs(self)
         self._check_trace()
         from nanovllm_tp.scheduler.speculative import SpeculativeConfig
-        SpeculativeConfig.from_dict(self.speculative_config)
+        SpeculativeConfig.from_dict(self.speculative_config, self.tensor_parallel_size)
         from nanovllm_tp.pooling_params import check_pooler_config
         check_pooler_config(self.pooler_config)
         from nanovllm_tp.layers.attention.registry import check_backend_name

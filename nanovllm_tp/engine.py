@@ -20,15 +20,17 @@ log = logging.getLogger("nanovllm_tp")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        from nanovllm_tp.workers.draft_runner import DraftProposer
         from nanovllm_tp.workers.worker import build_runner, join_group
         _check_one_multi_rank_engine(config)
         self.config = config
-        self.children, self.writer, self.dead, self._rendezvous = [], None, None, None
+        self.children, self.writer, self.dead, self._rendezvous, self.draft = [], None, None, None, None
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
         with cpu_kernels.switched(config.cpu_kernels):
             backend = resolve_attention_backend(config, self.device, self.dtype)
+        draft = _draft_config(config)     # refused before any worker starts
         self._trace = trace.start(config, rank=0)
         exit_on_sigterm()      # from here on: a SIGTERM while the workers start still removes what they share
         try:
@@ -40,18 +42,22 @@ class LLMEngine:
             if self.info.world_size > 1:
                 self._open_channel()
             with self._scope():
-                self.runner = build_runner(config, self.device, self.dtype, backend)
+                self.draft = draft and DraftProposer(config, draft, self.device, self.dtype)
+                self.runner = build_runner(config, self.device, self.dtype, backend,
+                                           self.draft.kv_block_bytes() if self.draft else 0)
+                if self.draft:
+                    self.draft.allocate(self.runner.num_kv_blocks)
         except BaseException as exc:
             if self.writer is not None and isinstance(exc, Exception):
                 self._fail(exc)
             self.close()
             raise
-        self.scheduler = Scheduler(SchedulerConfig.of(config, self.runner.num_kv_blocks))
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.runner.num_kv_blocks), self.draft)
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
         _live_engines.add(self)
-        log.info("engine ready: %s", self.runner.describe())
+        log.info("engine ready: %s%s", self.runner.describe(), f"; {self.draft.describe()}" if self.draft else "")
 
     @contextlib.contextmanager
     def _scope(self):
@@ -97,6 +103,7 @@ class LLMEngine:
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
                 "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
                 "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
                 "num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": sched.block_manager.usage()}
@@ -106,8 +113,12 @@ class LLMEngine:
         from nanovllm_tp.layers.sampler import prompt_logprobs
         from nanovllm_tp.pooling import pool_sums
         sched = self.scheduler
-        with trace.span("schedule"):
-            step = sched.schedule()
+        try:
+            with trace.span("schedule"):
+                step = sched.schedule()          # a draft model proposes in here
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
         if step is None:
             return [], 0, False
         plan, prompt_lp, pooled = step.plan, None, None
@@ -121,6 +132,8 @@ class LLMEngine:
                         self.writer.publish(payload)
                 with trace.plan_span("execute", plan):
                     logits = self.runner.execute(plan)
+                if self.draft is not None:
+                    self.draft.follow(plan)
                 with trace.span("sample"):
                     tokens, lp = ([], None) if logits is None else self.sampler(logits, step.sampling)
                 if step.prompt_chunks:
@@ -130,15 +143,19 @@ class LLMEngine:
                     with trace.span("pool"):
                         pooled = pool_sums(self.runner.take_hidden(), step.pool_chunks)
         except BaseException as exc:
-            self.scheduler.abort_all()
-            if self.writer is not None and isinstance(exc, Exception):
-                self._fail(exc)
-            else:
-                self.close()
+            self._step_failed(exc)
             raise
         with trace.span("postprocess"):
             progressed = sched.postprocess(tokens, lp, prompt_lp, pooled)
         return progressed, plan.num_tokens, plan.is_prefill
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """Every request ends (aborted) and the engine stops: no rank is left waiting for a plan."""
+        self.scheduler.abort_all()
+        if self.writer is not None and isinstance(exc, Exception):
+            self._fail(exc)
+        else:
+            self.close()
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
@@ -175,6 +192,9 @@ class LLMEngine:
                 self.writer.shutdown("rank 0 closed the engine")
             except Exception:
                 pass
+        draft, self.draft = self.draft, None
+        if draft is not None:
+            draft.release()
         runner, self.runner = getattr(self, "runner", None), None
         if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
             try:
@@ -196,6 +216,16 @@ class LLMEngine:
         if self.writer is not None:
             self.writer.close()
         _live_engines.discard(self)
+
+
+def _draft_config(config: EngineConfig) -> EngineConfig | None:
+    """The draft model's config when speculative_config asks for one (checked against the target)."""
+    from nanovllm_tp.scheduler.speculative import SpeculativeConfig
+    spec = SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size)
+    if spec is None or spec.method != "draft_model":
+        return None
+    from nanovllm_tp.workers.draft_runner import draft_config
+    return draft_config(config)
 
 
 _live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()

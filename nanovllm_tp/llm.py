@@ -345,7 +345,8 @@ class LLM(EmbeddingRequests):
         tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, quantization ("none", or the
         quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths: linear_paths in
         layers/linear.py), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
-        prefix_cache_hit_tokens, num_running and num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
+        num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and
+        num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens, num_running and num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
         in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled
         grammar masks, masks filled, time spent filling them). RuntimeError once closed."""
         g = self.grammars

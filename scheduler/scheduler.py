@@ -21,7 +21,8 @@ from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
 from nanovllm_tp.scheduler.scheduled_step import PoolChunk, ScheduledStep, TokenLogprobs
 from nanovllm_tp.scheduler.sequence import Sequence, SequenceStatus
-from nanovllm_tp.scheduler.speculative import SpeculativeConfig, accept, attach_drafts, ordinals, propose
+from nanovllm_tp.scheduler.speculative import (NgramProposer, Proposer, SpeculativeConfig, accept, attach_drafts,
+                                               ordinals)
 
 _REASONS = {LENGTH: "length"}    # every other finish code is "stop"
 
@@ -49,13 +50,19 @@ class SchedulerConfig:
         windows = config.model_config.layer_windows
         return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
                    config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids,
-                   SpeculativeConfig.from_dict(config.speculative_config),
+                   SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size),
                    max(windows) if windows and all(windows) else 0, config.scheduling_policy)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None):
+        """`proposer`: where proposals come from (default: the n-gram lookup when speculative decoding is on; a
+        draft model's proposer is made beside the runner and handed in)."""
         self.config = config
+        spec = config.speculative
+        if proposer is None and spec is not None and spec.method == "ngram":
+            proposer = NgramProposer(spec)
+        self.proposer = proposer
         self.block_size = config.kvcache_block_size
         check_holds_a_sequence(config.num_kvcache_blocks, self.block_size, config.max_model_len)
         self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
@@ -75,6 +82,8 @@ class Scheduler:
         self.num_mixed_steps = 0
         self.num_computed_tokens = 0    # lifetime: tokens run through the model (prompt chunks and decodes)
         self.num_draft_tokens = self.num_accepted_tokens = 0    # speculative decoding: proposed, accepted
+        # accepted proposals by their place in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
+        self.num_accepted_per_position = np.zeros(spec.num_speculative_tokens if spec else 0, np.int64)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; its n > 1 siblings (seq.forks) start from its prompt KV when its prefill ends."""
@@ -125,10 +134,10 @@ class Scheduler:
             if seqs:
                 self.num_mixed_steps += bool(decodes)
                 return self._step_of(seqs, MIXED if decodes else PREFILL)
-        batch, spec = self.decode_batch, self.config.speculative
-        if spec is not None and (proposals := propose(self.running, spec)):
+        batch, proposer = self.decode_batch, self.proposer
+        if proposer is not None and (limits := proposer.limits(self.running)):
             seqs = self._schedule_decode()
-            if attach_drafts(seqs, proposals, self.block_manager, self.config):
+            if attach_drafts(seqs, limits, proposer, self.block_manager, self.config, self._copies):
                 return self._step_of(seqs, MIXED)
             batch = self.decode_batch = DecodeBatch(seqs, self.block_size) if seqs else None
         elif batch is not None and not self._grow(batch):
@@ -269,11 +278,14 @@ class Scheduler:
         entries = batch.seqs
         if len(token_ids) != len(entries):
             raise RuntimeError(f"got {len(token_ids)} sampled tokens for {len(entries)} sampling rows")
-        if logprobs is not None:
-            _record_logprobs(batch, logprobs)
+        entry_lp = _entry_logprobs(batch, logprobs)
         for chunk, lp in zip(step.prompt_chunks, prompt_logprobs or ()):
             chunk.seq.prompt_logprobs.extend(lp.positions(chunk.seq.params.prompt_logprobs))
         if self.scheduled_kind == DECODE:
+            if logprobs is not None:
+                for seq, lp in zip(entries, entry_lp):
+                    if lp is not None:
+                        _add_logprob(seq, lp)
             return self._postprocess_decode(token_ids)
         bm, now = self.block_manager, time.perf_counter()
         for seq in entries:
@@ -283,10 +295,12 @@ class Scheduler:
                 seq.forks = []
         tokens, rows = np.asarray(token_ids, np.int64), batch.rows
         if self.scheduled_kind == MIXED and any(s.draft for s in seqs):    # a speculative step
-            keep, proposed, accepted = accept(entries, tokens)
+            keep, proposed, accepted = accept(entries, tokens, self.num_accepted_per_position)
             self.num_draft_tokens, self.num_accepted_tokens = self.num_draft_tokens + proposed, \
                 self.num_accepted_tokens + accepted
-            entries, tokens, rows = [e for e, k in zip(entries, keep.tolist()) if k], tokens[keep], rows[keep]
+            kept = keep.tolist()
+            entries, tokens, rows = [e for e, k in zip(entries, kept) if k], tokens[keep], rows[keep]
+            entry_lp = [lp for lp, k in zip(entry_lp, kept) if k]
             ordinal = ordinals(entries)
         else:
             ordinal = np.zeros(len(entries), np.int64)
@@ -294,10 +308,12 @@ class Scheduler:
         total = np.fromiter((s.num_tokens for s in entries), np.int64, len(entries)) + ordinal + 1
         codes = finish_codes(entries, rows, tokens, completion, total, self._eos_array, self.config.max_model_len)
         ended, progressed = {}, []
-        for seq, token_id, code in zip(entries, tokens.tolist(), codes.tolist()):
+        for seq, token_id, code, lp in zip(entries, tokens.tolist(), codes.tolist(), entry_lp):
             if seq.seq_id in ended:
                 continue                  # tokens after one that ended the sequence (a speculative row)
             seq.token_ids.append(token_id)
+            if lp is not None:
+                _add_logprob(seq, lp)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -413,12 +429,19 @@ class Scheduler:
         return dropped
 
 
-def _record_logprobs(batch: SamplingBatch, lp: TokenLogprobs) -> None:
-    """Each sampled token's logprobs onto its sequence (the entries that asked for them, in entry order)."""
+def _entry_logprobs(batch: SamplingBatch, lp: TokenLogprobs | None) -> list:
+    """Per sampling entry: its token's PositionLogprob (the entries that asked for them come in entry order in
+    `lp`), None for the others. Recorded only with the tokens kept (a rejected proposal's position is not)."""
+    out = [None] * len(batch.seqs)
+    if lp is None:
+        return out
     entries = np.flatnonzero(batch.rows["logprobs"] >= 0)
-    wanted = batch.rows["logprobs"][entries].tolist()
-    for e, position in zip(entries.tolist(), lp.positions(wanted)):
-        seq = batch.seqs[e]
-        seq.logprobs.append(position)
-        seq.cumulative_logprob += position.logprob
+    for e, position in zip(entries.tolist(), lp.positions(batch.rows["logprobs"][entries].tolist())):
+        out[e] = position
+    return out
+
+
+def _add_logprob(seq: Sequence, position) -> None:
+    seq.logprobs.append(position)
+    seq.cumulative_logprob += position.logprob
 

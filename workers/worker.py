@@ -64,11 +64,13 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
     return info
 
 
-def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> ModelRunner:
-    """This rank's model shard and KV cache; every rank agrees on the smallest block count."""
+def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
+                 extra_block_bytes: int = 0) -> ModelRunner:
+    """This rank's model shard and KV cache; every rank agrees on the smallest block count. extra_block_bytes:
+    what else each block costs this rank (rank 0's draft model keeps a block of its own per target block)."""
     torch.manual_seed(config.seed)
     runner = ModelRunner(config, device, dtype, backend)
-    block_bytes = runner.kv_block_bytes()
+    block_bytes = runner.kv_block_bytes() + extra_block_bytes
     budget = config.kv_cache_memory
     if budget is None:
         if device.type == "cuda":
@@ -81,8 +83,10 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed[0])
+    draft = ", the draft model's included" if extra_block_bytes else ""
     check_holds_a_sequence(num_blocks, config.kvcache_block_size, config.max_model_len,
-                           f"the KV cache budget of {budget / 2**20:.1f} MiB per rank ({block_bytes} bytes a block)")
+                           f"the KV cache budget of {budget / 2**20:.1f} MiB per rank ({block_bytes} bytes a "
+                           f"block{draft})")
     runner.allocate_kv_cache(num_blocks)
     if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
         from nanovllm_tp.workers.cuda_graph import capture_decode_graphs

@@ -86,7 +86,7 @@ class EngineClient:
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
         self.dead: str | None = None
         self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
-                      "accepted_tokens": 0}
+                      "accepted_tokens": 0, "accepted_per_pos": []}
         self._ctx = zmq.asyncio.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._outputs = self._ctx.socket(zmq.PULL)

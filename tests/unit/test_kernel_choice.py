@@ -33,6 +33,16 @@ def test_a_second_layout_is_kept_only_where_it_wins_by_more_than_the_margin():
     assert winners_of({"c": c}) == ("c",) * 7
 
 
+def test_timings_other_work_spoiled_are_recognised():
+    """Calls of a kernel cost more with more rows, and one row reads the weight once: a table that says otherwise
+    was measured while something else ran (it is measured again, then not cached)."""
+    sane = {"c": [10.0, 12.0, 20.0, 40.0, 80.0, 160.0, 640.0], "onednn": [30.0, 20.0, 25.0, 50.0, 90.0, 150.0, 600.0]}
+    assert not kernel_choice.disturbed(sane, 1 << 20)
+    assert kernel_choice.disturbed({**sane, "c": [10.0, 12.0, 20.0, 40.0, 900.0, 160.0, 640.0]}, 1 << 20)
+    assert kernel_choice.disturbed({**sane, "onednn": [40_000.0] * 7}, 1 << 20)    # 1 MiB at 26 MB/s
+    assert not kernel_choice.disturbed({"onednn": [40_000.0] * 7}, 56 << 20)      # 56 MiB at 1.5 GB/s: may be
+
+
 def _weights(shapes, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(*shape, generator=g).to(dtype) for shape in shapes]

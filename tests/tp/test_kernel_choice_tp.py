@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm_tp import LLM
 from nanovllm_tp.layers.kernel_choice import BUCKETS
-from tests.engine.test_kernel_choice import KNOBS, LENGTHS, greedy_matches_transformers, needs_both
+from tests.engine.test_kernel_choice_engine import KNOBS, LENGTHS, greedy_matches_transformers, needs_both
 from tests.helpers import alternate_kernel_tables, kernel_cache, mixed_prompts
 
 

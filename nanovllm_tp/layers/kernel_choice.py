@@ -43,6 +43,7 @@ TIMED_ROWS = (1, 4, 8, 16, 32, 64, 256)
 _BUCKET_OF = bytes(next(i for i, top in enumerate(TIMED_ROWS) if rows <= top) for rows in range(65)) + b"\x06"
 ROUNDS, ROUND_SECONDS, MIN_CALLS = 5, 0.0006, 1   # per (shape, bucket, candidate): >= 3 ms, >= 5 calls
 COPY_BYTES, MAX_COPIES = 64 << 20, 64       # distinct packed copies timed: up to this many bytes (the model's own)
+BUCKET_SECONDS = 0.1      # past this, a bucket's timing stops after two rounds
 MARGIN = 0.05              # what a second candidate must win a bucket by to be kept beside the first
 
 
@@ -157,8 +158,10 @@ def _time_bucket(cands: list[Candidate], forms: dict[str, list], rows: int, k: i
     best = {c.name: math.inf for c in cands}
     for c in cands:
         c.run(x, forms[c.name][0], None)     # warm: first-call setup out of the figures
-    nxt = 1
-    for _ in range(ROUNDS):
+    nxt, started = 1, time.perf_counter()
+    for r in range(ROUNDS):
+        if r >= 2 and time.perf_counter() - started > BUCKET_SECONDS:     # slow calls (an LM head's prefill)
+            break
         for c in cands:
             copies, times = forms[c.name], []
             end = time.perf_counter() + ROUND_SECONDS

@@ -44,7 +44,7 @@ _BUCKET_OF = bytes(next(i for i, top in enumerate(TIMED_ROWS) if rows <= top) fo
 ROUNDS, ROUND_SECONDS, MIN_CALLS = 5, 0.0006, 1   # per (shape, bucket, candidate): >= 3 ms, >= 5 calls
 COPY_BYTES, MAX_COPIES = 64 << 20, 64       # distinct packed copies timed: up to this many bytes (the model's own)
 BUCKET_SECONDS = 0.1      # past this, a bucket's timing stops after two rounds
-MARGIN = 0.05              # what a second candidate must win a bucket by to be kept beside the first
+MARGIN = 0.10              # what a second candidate must win a bucket by to be kept beside the first
 
 
 def bucket(rows: int) -> int:

@@ -283,9 +283,11 @@ class EngineConfig:
     cpu_kernels: bool = knob(help="CPU layers, attention decode and the sampler through the C kernels where "
                                   "they build (off: torch ops, the reference path); default from "
                                   "$NANOVLLM_TP_CPU_KERNELS", default_factory=_env_flag("NANOVLLM_TP_CPU_KERNELS"))
-    packed_linear: str = knob(help="CPU linear weights: auto (the C kernels' layout where built, else oneDNN's), "
-                                   "bf16 (pack bf16 weights only), onednn, off (F.linear); default from "
-                                   "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "bf16", "onednn", "off"),
+    packed_linear: str = knob(help="CPU linear kernels: auto (the fastest per weight shape and row count, measured "
+                                   "on this CPU at load and cached; LLM.stats()['linear_kernels']), or one forced "
+                                   "for comparisons: c (csrc/linear.c where it runs, else oneDNN), bf16 (c for "
+                                   "bf16 weights only), onednn, off (F.linear); default from "
+                                   "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "c", "bf16", "onednn", "off"),
                               default_factory=_env_packed_linear)
     quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0 and Q4_1 tensors stay quantized on "
                                           "CPU, run by AVX-512 VNNI kernels; dequantized at load where those "

@@ -10,7 +10,7 @@ from nanovllm_tp import trace
 from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.linear import linear_paths
 from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -100,6 +100,7 @@ class LLMEngine:
                 "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
                 "num_kv_blocks": self.runner.num_kv_blocks, "quantization": self.runner.quantization,
                 "linear": linear_paths(self.runner.model),
+                "linear_kernels": kernel_choice.report(self.runner.model),
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
                 "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,

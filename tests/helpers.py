@@ -71,3 +71,30 @@ def greedy_then_prefix_hits(llm, prompts, params, repeat: int) -> tuple[list[lis
     finally:
         llm.close()
     return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
+
+
+def kernel_cache(tmp_path, monkeypatch):
+    """A fresh cache directory (XDG_CACHE_HOME, so spawned ranks see it too) without kernel tables, holding a link
+    to the compiled CPU kernels of the usual one (not built again)."""
+    import shutil
+    from nanovllm_tp.layers import cpu_kernels
+    built = cpu_kernels.build_library(shutil.which(os.environ.get("CC", "cc")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu_kernels.cache_dir().mkdir(parents=True)
+    (cpu_kernels.cache_dir() / built.name).symlink_to(built)
+    return cpu_kernels.cache_dir()
+
+
+def alternate_kernel_tables(cache) -> dict[str, list[str]]:
+    """Rewrite every kernel table in the cache directory so that its winners alternate between "c" and "onednn"
+    from bucket to bucket (starting with the other one on every other shape); {file name: shape keys}."""
+    import json
+    from nanovllm_tp.layers.kernel_choice import BUCKETS
+    written = {}
+    for path in sorted(cache.glob("kernel-choice-*.json")):
+        body = json.loads(path.read_text())
+        for i, entry in enumerate(body["shapes"].values()):
+            entry["winners"] = [("c", "onednn")[(b + i) % 2] for b in range(len(BUCKETS))]
+        path.write_text(json.dumps(body))
+        written[path.name] = list(body["shapes"])
+    return written

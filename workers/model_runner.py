@@ -13,7 +13,7 @@ from nanovllm_tp.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 import numpy as np
 
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
 from nanovllm_tp.layers.quant import INT8
 from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantization_of
@@ -176,6 +176,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def describe(self) -> str:
+        table = kernel_choice.table_of(self.model)
+        kernels = f" (per bucket: {kernel_choice.summary(table)})" if table else ""
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
-                f"{self.backend.name}, linear {linear_paths(self.model)}, quantization {self.quantization}, "
+                f"{self.backend.name}, linear {linear_paths(self.model)}{kernels}, quantization {self.quantization}, "
                 f"{self.num_kv_blocks} KV blocks of {self.block_size}")

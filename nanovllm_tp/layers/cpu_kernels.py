@@ -17,13 +17,14 @@ import importlib.resources
 import logging
 import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import tempfile
 
 import numpy as np
 import torch
+
+from nanovllm_tp.layers import cpu_features
 
 log = logging.getLogger("nanovllm_tp")
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
@@ -63,11 +64,7 @@ def cache_dir() -> pathlib.Path:
 
 def _cpu_signature() -> str:
     """-march=native code must not be reused on another CPU model (a shared home directory, say)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+    return cpu_features.flags_line()
 
 
 def build_library(compiler: str) -> pathlib.Path:

@@ -4,12 +4,14 @@ Loaders receive either a tensor or a lazy safetensors slice; both support shape 
 `[a:b]` indexing, so a rank only ever reads the rows or columns it keeps.
 
 On CPU, once loaded, weights are repacked for the matmul that reads them (`pack_cpu_weights`): into the layout of
-the C kernels in csrc/linear.c (bf16 with AVX-512 BF16, fp32 with AVX-512F; 1.2-1.6x oneDNN at decode row
-counts, level with it at prefill), else into oneDNN's blocked layout (F.linear reorders the weight on every call,
-a packed weight is read as it is). fp32 sums then come in the kernel's order (each output's sum over k in order)
-rather than the BLAS order transformers uses, so a greedy token can flip at a near tie. The engine's packed_linear
-knob picks: auto (the default) as above, bf16 packs bf16 weights only (fp32 in the BLAS order), onednn packs
-both dtypes for oneDNN (vLLM's CPU build uses oneDNN too), off keeps F.linear everywhere.
+the C kernels in csrc/linear.c (bf16 with AVX-512 BF16, fp32 with AVX-512F), into oneDNN's blocked layout
+(F.linear reorders the weight on every call, a packed weight is read as it is; oneDNN takes AMX tiles where the
+CPU has them), or both. fp32 sums then come in the kernel's order (each output's sum over k in order) rather than
+the BLAS order transformers uses, so a greedy token can flip at a near tie. The engine's packed_linear knob picks:
+auto (the default) the faster of the two per weight shape and row-count bucket, measured on this CPU and cached
+(kernel_choice.py, where both are registered as candidates), c csrc/linear.c wherever it runs (oneDNN
+elsewhere), bf16 csrc/linear.c for bf16 weights only (fp32 in the BLAS order), onednn oneDNN for both dtypes
+(vLLM's CPU build uses oneDNN too), off F.linear everywhere.
 
 A GGUF weight that stays quantized (layers/quant.py) reaches the loaders as QuantBlocks: `load_rows` keeps its
 blocks in `param.blocks` (the dense storage is never written), and `pack_cpu_weights` packs them for
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
-from nanovllm_tp.layers import cpu_kernels, quant
+from nanovllm_tp.layers import cpu_kernels, kernel_choice, quant
+from nanovllm_tp.layers.kernel_choice import ChosenWeight
 from nanovllm_tp.layers.quant import QuantBlocks, QuantReference, QuantWeight
 
 
@@ -114,18 +117,33 @@ def packable_dtypes(mode: str) -> tuple[torch.dtype, ...]:
     return bf16 + ((torch.float32,) if mode != "bf16" else ())
 
 
+def _c_runs(w) -> bool:
+    kernels = cpu_kernels.active()
+    return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and kernels is not None
+            and w.dtype in kernels.linear_dtypes and (w.dtype is torch.float32 or w.shape[1] % 2 == 0))
+
+
+def _onednn_runs(w) -> bool:
+    return isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype in packable_dtypes("onednn")
+
+
+C_KERNEL = kernel_choice.register(
+    "c", _c_runs, lambda w: BlockedWeight(cpu_kernels.load().pack_linear_weight(w), *w.shape),
+    lambda x, p, bias: cpu_kernels.load().linear(x, p.data, p.out_features, bias))
+ONEDNN = kernel_choice.register(
+    "onednn", _onednn_runs, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT),
+    lambda x, p, bias: torch.ops.mkldnn._linear_pointwise(x, p, bias, "none", [], ""))
+
+
 def pack_weight(w: torch.Tensor, mode: str):
-    """The packed form `matmul` reads for a CPU weight [out, in] under `mode` (the packed_linear knob), or None
-    (F.linear on the weight as it is)."""
+    """The packed form `matmul` reads for a CPU weight [out, in] under a forcing `mode` of the packed_linear knob
+    (c, bf16, onednn, off; auto packs through kernel_choice.choose), or None (F.linear on the weight as it is)."""
     if mode == "off" or w.device.type != "cpu":
         return None
-    ours = mode == "auto" or (mode == "bf16" and w.dtype is torch.bfloat16)
-    if ours and (w.dtype is torch.float32 or w.shape[1] % 2 == 0):
-        kernels = cpu_kernels.active()
-        if kernels is not None and w.dtype in kernels.linear_dtypes:
-            return BlockedWeight(kernels.pack_linear_weight(w), *w.shape)
+    if (mode == "c" or (mode == "bf16" and w.dtype is torch.bfloat16)) and _c_runs(w):
+        return C_KERNEL.pack(w)
     if w.dtype in packable_dtypes(mode):
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+        return ONEDNN.pack(w)
     return None
 
 
@@ -137,6 +155,10 @@ def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
     packed form replaces is freed: a quantized weight's blocks, a linear layer's dense copy (the LM head's dense
     weight may be the embedding's too: kept). Returns how many layers were packed."""
     count, done = 0, {}
+    dense = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "packed") and m.packs_dense
+             and getattr(m.weight, "blocks", None) is None and not (int8 and m.weight.shape[1] % quant.BLOCK == 0)}
+    # auto: every dense weight's kernels chosen together, each shape timed on its layers' own weights
+    chosen = kernel_choice.choose([w for w in dense.values() if w.is_cpu]) if mode == "auto" else {}
     for m in model.modules():
         if not hasattr(m, "packed"):
             continue
@@ -148,10 +170,10 @@ def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
             packed = quant.pack_blocks(blocks)
         elif not m.packs_dense:
             continue
-        elif int8 and w.shape[1] % quant.BLOCK == 0:
+        elif id(w) not in dense:
             packed = quant.pack_blocks(quant.int8_blocks(w))
         else:
-            packed = pack_weight(w, mode)
+            packed = chosen[id(w)] if id(w) in chosen else pack_weight(w, mode)
         if packed is None:
             continue
         m.packed = done[id(w)] = packed
@@ -167,13 +189,15 @@ def _path(packed) -> str:
         return quant.type_name(packed).lower()
     if isinstance(packed, QuantReference):
         return quant.type_name(packed).lower() + "-torch"
+    if isinstance(packed, ChosenWeight):
+        return "+".join(packed.choice.kept())
     return "c" if isinstance(packed, BlockedWeight) else "torch" if packed is None else "onednn"
 
 
 def linear_paths(model: nn.Module) -> str:
     """Which matmuls the model's linear layers (and LM head) run: "c" (csrc/linear.c), "onednn", "torch"
     (F.linear), a GGUF type in lower case ("q4_1": csrc/linear_q.c; "q4_1-torch": its torch reference)."""
-    kinds = {_path(m.packed) for m in model.modules() if hasattr(m, "packed") and m.packs_dense}
+    kinds = {k for m in model.modules() if hasattr(m, "packed") and m.packs_dense for k in _path(m.packed).split("+")}
     return "+".join(sorted(kinds)) or "torch"
 
 
@@ -191,12 +215,14 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
     if x.dim() == 2 and isinstance(packed, (QuantWeight, QuantReference)):      # the usual case, without reshapes
         return quant.quant_matmul(x, packed, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if isinstance(packed, BlockedWeight):
-        y = cpu_kernels.load().linear(x2, packed.data, packed.out_features, bias)
+    if isinstance(packed, ChosenWeight):
+        y = packed(x2, bias)
+    elif isinstance(packed, BlockedWeight):
+        y = C_KERNEL.run(x2, packed, bias)
     elif isinstance(packed, (QuantWeight, QuantReference)):
         y = quant.quant_matmul(x2, packed, bias)
     else:
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+        y = ONEDNN.run(x2, packed, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.linear import BlockedWeight, matmul, pack_cpu_weights, pack_weight, packable_dtypes
+from nanovllm_tp.layers.kernel_choice import BUCKETS, ChosenWeight, table_of
+from nanovllm_tp.layers.linear import (BlockedWeight, linear_paths, matmul, pack_cpu_weights, pack_weight,
+                                       packable_dtypes)
 
 needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes("auto"), reason="no oneDNN bf16 on this CPU")
 KERNEL_DTYPES = cpu_kernels.load().linear_dtypes if cpu_kernels.load() else ()
@@ -27,7 +29,7 @@ def test_kernel_rounds_the_exact_product_once(dtype, rows, out_features, in_feat
     x = torch.randn(rows, 3, in_features, generator=g).to(dtype)[:, 1]
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype)
-    packed = pack_weight(w, "auto")
+    packed = pack_weight(w, "c")
     assert isinstance(packed, BlockedWeight) and (packed.out_features, packed.in_features) == tuple(w.shape)
     ulp = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -23
     for bias in (None, b):
@@ -66,8 +68,10 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
     from nanovllm_tp.layers.linear import LinearBase
     ours = {dt: BlockedWeight if getattr(torch, dt) in KERNEL_DTYPES else torch.Tensor
             for dt in ("bfloat16", "float32")}
-    for dtype, mode, want in [("bfloat16", "auto", ours["bfloat16"]), ("float32", "auto", ours["float32"]),
-                              ("float32", "env all", ours["float32"]), ("float32", "bf16", None),
+    for dtype, mode, want in [("bfloat16", "auto", ChosenWeight), ("float32", "auto", ChosenWeight),
+                              ("float32", "env all", ChosenWeight), ("bfloat16", "c", ours["bfloat16"]),
+                              ("float32", "c", ours["float32"]), ("float32", "env c", ours["float32"]),
+                              ("float32", "bf16", None),
                               ("bfloat16", "bf16", ours["bfloat16"]), ("bfloat16", "onednn", torch.Tensor),
                               ("float32", "onednn", torch.Tensor), ("bfloat16", "off", None),
                               ("bfloat16", "env 0", None)]:
@@ -82,6 +86,13 @@ def test_linear_weights_are_packed_as_the_mode_says(tiny_model_dir, monkeypatch)
             linears = [m for m in model.modules() if isinstance(m, LinearBase)]
             assert all(isinstance(m.packed, want) if want else m.packed is None for m in linears), (dtype, mode)
             assert all((m.weight.numel() == 0) == bool(want) for m in linears)
+            if want is ChosenWeight:      # the measured choice: its table in stats, one kernel per bucket
+                table = llm.stats()["linear_kernels"]["table"]
+                assert [r["bucket"] for r in table[:7]] == list(BUCKETS) and len(table) == 7 * len(table_of(model))
+                assert len(table_of(model)) == len({(m.weight.dtype, m.packed.choice.shape) for m in linears}) + 1
+                assert f"linear {linear_paths(model)} (per bucket: c " in llm.engine.runner.describe()
+                continue
+            assert llm.stats()["linear_kernels"] is None
             path = {BlockedWeight: "c", torch.Tensor: "onednn", None: "torch"}[want]
             assert f"linear {path}," in llm.engine.runner.describe()
             assert pack_cpu_weights(torch.nn.Linear(2, 2), "auto") == 0     # layers without a packed slot: untouched
@@ -119,7 +130,7 @@ def test_bf16_engine_logprobs_follow_transformers_fp32(tiny_model_dir, hf_model)
 
 def test_an_unknown_packing_mode_is_refused(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
-    with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'bf16', 'onednn', 'off', got 'fp32'"):
+    with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'c', 'bf16', 'onednn', 'off', got 'fp32'"):
         LLM(tiny_model_dir, kv_cache_memory=16 << 20, packed_linear="fp32")
     monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", "fp32")      # the same through the variable's default
     with pytest.raises(ValueError, match="packed_linear must be one of"):

@@ -17,8 +17,9 @@ vLLM and not this package (launch/bench_vllm.py starts it that way). Protocol, o
   in  last      {"op": "quit"}
   out on error  {"event": "error", "message"} (then exit status 1)
 
-Requests run with ignore_eos unless told otherwise, so they yield exactly max_tokens; tok_s = sum(max_tokens) /
-seconds of one generate(). vLLM's own logs (and anything its processes print) go to stderr: stdout carries the protocol only.
+Requests run with ignore_eos unless told otherwise, so they yield exactly max_tokens; tok_s = sum(max_tokens)
+/ seconds of one generate(). vLLM's own logs (and anything its processes print) go to stderr: stdout carries the
+protocol only.
 """
 from __future__ import annotations
 

@@ -98,10 +98,10 @@ class PeerProcess:
             raise RuntimeError(f"vLLM peer: {reply['message']}\n--- its last log lines ---\n{self.log_tail()}")
         return reply
 
-    def run(self, prompts, max_tokens, temperature: float) -> dict:
+    def run(self, prompts, max_tokens, temperature: float, ignore_eos: bool = True) -> dict:
         self._signal(signal.SIGCONT)
         try:
-            return self.ask(bench_peer.run_message(prompts, max_tokens, temperature))
+            return self.ask(bench_peer.run_message(prompts, max_tokens, temperature, ignore_eos))
         finally:
             self._signal(signal.SIGSTOP)
 
@@ -167,14 +167,20 @@ def ratios(ours: list[dict], peer: list[dict]) -> dict:
 
 # =============================================================================================== run
 
-def main(args) -> dict:
+def check_peer(args, name: str = "bench") -> str:
+    """The peer's vLLM version, once --peer-python and --model are fit for it; else SystemExit with why."""
     try:
         version = check_peer_python(args.peer_python)
         if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"--compare vllm needs --model to be a Hugging Face directory (config.json), got "
                              f"{args.model!r}; python -m nanovllm_tp.launch.convert MODEL.gguf DIR makes one")
     except ValueError as exc:
-        raise SystemExit(f"bench: {exc}") from None
+        raise SystemExit(f"{name}: {exc}") from None
+    return version
+
+
+def main(args) -> dict:
+    version = check_peer(args)
     bc.apply_threads(args)
     args.model_source = args.model or f"preset {args.preset}"
     args.model = bc.resolve_model(args)

@@ -2,9 +2,10 @@
 
 `LLM` is imported lazily so that `nanovllm_tp.scheduler` (pure Python + numpy) never pulls in torch.
 """
+from nanovllm_tp.lora import LoRARequest
 from nanovllm_tp.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):

@@ -101,13 +101,12 @@ def read_adapter(path: str, targets: dict[str, tuple[int, int]], max_rank: int) 
     if not shapes:
         raise ValueError(f"{file} holds no LoRA weights")
     for module, (a, b) in shapes.items():
-        short = module.rsplit(".", 1)[-1]
         if module not in targets:
-            raise ValueError(f"LoRA adapter {path!r} targets {module!r}, which the model does not have as a LoRA "
-                             f"target (the engine adapts {', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))})"
-                             if any(t.endswith("." + short) for t in targets) or not targets else
-                             f"LoRA adapter {path!r} targets {short!r} ({module}), which is not implemented: "
-                             f"the engine adapts {', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}")
+            pieces = sorted({t.rsplit(".", 1)[-1] for t in targets})
+            short = module.rsplit(".", 1)[-1]
+            raise ValueError(f"LoRA adapter {path!r} targets {module!r}, which the model does not have"
+                             if short in pieces else f"LoRA adapter {path!r} targets {short!r} ({module}), which is "
+                             f"not implemented: the engine adapts {', '.join(pieces)}")
         if a is None or b is None:
             raise ValueError(f"{file}: {module} has lora_{'A' if a is None else 'B'} missing")
         fan_in, fan_out = targets[module]

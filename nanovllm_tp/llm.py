@@ -203,6 +203,13 @@ class LLM:
                                  f"'{self.config.scheduling_policy}')")
         return list(priority)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: requests running with it finish with it, its slot goes to the next adapter that needs
+        one, and a later LoRARequest with this id reads its directory afresh."""
+        self.loras.forget(lora_int_id)
+        if self.engine.scheduler.lora_slots is not None:
+            self.engine.scheduler.lora_slots.forget(lora_int_id)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
         the next step() reports them with finish_reason "abort". Unknown ids are ignored."""

@@ -9,10 +9,15 @@ a row-parallel layer keeps the columns of A its weight keeps and B whole, and it
 the base layer's all-reduce. So y += (x A_s^T) B_s^T for the slot s of each token's row, before that reduce.
 
 `LoRABatch` is the step's mapping of tokens to slots, shared by every LoRA layer: contiguous runs of one slot
-(a matmul pair each), or for decode steps of several adapters one gathered bmm pair over all rows.
+(a matmul pair each), or for decode steps one gathered form over all rows: csrc/lora.c on CPU in fp32 (each
+token reads only its adapter's rank rows and columns; measured faster than torch's gather and bmm pair at every
+decode batch of launch/bench_lora), else torch's bmm pair over gathered slot tables.
 """
+import itertools
+
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.lora.peft_dir import load_tensors
@@ -21,20 +26,22 @@ from nanovllm_tp.lora.peft_dir import load_tensors
 _PACKED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
            "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
            "o_proj": (("o_proj", None),), "down_proj": (("down_proj", None),)}
-GATHER_MIN_RUNS = 3     # decode steps with this many runs of one slot or more take the gathered form
+GATHER_MIN_RUNS = 3     # torch: decode steps with this many runs of one slot or more take the gathered form
 
 
 class LoRABatch:
-    """The step's tokens by slot: `runs` (slot, start, end), or `gathered` (each token's slot, base rows on the
-    zero slot) for decode steps of several adapters; neither when no row has an adapter."""
-    __slots__ = ("runs", "gathered")
+    """The step's tokens by slot: `runs` (slot, start, end), or for decode steps `slots` (each token's slot, -1
+    for base rows: csrc/lora.c) and `gathered` (the same with base rows on the zero slot: torch); none of them
+    when no row has an adapter. `kernel`: the C kernel may run (fp32 on CPU with the kernels on)."""
+    __slots__ = ("runs", "slots", "gathered", "kernel")
 
-    def __init__(self):
+    def __init__(self, kernel: bool):
         self.runs: list[tuple[int, int, int]] = []
-        self.gathered: torch.Tensor | None = None
+        self.slots = self.gathered = None
+        self.kernel = kernel
 
     def set(self, lora_slot, cu_seqlens_q, zero_slot: int, device) -> None:
-        self.runs, self.gathered = [], None
+        self.runs, self.slots, self.gathered = [], None, None
         if lora_slot is None:
             return
         slots, cu = lora_slot.tolist(), cu_seqlens_q.tolist()
@@ -44,7 +51,9 @@ class LoRABatch:
                 runs[-1][2] = cu[row + 1]
             else:
                 runs.append([slot, cu[row], cu[row + 1]])
-        if len(runs) >= GATHER_MIN_RUNS and cu[-1] == len(slots):      # decode: one token per row
+        if cu[-1] == len(slots) and self.kernel:       # decode: one token per row
+            self.slots = torch.tensor(slots, dtype=torch.int64)
+        elif cu[-1] == len(slots) and len(runs) >= GATHER_MIN_RUNS:
             self.gathered = torch.tensor([s if s >= 0 else zero_slot for s in slots], dtype=torch.int64,
                                          device=device)
         else:
@@ -52,7 +61,7 @@ class LoRABatch:
 
 
 class LoRALayer:
-    __slots__ = ("base", "parts", "batch", "row_parallel", "rank", "A", "B")
+    __slots__ = ("base", "parts", "batch", "row_parallel", "rank", "A", "B", "ranks", "part_rows")
 
     def __init__(self, base: LinearBase, parts, batch: LoRABatch, num_slots: int, max_rank: int):
         out, fan_in = base.weight.shape
@@ -62,6 +71,14 @@ class LoRALayer:
         width = len(parts) * max_rank
         self.A = torch.zeros(num_slots + 1, width, fan_in, dtype=w.dtype, device=w.device)
         self.B = torch.zeros(num_slots + 1, out, width, dtype=w.dtype, device=w.device)
+        self.ranks = torch.zeros(num_slots + 1, len(parts), dtype=torch.int64)   # each slot's rank per part (C)
+        if isinstance(base, QKVParallelLinear):
+            sizes = [base.num_heads * base.head_dim] + [base.num_kv_heads * base.head_dim] * 2
+        elif isinstance(base, MergedColumnParallelLinear):
+            sizes = [s // tp_size() for s in base.output_sizes]
+        else:
+            sizes = [out]
+        self.part_rows = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
 
     def full_shape(self, part: int) -> tuple[int, int]:
         """(in_features, out_features) of one HF module of this layer, whole (as the adapter holds it)."""
@@ -78,11 +95,13 @@ class LoRALayer:
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
         self.B[slot].zero_()
+        self.ranks[slot] = 0
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """One HF module's A [r, in] and B [out, r], whole, into this rank's share of the slot."""
         r, shard = a.shape[0], self.parts[part][1]
         cols = slice(part * self.rank, part * self.rank + r)
+        self.ranks[slot, part] = r
         if self.row_parallel:
             mine = torch.empty(r, self.A.shape[2], dtype=self.A.dtype)
             self.base.weight_loader(mine, a)            # this rank's input columns, as the base weight's
@@ -97,6 +116,12 @@ class LoRALayer:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this rank's x @ W^T, before any reduce) plus each row's adapter delta."""
         batch = self.batch
+        if batch.slots is not None:
+            kernels = cpu_kernels.active()
+            if kernels is not None and x.dtype is torch.float32 and y.stride(-1) == 1:
+                kernels.lora_gathered(x, y, self.A, self.B, batch.slots, self.ranks, self.part_rows, self.rank)
+                return y
+            batch.gathered = torch.where(batch.slots < 0, self.A.shape[0] - 1, batch.slots)    # torch, below
         if batch.gathered is not None:
             idx = batch.gathered
             h = torch.bmm(self.A.index_select(0, idx), x.unsqueeze(-1))
@@ -110,7 +135,8 @@ class LoRAModel:
     """A model's LoRA layers on this rank, and the HF names of the modules they adapt."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
-        self.batch = LoRABatch()
+        w = next(model.parameters())
+        self.batch = LoRABatch(w.dtype is torch.float32 and w.is_cpu and cpu_kernels.active() is not None)
         self.zero_slot = max_loras
         self.where: dict[str, tuple[LoRALayer, int]] = {}        # HF module name -> (layer, part)
         for name, module in model.named_modules():

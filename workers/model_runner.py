@@ -141,7 +141,7 @@ class ModelRunner:
         with trace.span("prepare"):
             input_ids, positions = self.prepare(plan)
             if self.lora is not None:
-                self.lora.prepare(plan, self.device)
+                self.lora.prepare(plan)
         try:
             with trace.span("forward"):
                 hidden = self.model(input_ids, positions)

@@ -1,5 +1,5 @@
 """The batched low-rank matmul of nanovllm_tp/lora/layers.py on its own: a decode step whose rows run different
-adapters (and none), through csrc/lora.c and through torch, equals y + scale * (x A^T) B^T computed row by row;
+adapters (and none), through csrc/lora.c and through torch's runs of one slot, equals y + scale * (x A^T) B^T computed row by row;
 packed q/k/v parts keep to their rows; a prefill step's runs of one slot take the same sums."""
 import numpy as np
 import pytest
@@ -51,7 +51,7 @@ def test_decode_rows_of_different_adapters(kind, both_paths):
 
     def run():
         batch.kernel = True
-        batch.set(np.array(slots, np.int32), np.arange(len(slots) + 1, dtype=np.int32), SLOTS, "cpu")
+        batch.set(np.array(slots, np.int32), np.arange(len(slots) + 1, dtype=np.int32))
         return layer.apply(x, y.clone())
     fast, reference = both_paths(run)
     torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-4)
@@ -65,7 +65,7 @@ def test_prefill_runs_of_one_slot():
     layer = LoRALayer(base, (("down_proj", None),), batch, SLOTS, RANK)
     made = adapters(layer, gen)
     slots, lens = [1, 1, -1, 0], [3, 2, 4, 5]        # rows 0 and 1 make one run
-    batch.set(np.array(slots, np.int32), np.cumsum([0, *lens]).astype(np.int32), SLOTS, "cpu")
+    batch.set(np.array(slots, np.int32), np.cumsum([0, *lens]).astype(np.int32))
     assert batch.runs == [(1, 0, 5), (0, 9, 14)]
     x, y = torch.randn(14, 32, generator=gen), torch.randn(14, 24, generator=gen)
     token_slots = [s for s, n in zip(slots, lens) for _ in range(n)]

@@ -82,6 +82,10 @@ def test_mixed_batch_matches_peft(tiny_model_dir, adapters, reference, prompts):
         while llm.has_unfinished_requests():
             done.update((o.request_id, o) for o in llm.step() if o.finished)
         check_rows([done["x"]], [a1], [prompts[2]], reference)
+        # n > 1: the siblings start from the first one's prompt KV, under its adapter
+        pair = llm.generate(prompts[3:4], SamplingParams(temperature=0, n=2, max_tokens=TOKENS, ignore_eos=True),
+                            use_tqdm=False, lora_request=a2)[0]
+        assert [list(c.token_ids) for c in pair.outputs] == [reference(a2, prompts[3])] * 2
     # the adapters change the tokens (else the test would prove nothing)
     for lora in (a1, a2):
         assert reference(lora, prompts[0]) != reference(None, prompts[0])
@@ -193,3 +197,14 @@ def test_smollm2_adapter_matches_peft(tmp_path):
     base = [hf_greedy(hf, p, TOKENS) for p in tok_prompts]
     assert [list(o.outputs[0].token_ids) for o in out] == tuned + base
     assert tuned != base
+
+
+def test_bench_lora_runs_and_reports_figures(tiny_model_dir, tmp_path, capsys):
+    from nanovllm_tp.launch import bench_lora
+    result = bench_lora.main(["--model", tiny_model_dir, "--num-requests", "2", "--max-tokens", "4", "--repeats",
+                              "1", "--lora-rank", "4", "--kv-cache-memory", str(32 << 20),
+                              "--out", str(tmp_path / "lora.json"), "--quiet"])
+    f = result["figures"]
+    assert f["tokens"] == 8 and f["lora_tok_s"] > 0 and f["base_tok_s"] > 0
+    assert f["ratio"] == pytest.approx(f["lora_tok_s"] / f["base_tok_s"])
+    assert "LoRA/base" in capsys.readouterr().out

@@ -171,6 +171,7 @@ def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_
 
 
 @pytest.mark.spawn
+@pytest.mark.slow
 def test_tp2_mixed_batch_matches_peft(tiny_model_dir, adapters, reference, prompts):
     loras = [adapters[0], adapters[1], None, adapters[2], adapters[1]]
     with LLM(tiny_model_dir, tensor_parallel_size=2, max_loras=2, **KNOBS) as llm:

@@ -58,16 +58,20 @@ def test_decode_rows_of_different_adapters(kind, both_paths):
     torch.testing.assert_close(reference, want, rtol=1e-5, atol=1e-4)
 
 
-def test_prefill_runs_of_one_slot():
+@pytest.mark.parametrize("lens", [(3, 2, 4, 5), (30, 2, 40, 50)])
+def test_prefill_rows_of_several_tokens(lens, both_paths):
     gen = torch.Generator().manual_seed(1)
     base = RowParallelLinear(32, 24)
-    batch = LoRABatch(kernel=False)
+    batch = LoRABatch(kernel=True)
     layer = LoRALayer(base, (("down_proj", None),), batch, SLOTS, RANK)
     made = adapters(layer, gen)
-    slots, lens = [1, 1, -1, 0], [3, 2, 4, 5]        # rows 0 and 1 make one run
-    batch.set(np.array(slots, np.int32), np.cumsum([0, *lens]).astype(np.int32))
-    assert batch.runs == [(1, 0, 5), (0, 9, 14)]
-    x, y = torch.randn(14, 32, generator=gen), torch.randn(14, 24, generator=gen)
+    slots = [1, 1, -1, 0]                            # rows 0 and 1 make one run
+    cu = np.cumsum([0, *lens]).astype(np.int32)
+    batch.set(np.array(slots, np.int32), cu)
+    assert batch.runs == [(1, 0, int(cu[2])), (0, int(cu[3]), int(cu[4]))]
+    assert (batch.slots is None) == (lens[0] == 30)          # long runs: matmuls, not the per-token kernel
+    x, y = torch.randn(int(cu[-1]), 32, generator=gen), torch.randn(int(cu[-1]), 24, generator=gen)
     token_slots = [s for s, n in zip(slots, lens) for _ in range(n)]
-    torch.testing.assert_close(layer.apply(x, y.clone()), expected(layer, made, x, y, token_slots),
-                               rtol=1e-5, atol=1e-4)
+    want = expected(layer, made, x, y, token_slots)
+    for got in both_paths(lambda: layer.apply(x, y.clone())):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -91,12 +91,19 @@ def test_mixed_batch_matches_peft(tiny_model_dir, adapters, reference, prompts):
         assert reference(lora, prompts[0]) != reference(None, prompts[0])
 
 
-def test_more_adapters_than_slots_swap_and_stay_exact(tiny_model_dir, adapters, reference, prompts):
+@pytest.mark.parametrize("pool", ["roomy", "preempting"])
+def test_more_adapters_than_slots_swap_and_stay_exact(tiny_model_dir, adapters, reference, prompts, pool):
+    """Fewer slots than adapters; with a pool of 6 blocks the running rows also preempt each other (a preempted row
+    gives its slot back and takes one again, reloading its adapter if it was swapped out)."""
     loras = [adapters[0], adapters[1], None, adapters[2], adapters[0]]
-    with LLM(tiny_model_dir, max_loras=1, **KNOBS) as llm:
+    knobs = {**KNOBS, "max_loras": 1} if pool == "roomy" else \
+        {**KNOBS, "max_loras": 2, "kv_cache_memory": 6 * 32768, "max_model_len": 64}
+    with LLM(tiny_model_dir, **knobs) as llm:
         check_rows(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), loras, prompts, reference)
-        assert llm.engine.scheduler.lora_slots.num_loads >= 3
-        assert llm.engine.scheduler.block_manager.usage() == 0
+        sched = llm.engine.scheduler
+        assert sched.lora_slots.num_loads >= 3 and not any(sched.lora_slots.holders)
+        assert sched.block_manager.usage() == 0
+        assert (sched.num_preemptions > 0) == (pool == "preempting")
 
 
 def test_prefix_cache_is_keyed_by_adapter(tiny_model_dir, adapters, reference, prompts):

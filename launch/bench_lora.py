@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_adapters(model: str, count: int, rank: int, out_dir: str) -> list[str]:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_lora makes its adapters with peft: pip install peft") from None
     import torch
     from transformers import AutoModelForCausalLM
     from nanovllm_tp.gguf_checkpoint import find_gguf

@@ -163,8 +163,8 @@ class LLM:
     def add_requests(self, prompts: list, sampling_params: SamplingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
                      priority: int = 0, lora_request=None) -> list[str]:
-        """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or none: every
-        prompt, id and parameter is checked before the first is queued. Returns their request ids."""
+        """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or
+        none: every prompt, id and parameter is checked before the first is queued. Returns their request ids."""
         if not isinstance(prompts, list) or not prompts:
             raise TypeError("prompts must be a non-empty list (one entry per request)")
         ids = [None] * len(prompts) if request_ids is None else request_ids

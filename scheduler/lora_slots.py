@@ -42,7 +42,7 @@ class LoRASlots:
     def _free_slot(self, evict: bool = True) -> int | None:
         used = set(self.resident.values())
         for slot in range(len(self.holders)):
-            if slot not in used:
+            if slot not in used and self.holders[slot] == 0:      # empty, or its adapter forgotten and left
                 return slot
         for lora_id, slot in self.resident.items():       # least recently used first
             if self.holders[slot] == 0:
@@ -57,10 +57,9 @@ class LoRASlots:
             seq.lora_slot = -1
 
     def forget(self, lora_id: int) -> None:
-        """Drop a resident adapter no sequence holds (unloaded from the server): its next use reloads it."""
-        slot = self.resident.get(lora_id)
-        if slot is not None and self.holders[slot] == 0:
-            del self.resident[lora_id]
+        """Drop an adapter (removed by the user): the sequences holding its slot keep it until they leave, and
+        the id's next use loads its directory afresh."""
+        self.resident.pop(lora_id, None)
 
     def take_loads(self) -> list[list] | None:
         loads, self.loads = self.loads, []

@@ -103,3 +103,15 @@ def test_plan_fields_roundtrip_and_are_checked():
         check_plan(plan, limits)
     raw = plan.encode().replace(b"lora_slot", b"lora_slox")
     assert StepPlan.decode(raw).lora_slot is None
+
+
+def test_a_forgotten_adapter_keeps_its_slot_until_its_rows_leave():
+    from nanovllm_tp.scheduler.lora_slots import LoRASlots
+    slots = LoRASlots(1)
+    running = seq(0, A)
+    assert slots.acquire(running) and slots.take_loads() == [[0, 1, "/adapters/a"]]
+    slots.forget(1)                                          # removed while a row still runs with it
+    again = seq(1, LoRARequest("a", 1, "/adapters/a-v2"))
+    assert not slots.can_acquire(again) and not slots.acquire(again)    # the slot is still the running row's
+    slots.release(running)
+    assert slots.acquire(again) and slots.take_loads() == [[0, 1, "/adapters/a-v2"]]   # reloaded, new path

@@ -8,7 +8,7 @@ a row-parallel layer keeps the columns of A its weight keeps and B whole, and it
 the base layer's all-reduce. So y += (x A_s^T) B_s^T for the slot s of each token's row, before that reduce.
 
 `LoRABatch` is the step's mapping of tokens to slots, shared by every LoRA layer: contiguous runs of one slot, a
-matmul pair each (torch: long prompt chunks, other devices and dtypes), and on CPU in fp32 for steps of few tokens
+matmul pair each (torch: long prompt chunks, other devices), and on CPU in fp32 or bf16 for steps of few tokens
 a run (decode, speculative verify, a prompt's last token after a prefix-cache hit) each token's slot for
 csrc/lora.c, one call per layer that reads only the rank rows and columns of each token's adapter. Measured
 at SmolLM2's shapes, 30 layers, 8 rows of 8 rank-16 adapters, one thread: 18 ms a step in C against 107 ms for
@@ -116,7 +116,7 @@ class LoRALayer:
         batch = self.batch
         if batch.slots is not None:
             kernels = cpu_kernels.active()
-            if kernels is not None and x.dtype is torch.float32 and y.stride(-1) == 1:
+            if kernels is not None and x.dtype == y.dtype == self.A.dtype and y.stride(-1) == 1:
                 kernels.lora_gathered(x, y, self.A, self.B, batch.slots, self.ranks, self.part_rows, self.rank)
                 return y
         for slot, start, end in batch.runs:
@@ -129,7 +129,7 @@ class LoRAModel:
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
         w = next(model.parameters())
-        self.batch = LoRABatch(w.dtype is torch.float32 and w.is_cpu and cpu_kernels.active() is not None)
+        self.batch = LoRABatch(w.dtype in cpu_kernels.DTYPES and w.is_cpu and cpu_kernels.active() is not None)
         self.where: dict[str, tuple[LoRALayer, int]] = {}        # HF module name -> (layer, part)
         for name, module in model.named_modules():
             prefix, _, ours = name.rpartition(".")

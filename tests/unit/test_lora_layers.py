@@ -75,3 +75,28 @@ def test_prefill_rows_of_several_tokens(lens, both_paths):
     want = expected(layer, made, x, y, token_slots)
     for got in both_paths(lambda: layer.apply(x, y.clone())):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_decode_rows_through_the_kernel_and_torch(both_paths):
+    gen = torch.Generator().manual_seed(2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        base = QKVParallelLinear(64, 16, 4, 2)
+    finally:
+        torch.set_default_dtype(previous)
+    batch = LoRABatch(kernel=True)
+    layer = LoRALayer(base, (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")), batch, SLOTS, RANK)
+    made = adapters(layer, gen)
+    slots = [2, 0, -1, 1]
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    y = torch.randn(4, base.weight.shape[0], generator=gen).bfloat16()
+    rounded = {s: {p: (a.bfloat16().float(), (b * 0.5).bfloat16().float() / 0.5) for p, (a, b) in parts.items()}
+               for s, parts in made.items()}
+    want = expected(layer, rounded, x.float(), y.float(), slots)
+
+    def run():
+        batch.set(np.array(slots, np.int32), np.arange(5, dtype=np.int32))
+        return layer.apply(x, y.clone()).float()
+    for got in both_paths(run):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=0.5)

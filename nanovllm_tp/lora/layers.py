@@ -1,8 +1,9 @@
 """Every rank's LoRA slot tables and the batched low-rank matmul.
 
 Each adapted linear layer (q/k/v packed in qkv_proj, gate/up in gate_up_proj, o_proj, down_proj) gets a
-`LoRALayer`: A [slots, parts * R, in] and B [slots, out, parts * R] for this rank's shard, R = max_lora_rank,
-the parts of a packed layer side by side (B block-diagonal), the adapter's scale folded into B. An adapter is sliced as its base layer is:
+`LoRALayer`: A [slots, parts * R, in] and B [slots, parts * R, out] (B^T) for this rank's shard, R =
+max_lora_rank, the parts of a packed layer side by side (B block-diagonal), the adapter's scale folded into B. An
+adapter is sliced as its base layer is:
 a column-parallel layer keeps A whole and the rows of B its own weight keeps (its weight_loader copies them);
 a row-parallel layer keeps the columns of A its weight keeps and B whole, and its partial sums are reduced by
 the base layer's all-reduce. So y += (x A_s^T) B_s^T for the slot s of each token's row, before that reduce.
@@ -68,7 +69,7 @@ class LoRALayer:
         self.row_parallel = isinstance(base, RowParallelLinear)
         width = len(parts) * max_rank
         self.A = torch.zeros(num_slots, width, fan_in, dtype=w.dtype, device=w.device)
-        self.B = torch.zeros(num_slots, out, width, dtype=w.dtype, device=w.device)
+        self.B = torch.zeros(num_slots, width, out, dtype=w.dtype, device=w.device)
         self.ranks = torch.zeros(num_slots, len(parts), dtype=torch.int64)   # each slot's rank per part (C)
         if isinstance(base, QKVParallelLinear):
             sizes = [base.num_heads * base.head_dim] + [base.num_kv_heads * base.head_dim] * 2
@@ -88,7 +89,7 @@ class LoRALayer:
             return fan_in, heads * base.head_dim
         if isinstance(base, MergedColumnParallelLinear):
             return fan_in, base.output_sizes[shard]
-        return fan_in, self.B.shape[1] * (1 if self.row_parallel else tp)
+        return fan_in, self.B.shape[2] * (1 if self.row_parallel else tp)
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
@@ -104,12 +105,12 @@ class LoRALayer:
             mine = torch.empty(r, self.A.shape[2], dtype=self.A.dtype)
             self.base.weight_loader(mine, a)            # this rank's input columns, as the base weight's
             self.A[slot, cols] = mine
-            self.B[slot, :, cols] = b * scale
+            self.B[slot, cols] = (b * scale).T
             return
         self.A[slot, cols] = a
-        rows = torch.zeros(self.B.shape[1], r, dtype=self.B.dtype)
+        rows = torch.zeros(self.B.shape[2], r, dtype=self.B.dtype)
         self.base.weight_loader(rows, b * scale, *(() if shard is None else (shard,)))   # this rank's rows
-        self.B[slot, :, cols] = rows
+        self.B[slot, cols] = rows.T
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this rank's x @ W^T, before any reduce) plus each row's adapter delta."""
@@ -120,7 +121,7 @@ class LoRALayer:
                 kernels.lora_gathered(x, y, self.A, self.B, batch.slots, self.ranks, self.part_rows, self.rank)
                 return y
         for slot, start, end in batch.runs:
-            y[start:end].addmm_(x[start:end] @ self.A[slot].T, self.B[slot].T)
+            y[start:end].addmm_(x[start:end] @ self.A[slot].T, self.B[slot])
         return y
 
 

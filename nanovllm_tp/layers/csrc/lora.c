@@ -4,8 +4,9 @@
  * layer replaces a matmul pair per run of rows in torch. fp32, or with bf16 != 0 every float operand bf16 (h and
  * the sums in fp32, y rounded to nearest even once).
  *
- * A [slots, parts * R, in] and B [slots, out, parts * R] are contiguous; part p (q, k, v of a packed qkv layer)
- * owns the output rows part_rows[p] .. part_rows[p + 1] - 1 and the rank columns p * R .. p * R + rank - 1, with
+ * A [slots, parts * R, in] and B [slots, parts * R, out] (transposed: the expand step is an axpy over
+ * contiguous outputs per rank, with no horizontal sums) are contiguous; part p (q, k, v of a packed qkv layer)
+ * owns the outputs part_rows[p] .. part_rows[p + 1] - 1 and the rank rows p * R .. p * R + rank - 1, with
  * rank = ranks[s * parts + p] (0: the adapter leaves that part alone). x and y rows are x_stride / y_stride apart.
  */
 #include <stdint.h>
@@ -54,21 +55,24 @@ INLINE void lora_body(const void *x, void *y, const void *A, const void *B, cons
         const int64_t s = slot[t];
         if (s < 0)
             continue;
-        float h[W];
+        float acc[bf16 ? out : 1];          /* bf16: the sums before y's one rounding */
+        float *sum = bf16 ? acc : (float *)y + t * y_stride;
+        if (bf16)
+            for (int64_t o = 0; o < out; o++)
+                acc[o] = ld(y, t * y_stride + o, 1);
         for (int p = 0; p < parts; p++) {
-            const int64_t rank = ranks[s * parts + p];
-            for (int64_t w = 0; w < rank; w++)
-                h[p * R + w] = dot(A, ((s * W + p * R + w) * in), x, t * x_stride, in, bf16, bf16);
-        }
-        for (int p = 0; p < parts; p++) {
-            const int64_t rank = ranks[s * parts + p];
-            if (rank == 0)
-                continue;
-            for (int64_t o = part_rows[p]; o < part_rows[p + 1]; o++) {
-                const float d = dot(B, (s * out + o) * W + p * R, h + p * R, 0, rank, bf16, 0);
-                st(y, t * y_stride + o, ld(y, t * y_stride + o, bf16) + d, bf16);
+            const int64_t rank = ranks[s * parts + p], lo = part_rows[p], hi = part_rows[p + 1];
+            for (int64_t w = 0; w < rank; w++) {
+                const float h = dot(A, (s * W + p * R + w) * in, x, t * x_stride, in, bf16, bf16);
+                const int64_t b0 = (s * W + p * R + w) * out;
+#pragma omp simd
+                for (int64_t o = lo; o < hi; o++)
+                    sum[o] += h * ld(B, b0 + o, bf16);
             }
         }
+        if (bf16)
+            for (int64_t o = 0; o < out; o++)
+                st(y, t * y_stride + o, acc[o], 1);
     }
 }
 

@@ -33,7 +33,7 @@ from nanovllm_tp import envs
 from nanovllm_tp.config import add_engine_args
 from nanovllm_tp.launch.bench_common import apply_threads
 from nanovllm_tp.launch.generate import build_llm
-from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, server_config
+from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, lora_modules, server_config
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
@@ -72,6 +72,9 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
         server = server_config(args)
+        loras = lora_modules(server)
+        if (loras or server.allow_runtime_lora_updating) and not args.enable_lora:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"serve: {exc}") from None
     server.api_key = server.api_key or envs.get("NANOVLLM_TP_API_KEY") or None
@@ -93,7 +96,10 @@ def main(argv=None) -> None:
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
-        loop = EngineLoop(llm, commands, outputs)
+        try:
+            loop = EngineLoop(llm, commands, outputs, loras)
+        except ValueError as exc:       # an adapter of --lora-modules
+            raise SystemExit(f"serve: --lora-modules: {exc}") from None
         loop.run(lambda: not signals.received and front.poll() is None)
         if signals.received:
             loop.stop(f"the server is shutting down ({signal.Signals(signals.received[0]).name})")

@@ -2,11 +2,12 @@
 
 `LLM` is imported lazily so that `nanovllm_tp.scheduler` (pure Python + numpy) never pulls in torch.
 """
+from nanovllm_tp.lora import LoRARequest
 from nanovllm_tp.pooling_params import PoolingParams
 from nanovllm_tp.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput",
-           "EmbeddingOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+           "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 
 def __getattr__(name):

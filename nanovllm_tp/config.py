@@ -2,7 +2,7 @@
 from a HF directory or a .gguf file."""
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from nanovllm_tp.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 
@@ -314,6 +314,13 @@ class EngineConfig:
                                                      "choice, grammar) may take to compile; past it the request "
                                                      "fails with a ValueError (a 400 from the server)",
                                           minimum=0.0, open_minimum=True)
+    enable_lora: bool = knob(False, help="serve LoRA adapters (PEFT directories) beside the base model: "
+                                         "generate(..., lora_request=LoRARequest(...)), serve --lora-modules; rows of "
+                                         "different adapters and none share a step (no CUDA graphs)")
+    max_loras: int = knob(1, help="with enable_lora: adapters resident at once (every rank's slots); a request "
+                                  "whose adapter finds every slot held by running requests waits", minimum=1)
+    max_lora_rank: int = knob(16, help="with enable_lora: the largest adapter rank accepted (it sizes the slots)",
+                              minimum=1)
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -347,6 +354,7 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2 (one prompt token and one generated token)")
         if mc.num_experts:
             self.enforce_eager = True    # the MoE block reads its per-expert token counts on the host
+        self._check_lora()
         tp = self.tensor_parallel_size
         if mc.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={mc.num_attention_heads}")
@@ -375,6 +383,17 @@ class EngineConfig:
                 raise ValueError(f"quantization='int8' quantizes a bf16/fp32 checkpoint; {self.model} is quantized "
                                  f"already ({'+'.join(sorted(kinds))}): use quantization='auto'")
 
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(self, name) != LORA_DEFAULTS[name]:
+                    raise ValueError(f"{name}={getattr(self, name)} needs enable_lora=True")
+            return
+        if self.max_loras > self.max_num_seqs:
+            raise ValueError(f"max_loras={self.max_loras} exceeds max_num_seqs={self.max_num_seqs} (a step never "
+                             "holds more adapters than rows)")
+        self.enforce_eager = True    # LoRA rows take the eager path: their slots vary from step to step
+
     def _check_trace(self) -> None:
         if self.trace_path is None:
             if self.trace_layers is True:
@@ -386,6 +405,9 @@ class EngineConfig:
         if not os.path.isdir(os.path.dirname(path)) or os.path.isdir(path):
             raise ValueError(f"trace_path {self.trace_path!r}: not a file path in an existing directory")
         self.trace_path = path
+
+
+LORA_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in ("max_loras", "max_lora_rank")}
 
 
 def add_engine_args(parser) -> None:

@@ -20,6 +20,8 @@ VARIABLES = {
     "NANOVLLM_TP_HOST": "the address other nodes reach rank 0 at (default MASTER_ADDR, else 127.0.0.1)",
     # serving and files
     "NANOVLLM_TP_API_KEY": "the server's API key (launch/serve --api-key's default)",
+    "NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING": "1: serve's /v1/load_lora_adapter and /v1/unload_lora_adapter are "
+                                               "on (--allow-runtime-lora-updating's default)",
     "NANOVLLM_TP_CACHE": "where make_tiny keeps the embedded tiny checkpoint (default ~/.cache/nanovllm_tp)",
 }
 

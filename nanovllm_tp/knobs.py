@@ -64,6 +64,10 @@ def check_value(name: str, value, f) -> None:
     elif kind is dict:
         if not (value is None and optional) and not isinstance(value, dict):
             raise TypeError(f"{name} must be a dict{' or None' if optional else ''}, got {type(value).__name__}")
+    elif kind is list:
+        if not (value is None and optional) and not (isinstance(value, list) and
+                                                     all(isinstance(v, str) for v in value)):
+            raise TypeError(f"{name} must be a list of strings{' or None' if optional else ''}, got {value!r}")
     elif not (value is None and optional):
         if not isinstance(value, (str, os.PathLike) if k.path else str):
             raise TypeError(f"{name} must be a {'path' if k.path else 'string'}{' or None' if optional else ''}, "
@@ -118,6 +122,9 @@ def add_args(config_cls, parser: argparse.ArgumentParser, title: str = "engine")
         if kind is bool:
             group.add_argument(*_flags(f), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{help_text} (default: {'on' if default else 'off'})")
+        elif kind is list:      # several values after one flag (vLLM's --lora-modules a=x b=y)
+            group.add_argument(*_flags(f), dest=f.name, nargs="+", default=default, metavar=k.metavar,
+                               help=help_text)
         else:
             group.add_argument(*_flags(f), dest=f.name, type=_json_object if kind is dict else kind,
                                default=default, choices=k.choices, metavar=k.metavar or ("JSON" if kind is dict else None),
@@ -138,6 +145,8 @@ def argv_of(config_cls, args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *value]
         else:
             argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv

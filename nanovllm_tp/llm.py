@@ -40,6 +40,9 @@ class LLM(EmbeddingRequests):
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.engine = LLMEngine(config)
+        from nanovllm_tp.lora.registry import AdapterRegistry
+        lora = self.engine.runner.lora
+        self.loras = AdapterRegistry(config.enable_lora, config.max_lora_rank, lora.targets() if lora else {})
         self.grammars = GrammarBackend(self.tokenizer, config.model_config.vocab_size,
                                        config.model_config.eos_token_ids, config.grammar_compile_timeout)
         self._request_numbers = itertools.count()
@@ -131,17 +134,19 @@ class LLM(EmbeddingRequests):
     # ---- generation ----
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order, whole whatever their output_kind.
         Requests queued with add_request keep going alongside, and a later step() reports them. `priority`: one
-        per prompt (lower first), with scheduling_policy="priority"."""
+        per prompt (lower first), with scheduling_policy="priority". `lora_request`: a LoRARequest for every
+        prompt, or a list of one per prompt (None entries: the base model), with enable_lora."""
         items = self._normalize_prompts(prompts)
-        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm,
-                              self._priorities(priority, len(items)))
+        params = self._normalize_params(sampling_params, len(items))
+        return self._generate(items, params, use_tqdm, self._priorities(priority, len(items)),
+                              self.loras.check_all(lora_request, len(items)))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
         rendered with the tokenizer's chat template (or `chat_template`); `tools` (OpenAI's function tools) are
         handed to the template as transformers does."""
@@ -153,22 +158,25 @@ class LLM(EmbeddingRequests):
         for i, conv in enumerate(conversations):
             text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
             items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
-        return self._generate(items, self._normalize_params(sampling_params, len(items)), use_tqdm)
+        params = self._normalize_params(sampling_params, len(items))
+        return self._generate(items, params, use_tqdm, loras=self.loras.check_all(lora_request, len(items)))
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, max_tokens_must_fit: bool = False, priority: int = 0) -> str:
+                    request_id: str | None = None, max_tokens_must_fit: bool = False, priority: int = 0,
+                    lora_request=None) -> str:
         """Queue one request for step()-driven serving; returns its request id. A request whose prompt and
         max_tokens together exceed max_model_len stops at max_model_len, or, with max_tokens_must_fit (the
-        server's rule), is refused with a ValueError. `priority`: lower first, with scheduling_policy="priority"."""
+        server's rule), is refused with a ValueError. `priority`: lower first, with scheduling_policy="priority".
+        `lora_request`: its LoRARequest, with enable_lora."""
         return self.add_requests([prompt], sampling_params, None if request_id is None else [request_id],
-                                 max_tokens_must_fit, priority)[0]
+                                 max_tokens_must_fit, priority, lora_request)[0]
 
     def add_requests(self, prompts: list, sampling_params: SamplingParams | PoolingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
-                     priority: int = 0) -> list[str]:
-        """Queue one request per prompt, all with the same sampling parameters (and priority), all or none: every
-        prompt, id and parameter is checked before the first is queued. Returns their request ids. PoolingParams
-        make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
+                     priority: int = 0, lora_request=None) -> list[str]:
+        """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or
+        none: every prompt, id and parameter is checked before the first is queued. Returns their request ids.
+        PoolingParams make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
         if not isinstance(prompts, list) or not prompts:
             raise TypeError("prompts must be a non-empty list (one entry per request)")
         ids = [None] * len(prompts) if request_ids is None else request_ids
@@ -180,6 +188,8 @@ class LLM(EmbeddingRequests):
                 raise ValueError(f"request_id must be a new string, got {rid!r}")
             seen.add(rid)
         if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
+            if lora_request is not None:
+                raise ValueError("embedding requests run on the base model: lora_request must be None")
             rank, = self._priorities([priority], 1)
             items, pooling = self._embedding_inputs(prompts, [sampling_params])
             return [self._add_embedding(text, token_ids, pooling[0], rid, rank)
@@ -187,6 +197,7 @@ class LLM(EmbeddingRequests):
         items = [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
         sp, = self._normalize_params(sampling_params, 1)
         rank, = self._priorities([priority], 1)
+        lora = self.loras.check(lora_request)
         if max_tokens_must_fit and sp.max_tokens is not None:
             for _, token_ids in items:
                 if len(token_ids) + sp.max_tokens > self.config.max_model_len:
@@ -195,7 +206,8 @@ class LLM(EmbeddingRequests):
                                      f"in the prompt, {sp.max_tokens} in max_tokens. Lower max_tokens or shorten "
                                      "the prompt.")
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
-        return [self._add(text, token_ids, sp, rid, incremental, rank) for (text, token_ids), rid in zip(items, ids)]
+        return [self._add(text, token_ids, sp, rid, incremental, rank, lora)
+                for (text, token_ids), rid in zip(items, ids)]
 
     def _priorities(self, priority, n: int) -> list[int]:
         """One priority per request: integers, and nonzero only under the priority policy (as vLLM)."""
@@ -209,6 +221,13 @@ class LLM(EmbeddingRequests):
                 raise ValueError(f"priority={p} needs scheduling_policy='priority' (the engine's is "
                                  f"'{self.config.scheduling_policy}')")
         return list(priority)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: requests running with it finish with it, its slot goes to the next adapter that needs
+        one, and a later LoRARequest with this id reads its directory afresh."""
+        self.loras.forget(lora_int_id)
+        if self.engine.scheduler.lora_slots is not None:
+            self.engine.scheduler.lora_slots.forget(lora_int_id)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
@@ -271,10 +290,10 @@ class LLM(EmbeddingRequests):
             log.warning("request %s: structured output ended: %s", self._by_seq[seq.seq_id].request_id, error)
             self.engine.finish(seq, "abort")
 
-    def _generate(self, items, params, use_tqdm: bool, priorities=None) -> list[RequestOutput]:
+    def _generate(self, items, params, use_tqdm: bool, priorities=None, loras=None) -> list[RequestOutput]:
         priorities = priorities or [0] * len(items)
-        ids = [self._add(text, token_ids, sp, priority=rank)
-               for (text, token_ids), sp, rank in zip(items, params, priorities)]
+        ids = [self._add(text, token_ids, sp, priority=rank, lora=lora)
+               for (text, token_ids), sp, rank, lora in zip(items, params, priorities, loras or [None] * len(items))]
         return self._run(ids, use_tqdm, "Generating")
 
     def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
@@ -309,13 +328,13 @@ class LLM(EmbeddingRequests):
         return outputs
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
-             incremental: bool = False, priority: int = 0) -> str:
+             incremental: bool = False, priority: int = 0, lora=None) -> str:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
         compiled = None if sp.structured_outputs is None else self.grammars.compile(sp.structured_outputs)
         seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i,
-                         priority=priority, grammar=None if compiled is None else compiled.new())
+                         priority=priority, grammar=None if compiled is None else compiled.new(), lora=lora)
                 for i in range(sp.n)]
         seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
         self.engine.add(seqs[0])

@@ -7,6 +7,9 @@ carry a version bumped on reuse). By induction the whole prefix matches, so a co
 hit but never hands out someone else's KV. Freed blocks keep their tokens and hash until they are reused,
 which is what lets a preempted or repeated prompt hit the cache.
 
+LoRA: the chain of a sequence with an adapter starts from the adapter's id (hash and recorded parent of its first
+block), so a prompt under one adapter (or none) never reuses the KV another adapter computed.
+
 Sliding windows: when every layer of the model attends to at most `window` tokens, the blocks of a sequence
 that lie wholly before the window of its next query (and one block more, so that the parent of every block
 still to be hashed is alive) can never be read again: `release_outside_window` frees them while the sequence
@@ -32,6 +35,17 @@ def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int,
         raise ValueError(f"{pool} holds {num_blocks} blocks of {block_size} tokens, but one "
                          f"max_model_len={max_model_len} sequence needs {needed}: raise kv_cache_memory "
                          "(or gpu_memory_utilization) or lower max_model_len")
+
+
+def _root(seq: Sequence) -> int:
+    """The parent recorded for a sequence's first block: NO_PARENT for the base model, below it for a LoRA
+    adapter (NO_PARENT - lora_int_id), so that a chain of one adapter (or of none) never continues another's."""
+    return NO_PARENT - seq.lora_id
+
+
+def _root_hash(seq: Sequence):
+    """What the hash chain starts from: None for the base model, the adapter's id otherwise."""
+    return ("lora", seq.lora_id) if seq.lora_id else None
 
 
 class Block:
@@ -84,12 +98,13 @@ class BlockManager:
         prompt whose logprobs are still owed or whose pooling reads every hidden state)."""
         if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return []
-        hits, prefix_hash = [], None
+        hits, prefix_hash = [], _root_hash(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             prefix_hash = self.chain_hash(prefix_hash, tokens)
             block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or not self._continues(self.blocks[block_id], tokens, hits[-1] if hits else NO_PARENT):
+            if block_id is None or not self._continues(self.blocks[block_id], tokens, hits[-1] if hits else
+                                                       _root(seq)):
                 break
             hits.append(block_id)
         return hits
@@ -97,7 +112,7 @@ class BlockManager:
     def _continues(self, block: Block, tokens: tuple[int, ...], parent: int) -> bool:
         if block.token_ids != tokens or block.parent != parent:
             return False
-        return parent == NO_PARENT or self.blocks[parent].version == block.parent_version
+        return parent < 0 or self.blocks[parent].version == block.parent_version
 
     def can_allocate(self, seq: Sequence) -> list[int] | None:
         """The cached prefix blocks to reuse if seq fits now, else None."""
@@ -185,9 +200,9 @@ class BlockManager:
         block = self.blocks[seq.block_table[i]]
         if block.hash is not None:   # a block reused from the cache already carries this hash
             return
-        parent = seq.block_table[i - 1] if i > 0 else NO_PARENT
+        parent = seq.block_table[i - 1] if i > 0 else _root(seq)
         tokens = seq.block_tokens(i, self.block_size)
-        block.hash = self.chain_hash(self.blocks[parent].hash if i > 0 else None, tokens)
+        block.hash = self.chain_hash(self.blocks[parent].hash if i > 0 else _root_hash(seq), tokens)
         block.token_ids, block.parent = tokens, parent
         block.parent_version = self.blocks[parent].version if i > 0 else 0
         self.hash_to_block_id[block.hash] = block.block_id

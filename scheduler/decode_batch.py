@@ -7,7 +7,7 @@ a block or finish. The scheduler drops the batch whenever its running queue chan
 """
 import numpy as np
 
-from nanovllm_tp.scheduler.plan import DECODE, StepPlan, slot_mapping
+from nanovllm_tp.scheduler.plan import DECODE, StepPlan, lora_slots, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.scheduler.sequence import Sequence
 
@@ -27,6 +27,7 @@ class DecodeBatch:
             self.block_tables[i, :len(s.block_table)] = s.block_table
         self.completion = np.fromiter((s.num_completion_tokens for s in seqs), np.int64, n)
         self.rows = rows_of(seqs)        # sampling knobs and stop limits (scheduler/rows.py)
+        self.lora_slot = lora_slots(seqs)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -48,7 +49,8 @@ class DecodeBatch:
         return StepPlan(step_id=step_id, kind=DECODE, input_ids=self.last_tokens.copy(), positions=pos.copy(),
                         slot_mapping=slots, cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
                         context_lens=(pos + 1).astype(np.int32),
-                        block_tables=self.block_tables[:, :int(self.num_blocks.max())].copy())
+                        block_tables=self.block_tables[:, :int(self.num_blocks.max())].copy(),
+                        lora_slot=None if self.lora_slot is None else self.lora_slot.copy())
 
     def sampling(self) -> SamplingBatch:
         return SamplingBatch(self.seqs, self.rows, self.completion.copy())
@@ -64,3 +66,7 @@ class DecodeBatch:
         self.seqs = [s for s, k in zip(self.seqs, mask.tolist()) if k]
         for name in ("positions", "last_tokens", "num_blocks", "block_tables", "completion", "rows"):
             setattr(self, name, getattr(self, name)[mask])
+        if self.lora_slot is not None:
+            self.lora_slot = self.lora_slot[mask]
+            if (self.lora_slot < 0).all():
+                self.lora_slot = None

@@ -15,12 +15,18 @@ PREFILL, DECODE, MIXED = 0, 1, 2
 ARRAY_SPECS = {"input_ids": ("<i8", 1), "positions": ("<i8", 1), "slot_mapping": ("<i8", 1),
                "cu_seqlens_q": ("<i4", 1), "context_lens": ("<i4", 1), "block_tables": ("<i4", 2),
                "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2),
-               "hidden_rows": ("|b1", 1)}
+               "hidden_rows": ("|b1", 1), "lora_slot": ("<i4", 1)}
 
 
 def slot_mapping(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The KV slot of each token: the block its row holds at that position, times block_size, plus the offset."""
     return block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def lora_slots(seqs) -> np.ndarray | None:
+    """The plan's lora_slot of these rows: each one's adapter slot (-1: base), None when no row has one."""
+    slots = np.fromiter((s.lora_slot for s in seqs), np.int32, len(seqs))
+    return slots if (slots >= 0).any() else None
 
 
 class PlanError(ValueError):
@@ -48,6 +54,9 @@ class StepPlan:
                                               # the forward (a forked sequence's partly filled last block)
     hidden_rows: np.ndarray | None = None     # bool [rows]: rows of embedding requests: no logits, their hidden
                                               # states kept on rank 0 for pooling; None = no such row
+    lora_slot: np.ndarray | None = None       # int32 [rows]: each row's LoRA slot, -1 the base model; None: all base
+    lora_loads: list | None = None            # [slot, lora_int_id, adapter directory] each rank loads before the
+                                              # forward (the slot's previous adapter is dropped)
 
     @property
     def num_rows(self) -> int:
@@ -91,12 +100,22 @@ class StepPlan:
                 continue
             if f.name not in raw:
                 raise PlanError(step, f.name, "missing")
-            if f.name in ARRAY_SPECS or isinstance(value, list):
+            if f.name == "lora_loads":
+                value = _loads(step, value)
+            elif f.name in ARRAY_SPECS or isinstance(value, list):
                 value = _array(step, f.name, value)
             elif type(value) is not int:
                 raise PlanError(step, f.name, f"expected an int, got {type(value).__name__}")
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _loads(step, value) -> list:
+    if not isinstance(value, list) or not all(
+            isinstance(v, list) and len(v) == 3 and type(v[0]) is int and type(v[1]) is int and isinstance(v[2], str)
+            for v in value):
+        raise PlanError(step, "lora_loads", "expected a list of [slot, id, path]")
+    return value
 
 
 def _array(step, name: str, value) -> np.ndarray:

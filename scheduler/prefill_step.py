@@ -3,7 +3,7 @@ rows too (one new token over num_tokens - 1 cached, and in a speculative step th
 it). Pure decode plans come from DecodeBatch."""
 import numpy as np
 
-from nanovllm_tp.scheduler.plan import StepPlan, slot_mapping
+from nanovllm_tp.scheduler.plan import StepPlan, lora_slots, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
 from nanovllm_tp.pooling_params import CLS, MEAN
 from nanovllm_tp.scheduler.scheduled_step import PoolChunk, PromptChunk, ScheduledStep
@@ -39,7 +39,7 @@ def prefill_step(seqs: list[Sequence], kind: int, step_id: int, block_size: int,
         step_id=step_id, kind=kind, input_ids=input_ids, positions=positions, slot_mapping=slots,
         cu_seqlens_q=cu_seqlens_q, context_lens=(starts + q_lens).astype(np.int32), block_tables=block_tables,
         prompt_logits=all_logits if all_logits.any() else None, block_copies=block_copies,
-        hidden_rows=pool if pool.any() else None)
+        hidden_rows=pool if pool.any() else None, lora_slot=lora_slots(seqs))
     pool_chunks = [_pool_chunk(seqs[i], int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(starts[i]))
                    for i in np.flatnonzero(pool).tolist()]
     return ScheduledStep(plan, _sampling(seqs, logits_end - 1), prompt_chunks, pool_chunks)

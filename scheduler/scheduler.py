@@ -16,6 +16,7 @@ from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.scheduler import policy
 from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence
 from nanovllm_tp.scheduler.decode_batch import DecodeBatch
+from nanovllm_tp.scheduler.lora_slots import LoRASlots
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL
 from nanovllm_tp.scheduler.prefill_step import prefill_step
 from nanovllm_tp.scheduler.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingBatch, finish_codes
@@ -43,6 +44,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     kv_window: int = 0      # the most recent tokens any layer reads (0: some layer reads everything)
     scheduling_policy: str = _ENGINE["scheduling_policy"]
+    max_loras: int = 0      # LoRA slots (0: LoRA off)
 
     @classmethod
     def of(cls, config: EngineConfig, num_kvcache_blocks: int) -> "SchedulerConfig":
@@ -51,7 +53,8 @@ class SchedulerConfig:
         return cls(num_kvcache_blocks, config.kvcache_block_size, config.max_model_len, config.max_num_seqs,
                    config.max_num_batched_tokens, config.enable_prefix_caching, config.model_config.eos_token_ids,
                    SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size),
-                   max(windows) if windows and all(windows) else 0, config.scheduling_policy)
+                   max(windows) if windows and all(windows) else 0, config.scheduling_policy,
+                   config.max_loras if config.enable_lora else 0)
 
 
 class Scheduler:
@@ -69,6 +72,7 @@ class Scheduler:
                                           config.enable_prefix_caching, config.kv_window)
         self.eos = frozenset(config.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
+        self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.scheduled: list[Sequence] = []
@@ -115,7 +119,7 @@ class Scheduler:
             self.running.remove(seq)
             self.decode_batch = None
         if seq.block_table:
-            self.block_manager.deallocate(seq)
+            self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason, seq.finish_time = reason, stop_reason, time.perf_counter()
 
@@ -164,6 +168,8 @@ class Scheduler:
         self.scheduled, self.scheduled_kind = seqs, kind
         self.step_id += 1
         step = self.in_flight = prefill_step(seqs, kind, self.step_id, self.block_size, self._take_copies())
+        if self.lora_slots is not None:
+            step.plan.lora_loads = self.lora_slots.take_loads()
         self.num_computed_tokens += step.plan.num_tokens
         return step
 
@@ -189,7 +195,20 @@ class Scheduler:
         cfg, head = self.config, self.waiting[0]
         if len(self.running) >= min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
             return False
-        return bool(head.block_table) or self.block_manager.can_allocate(head) is not None
+        if head.block_table:
+            return True
+        return self._slot_for(head) and self.block_manager.can_allocate(head) is not None
+
+    def _slot_for(self, seq: Sequence, take: bool = False) -> bool:
+        """Whether seq's adapter has (take: gets) a slot; always for the base model."""
+        slots = self.lora_slots
+        return seq.lora is None or slots is None or (slots.acquire(seq) if take else slots.can_acquire(seq))
+
+    def _free(self, seq: Sequence) -> None:
+        """seq gives back its blocks and its adapter's slot."""
+        self.block_manager.deallocate(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
 
     def _schedule_prefill(self, reserved: int = 0) -> list[Sequence]:
         """Waiting sequences for what is left after `reserved` decode rows (one token and one row each)."""
@@ -202,15 +221,16 @@ class Scheduler:
             seq = self.waiting[0]
             hits = None
             if not seq.block_table:
-                hits = bm.can_allocate(seq)
+                hits = bm.can_allocate(seq) if self._slot_for(seq) else None
                 if hits is None:
-                    break          # FCFS: nothing behind the head may jump it
+                    break          # FCFS: nothing behind the head may jump it (nor a head short of a LoRA slot)
                 num_tokens = seq.num_tokens - len(hits) * self.block_size
             else:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
             if num_tokens > remaining and seqs:
                 break              # only the first prefill of a step is chunked
             if hits is not None:
+                self._slot_for(seq, take=True)
                 bm.allocate(seq, hits)
             seq.num_scheduled_tokens = min(num_tokens, remaining)
             budget_used += seq.num_scheduled_tokens
@@ -260,7 +280,7 @@ class Scheduler:
         self.decode_batch = None
         seq.embedding = None          # an embedding request recomputed starts its sum again
         seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
+        self._free(seq)
         self._requeue_front(seq)
         self.num_preemptions += 1
 
@@ -370,6 +390,7 @@ class Scheduler:
             self._copies.append((parent.block_table[full], dst))
             child.block_table.append(dst)
         child.num_cached_tokens = parent.num_prompt_tokens
+        self._slot_for(child, take=True)      # the parent's adapter, resident
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         self.decode_batch = None
@@ -379,7 +400,7 @@ class Scheduler:
         seq.finish_reason = _REASONS.get(code, "stop")
         seq.stop_reason = token_id if code == STOP_TOKEN else None
         seq.finish_time = now
-        self.block_manager.deallocate(seq)
+        self._free(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -419,7 +440,7 @@ class Scheduler:
         for seq in dropped:
             seq.forks = []
             if seq.block_table:
-                self.block_manager.deallocate(seq)
+                self._free(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
         self.waiting.clear()

@@ -18,11 +18,11 @@ class Sequence:
                  "num_scheduled_tokens", "block_table", "num_window_freed", "params", "seed", "row", "forks", "index",
                  "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "prompt_logprobs",
                  "seen", "grammar", "pooling", "embedding", "draft", "spec_wait", "spec_misses", "priority",
-                 "arrival_time",
-                 "first_token_time", "last_token_time", "finish_time")
+                 "arrival_time", "first_token_time", "last_token_time", "finish_time", "lora", "lora_slot")
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
-                 seed: int = 0, index: int = 0, priority: int = 0, grammar=None, pooling=None, **sampling):
+                 seed: int = 0, index: int = 0, priority: int = 0, grammar=None, pooling=None, lora=None,
+                 **sampling):
         """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise). `pooling`
         (pooling_params.Pooling): an embedding request, prefill only: it samples nothing and ends with its prompt."""
         if params is None:
@@ -55,6 +55,8 @@ class Sequence:
         self.spec_wait = 0                      # decode steps to skip proposing (after proposals that failed)
         self.spec_misses = 0                    # proposing steps in a row that accepted nothing
         self.priority = priority                # the request's; lower first under the priority policy
+        self.lora = lora                        # its LoRARequest (None: the base model)
+        self.lora_slot = -1                     # the adapter's slot while the sequence holds blocks (-1: none)
         # perf_counter() timestamps, for latency figures (TTFT, TPOT)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -75,6 +77,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's lora_int_id, 0 for the base model (the prefix cache's key)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def is_finished(self) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nanovllm_tp import trace
-from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.config import LORA_DEFAULTS, EngineConfig
 from nanovllm_tp.context import reset_context
 from nanovllm_tp.distributed.parallel_state import TPState, tp_scope
 from nanovllm_tp.layers import cpu_kernels
@@ -33,8 +33,10 @@ def draft_config(config: EngineConfig) -> EngineConfig:
     than the target's windows keep. Refusals name the draft; nothing is loaded but configs and tokenizers."""
     from nanovllm_tp.loader import load_tokenizer
     spec = SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size)
+    # the draft proposes from its own weights alone: adapters of the target are not the draft's (what it proposes
+    # for an adapter's request is checked by the target as any proposal is)
     draft = dataclasses.replace(config, model=spec.model, tensor_parallel_size=1, speculative_config=None,
-                                trace_path=None, trace_layers=False)
+                                trace_path=None, trace_layers=False, enable_lora=False, **LORA_DEFAULTS)
     try:
         draft.validate()
     except (ValueError, TypeError) as exc:

@@ -43,6 +43,10 @@ class ModelRunner:
         if message and tp_rank() == 0:
             log.info(message)
         load_model(self.model, config.model, keep_blocks)
+        self.lora = None     # lora.layers.LoRAModel with enable_lora (before packing: it reads the weights' shapes)
+        if config.enable_lora:
+            from nanovllm_tp.lora.layers import LoRAModel
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
         pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config))
         self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
         self.model.eval()
@@ -147,6 +151,8 @@ class ModelRunner:
                 return self.graphs.run(plan)
         with trace.span("prepare"):
             input_ids, positions = self.prepare(plan)
+            if self.lora is not None:
+                self.lora.prepare(plan)
         try:
             with trace.span("forward"):
                 hidden = self.model(input_ids, positions)
@@ -168,7 +174,7 @@ class ModelRunner:
             self.graphs.release()
         self.graphs = None
         self.drop_kv_cache()
-        self.model = None
+        self.model = self.lora = None
         self.attention_layers = []
         if hand_back and self.device.type == "cuda":     # now, not when the allocator likes
             gc.collect()

@@ -11,7 +11,7 @@ import numpy as np
 
 from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, PlanError, StepPlan
 
-_PER_ROW = ("prompt_logits", "hidden_rows")     # optional per-row arrays
+_PER_ROW = ("prompt_logits", "hidden_rows", "lora_slot")     # optional per-row arrays
 
 
 @dataclass(slots=True)
@@ -20,12 +20,13 @@ class PlanLimits:
     block_size: int
     max_model_len: int
     vocab_size: int
+    max_loras: int = 0     # LoRA slots (0: LoRA off, no plan may name one)
 
     @classmethod
     def of(cls, runner) -> "PlanLimits":
         config = runner.config
         return cls(runner.num_kv_blocks, config.kvcache_block_size, config.max_model_len,
-                   config.model_config.vocab_size)
+                   config.model_config.vocab_size, config.max_loras if config.enable_lora else 0)
 
 
 def _bad(plan: StepPlan, field: str, text: str):
@@ -61,6 +62,7 @@ def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
         if copies.ndim != 2 or copies.shape[1] != 2:
             _bad(plan, "block_copies", f"expected [copies, 2], got shape {list(copies.shape)}")
         _below(plan, "block_copies", copies.reshape(-1), lim.num_blocks, "the KV pool's blocks")
+    _check_lora(plan, lim)
     q_lens = cu[1:] - cu[:-1]      # no wrap-around once every entry is known to lie in [0, tokens]
     if cu[0] != 0 or cu[-1] != tokens or cu.view(np.uint32).max() > tokens or q_lens.min() < 1:
         _bad(plan, "cu_seqlens_q", f"must rise strictly from 0 to the token count {tokens}")
@@ -84,3 +86,13 @@ def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
     if (tables + padding).view(np.uint32).max() > lim.num_blocks:
         _bad(plan, "block_tables", f"a block id outside the KV pool's {lim.num_blocks} blocks, or padding (-1) "
                                    "where the row's context reaches")
+
+
+def _check_lora(plan: StepPlan, lim: PlanLimits) -> None:
+    """Row slots in [-1, max_loras), loads into a slot of this rank's tables from an absolute path."""
+    if plan.lora_slot is not None:
+        _below(plan, "lora_slot", plan.lora_slot + 1, lim.max_loras + 1, "-1 or a LoRA slot")
+    for slot, lora_id, path in plan.lora_loads or ():
+        if not 0 <= slot < lim.max_loras or lora_id < 1 or not path.startswith("/"):
+            _bad(plan, "lora_loads", f"[{slot}, {lora_id}, {path[:80]!r}]: needs a slot below max_loras="
+                                     f"{lim.max_loras}, a positive id and an absolute path")

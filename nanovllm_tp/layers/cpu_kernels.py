@@ -28,7 +28,7 @@ from nanovllm_tp.layers import cpu_features
 
 log = logging.getLogger("nanovllm_tp")
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c")]
+SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c")]
 HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them and part of the build's key
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -53,6 +53,8 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                            _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
+    "lora_gathered": (None, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _i64,
+                             _int]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
 
@@ -227,6 +229,15 @@ class CpuKernels:
         out = torch.empty(x.shape[:-1] + (width,), dtype=x.dtype)
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
+
+    def lora_gathered(self, x, y, A, B, slot, ranks, part_rows, rank: int) -> None:
+        """y[t] += B[slot[t]] (A[slot[t]] x[t]) in place for every token whose slot is not -1 (x, y, A, B all fp32
+        or all bf16; the layouts are csrc/lora.c's: `ranks` [slots, parts] int64, `part_rows` [parts + 1] int64,
+        `rank` the columns of a part)."""
+        x = _rows_contiguous(x)
+        self._lora_gathered(x.data_ptr(), y.data_ptr(), A.data_ptr(), B.data_ptr(), slot.data_ptr(),
+                            ranks.data_ptr(), part_rows.data_ptr(), x.shape[0], x.shape[1], y.shape[1], x.stride(0),
+                            y.stride(0), ranks.shape[1], rank, _bf16(x))
 
     def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):
         """For each entry, row row_of[e] of x ([rows, vocab] fp32): the logprob and rank of column chosen[e], and

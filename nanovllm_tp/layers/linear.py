@@ -229,6 +229,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
 class LinearBase(nn.Module):
     packed = None            # the weight packed for the matmul, once pack_cpu_weights ran
     packs_dense = True
+    lora = None              # its lora.layers.LoRALayer with enable_lora: adds each row's adapter delta
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -244,7 +245,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.packed, self.bias)
+        y = matmul(x, self.weight, self.packed, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -314,5 +316,6 @@ class RowParallelLinear(LinearBase):
         load_rows(param, 0, take_cols(loaded, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight, self.packed))
+        y = matmul(x, self.weight, self.packed)
+        y = all_reduce(y if self.lora is None else self.lora.apply(x, y))     # partial deltas reduced with y
         return y + self.bias if self.bias is not None else y

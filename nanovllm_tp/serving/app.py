@@ -7,7 +7,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +18,7 @@ from nanovllm_tp.serving.embeddings import EmbeddingRequest, embedding_response
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.inputs import PromptEncoder
 from nanovllm_tp.serving.limits import BodyLimit, check_prompt_count, check_request
+from nanovllm_tp.serving.lora_routes import ServedAdapters, add_lora_routes
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.protocol import ChatCompletionRequest, CompletionRequest
 from nanovllm_tp.serving.responses import (ResponseBuilder, chat_logprobs, completion_logprobs, error_body, is_json,
@@ -65,6 +66,7 @@ class ServedModel:
     root: str                  # where it was loaded from
     max_model_len: int
     tokenizer: object          # for chat templates and echo
+    loras: list = field(default_factory=list)    # [name, lora_int_id, path] of each adapter served from the start
 
 
 def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | None = None) -> FastAPI:
@@ -110,16 +112,25 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
     if config.api_key:                      # outermost: 401 before a body is read
         app.add_middleware(ApiKeyCheck, expected=f"Bearer {config.api_key}".encode())
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           "not_found_error", "model")
+    adapters = ServedAdapters(model.loras)
+    add_lora_routes(app, engine, adapters, model_name, config.allow_runtime_lora_updating)
 
-    async def submit_all(request_id: str, prompts: list[list[int]], params, priority: int) -> list[RequestStream]:
+    def check_model(name: str | None) -> list | None:
+        """The LoRA adapter a request's model field names ([name, id, path]), None for the base model."""
+        if name is None or name == model_name:
+            return None
+        if name in adapters.by_name:
+            return adapters.by_name[name]
+        served = ", ".join(repr(n) for n in (model_name, *adapters.by_name))
+        raise ApiError(404, f"The model `{name}` does not exist (this server serves {served}).", "not_found_error",
+                       "model")
+
+    async def submit_all(request_id: str, prompts: list[list[int]], params, priority: int,
+                         lora: list | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids `{request_id}-{i}`), queued all or none."""
         try:
             return await engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
-                                       priority)
+                                       priority, lora)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -157,12 +168,13 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanovllm_tp", "root": model.root,
-                                            "max_model_len": model.max_model_len}]}
+                                            "owned_by": "nanovllm_tp", "root": model.root, "parent": None,
+                                            "max_model_len": model.max_model_len},
+                                           *adapters.model_entries(model_name, model.max_model_len)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        lora = check_model(body.model)
         try:
             params, prompts = body.sampling_params(), body.prompts()
             check_request(config, params, len(prompts))
@@ -170,8 +182,8 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
-        streams = await submit_all(rid, [ids for _, ids in encoded], params, body.priority)
-        builder = ResponseBuilder("completion", rid, model_name, params.n)
+        streams = await submit_all(rid, [ids for _, ids in encoded], params, body.priority, lora)
+        builder = ResponseBuilder("completion", rid, lora[0] if lora else model_name, params.n)
         top_n = body.logprobs or 0
 
         def choice(i, out, c, sent):
@@ -193,7 +205,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        lora = check_model(body.model)
         check_template_kwargs(body.chat_template_kwargs)
         try:
             tools = body.tool_mode()
@@ -206,8 +218,8 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         except Exception as exc:          # the template's own errors (jinja raises its own types)
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
         rid = engine.new_request_id("chatcmpl")
-        streams = await submit_all(rid, [prompt], params, body.priority)
-        builder = ResponseBuilder("chat", rid, model_name, params.n)
+        streams = await submit_all(rid, [prompt], params, body.priority, lora)
+        builder = ResponseBuilder("chat", rid, lora[0] if lora else model_name, params.n)
         top_n = body.top_logprobs or 0
         streamers, splitters = {}, {}   # choice -> its ToolStreamer / ThinkSplitter (streams with tools / reasoning)
 
@@ -246,7 +258,8 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        check_model(body.model)
+        if check_model(body.model) is not None:
+            raise ApiError(400, f"embeddings come from the base model ({model_name!r}), not from a LoRA adapter")
         try:
             params, prompts = body.pooling_params(), body.prompts()
             check_prompt_count(config, len(prompts))

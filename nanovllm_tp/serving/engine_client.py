@@ -124,11 +124,12 @@ class EngineClient:
         return self.stats["waiting"] + len(self._accepting)
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
-                     priority: int = 0) -> list[RequestStream]:
+                     priority: int = 0, lora: list | None = None) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
-        nothing was queued. A batch counts once against max_waiting_requests."""
+        nothing was queued. A batch counts once against max_waiting_requests. `lora`: the adapter's [name, id,
+        path], or None."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
@@ -142,7 +143,8 @@ class EngineClient:
         self._accepting[key] = accepted
         try:
             await self._commands.send(wire.pack({"op": "add", "ids": request_ids, "prompts": prompts,
-                                                 "params": wire.params_to_wire(params), "priority": priority}))
+                                                 "params": wire.params_to_wire(params), "priority": priority,
+                                                 "lora": lora}))
             await accepted
         except BaseException:
             for rid in request_ids:
@@ -151,6 +153,19 @@ class EngineClient:
         finally:
             self._accepting.pop(key, None)
         return streams
+
+    async def lora(self, op: str, lora: list) -> None:
+        """Have the engine load ("lora_load": check) or unload ("lora_unload") an adapter [name, id, path];
+        its ValueError / TypeError propagate."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        key = self.new_request_id(op)
+        done = self._accepting[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._commands.send(wire.pack({"op": op, "ids": [key], "lora": lora}))
+            await done
+        finally:
+            self._accepting.pop(key, None)
 
     def abort(self, request_ids) -> None:
         """Abort requests (their client went away); they leave the engine before its next step."""

@@ -21,6 +21,7 @@ import time
 
 import zmq
 
+from nanovllm_tp.lora import LoRARequest
 from nanovllm_tp.serving import wire
 
 log = logging.getLogger("nanovllm_tp")
@@ -38,9 +39,11 @@ def scheduler_stats(llm) -> dict:
 
 
 class EngineLoop:
-    def __init__(self, llm, commands: str, outputs: str):
-        """`commands` and `outputs`: the ipc:// endpoints to bind (in a directory only this user can enter)."""
+    def __init__(self, llm, commands: str, outputs: str, loras=()):
+        """`commands` and `outputs`: the ipc:// endpoints to bind (in a directory only this user can enter);
+        `loras`: the (name, path) adapters served from the start (ids 1, 2, ...), checked here (ValueError)."""
         self.llm = llm
+        adapters = [llm.loras.check(LoRARequest(name, i + 1, path)) for i, (name, path) in enumerate(loras)]
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PULL)
         self._outputs = self._ctx.socket(zmq.PUSH)
@@ -50,7 +53,8 @@ class EngineLoop:
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
-        self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len})
+        self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
+                    "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]})
 
     def run(self, keep_going) -> None:
         """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS). Idle, the
@@ -123,6 +127,8 @@ class EngineLoop:
                 if item is not None:
                     accepted.append(item)
                 changed = True
+            elif msg["op"] in ("lora_load", "lora_unload"):
+                accepted.append(self._lora(msg, dead))
         if accepted:
             self._send({"op": "accepted", "items": accepted})
         return changed
@@ -140,8 +146,23 @@ class EngineLoop:
                 if pending is not None and not pending.ready():
                     self._compiling[key] = (msg, params, pending)
                     return None
+            lora = msg.get("lora")
             self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
-                                  priority=msg["priority"])
+                                  priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None)
+        except (ValueError, TypeError) as exc:
+            return [key, str(exc), type(exc).__name__]
+        return [key, None, None]
+
+    def _lora(self, msg: dict, dead: bool) -> list:
+        """An adapter the server loads (checked: its directory, against the model) or unloads, by its id."""
+        key = msg["ids"][0]
+        if dead:
+            return [key, "the engine stopped", "EngineDead"]
+        try:
+            if msg["op"] == "lora_load":
+                self.llm.loras.check(LoRARequest(*msg["lora"]))
+            else:
+                self.llm.remove_lora(msg["lora"][1])
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]

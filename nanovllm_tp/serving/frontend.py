@@ -91,7 +91,8 @@ def main(argv=None) -> None:
             info = await waiting
         except asyncio.CancelledError:
             return
-        model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]))
+        model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]),
+                            info.get("loras", []))
         app = build_app(engine, model, config)
         server = state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                                  log_level=config.log_level,

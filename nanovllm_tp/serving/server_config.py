@@ -42,6 +42,13 @@ class ServerConfig:
                                                    "(vLLM's parsers: qwen3, deepseek_r1)",
                                         choices=tuple(PARSERS))
     disable_fastapi_docs: bool = knob(False, help="no /docs, /redoc or /openapi.json")
+    # LoRA adapters (with the engine's --enable-lora)
+    lora_modules: list | None = knob(None, help="LoRA adapters served by name, as vLLM's: NAME=PATH or a JSON "
+                                                "object {\"name\": ..., \"path\": ...}; a request picks one by its "
+                                                "model field", metavar="NAME=PATH")
+    allow_runtime_lora_updating: bool = knob(help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                  "(default from $NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING)",
+                                             default_factory=lambda: _env_on("NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING"))
     # liveness and shutdown
     engine_iteration_timeout: float = knob(60.0, help="seconds the engine loop may go silent (one step, or a "
                                                       "stuck one) before /health answers 503", minimum=0.0,
@@ -58,6 +65,31 @@ class ServerConfig:
         config = cls(**json.loads(text))
         check_knobs(config)
         return config
+
+
+def _env_on(name: str) -> bool:
+    from nanovllm_tp import envs
+    return envs.get(name, "0") not in ("0", "", "false", "False")
+
+
+def lora_modules(config: ServerConfig) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-modules entry (NAME=PATH, or vLLM's JSON form); ValueError naming the flag."""
+    modules = []
+    for entry in config.lora_modules or ():
+        if entry.lstrip().startswith("{"):
+            try:
+                item = json.loads(entry)
+            except ValueError as exc:
+                raise ValueError(f"--lora-modules {entry!r}: not JSON ({exc})") from None
+            name, path = (item.get("name"), item.get("path")) if isinstance(item, dict) else (None, None)
+        else:
+            name, _, path = entry.partition("=")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules {entry!r}: give NAME=PATH or {{\"name\": NAME, \"path\": PATH}}")
+        if name in {n for n, _ in modules}:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        modules.append((name, path))
+    return modules
 
 
 def add_server_args(parser) -> None:

@@ -1,10 +1,13 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
-HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority"}   (one request per prompt of token ids,
-                                                                       all or none; params {"pooling": {...}}:
-                                                                       embedding requests)
+HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority", "lora"}   (one request per prompt of token
+                                                                       ids, all or none; params {"pooling": {...}}:
+                                                                       embedding requests; lora: [name, id, path]
+                                                                       or None)
                  {"op": "abort", "ids"}
-engine -> HTTP:  {"op": "ready", "model", "max_model_len"}          (first, once the engine is up)
+                 {"op": "lora_load" / "lora_unload", "ids": [key], "lora": [name, id, path]}   (answered "accepted")
+engine -> HTTP:  {"op": "ready", "model", "max_model_len", "loras"}  (first, once the engine is up; loras: the
+                                                                       [name, id, path] of --lora-modules)
                  {"op": "accepted", "items": [[first id, error, error type]]}  (per add; error: None, or
                                                                        validation's message)
                  {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle, at

@@ -1,5 +1,6 @@
 """Weights that stay block-quantized on CPU: GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 inputs, an fp16 scale d per
-block, and a min m for Q4_1), and int8 per output channel made at load from a dense checkpoint (quantization
+block, and a min m for Q4_1), Q5_0 / Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (layers/quant_kblocks.py unpacks
+their super-blocks of 256 into blocks of 32 at load), and int8 per output channel made at load from a dense checkpoint (quantization
 "int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output, activations quantized per token).
 
 A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
@@ -21,11 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_kernels, quant_kblocks
 
-BLOCK = 32
-GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}      # ggml type -> name: the types that stay quantized
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+BLOCK = 32          # the activations' block, and the smallest weight block
+# ggml type -> name: the types that stay quantized
+GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", **quant_kblocks.FIVE, **quant_kblocks.SUPER}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, **quant_kblocks.BLOCK_BYTES}
+BLOCK_SIZE = {2: BLOCK, 3: BLOCK, 8: BLOCK, **quant_kblocks.BLOCK_SIZE}     # inputs per block in the file
 INT8 = 100          # csrc/linear_q.c's code for int8 per output channel: rows of [fp32 scale][in_features int8]
 NAMES = {**GGUF_TYPES, INT8: "int8"}
 INV127 = torch.tensor(np.float32(1) / np.float32(127))     # the kernel's 1.0f / 127.0f
@@ -45,18 +48,19 @@ class QuantBlocks:
 
     @classmethod
     def zeros(cls, rows: int, in_features: int, qtype: int) -> "QuantBlocks":
-        return cls(torch.zeros(rows, in_features // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8), qtype,
-                   in_features)
+        return cls(torch.zeros(rows, in_features // BLOCK_SIZE[qtype] * BLOCK_BYTES[qtype], dtype=torch.uint8),
+                   qtype, in_features)
 
     def columns(self, start: int, size: int, name: str) -> "QuantBlocks":
         """Inputs start..start+size; a rank's slice must hold whole blocks."""
-        if start % BLOCK or size % BLOCK:
-            raise ValueError(f"{name}: a slice of inputs {start}..{start + size} splits its blocks of {BLOCK} "
+        block = BLOCK_SIZE[self.qtype]
+        if start % block or size % block:
+            raise ValueError(f"{name}: a slice of inputs {start}..{start + size} splits its blocks of {block} "
                              f"({GGUF_TYPES[self.qtype]}); choose a tensor_parallel_size that divides "
-                             f"{self.in_features} into multiples of {BLOCK}, or quantization='none'")
+                             f"{self.in_features} into multiples of {block}, or quantization='none'")
         per = BLOCK_BYTES[self.qtype]
-        return QuantBlocks(self.data[:, start // BLOCK * per:(start + size) // BLOCK * per].contiguous(), self.qtype,
-                           size)
+        return QuantBlocks(self.data[:, start // block * per:(start + size) // block * per].contiguous(),
+                           self.qtype, size)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, in_features]: d * q (+ m), as llama.cpp (the gguf package's dequantizer); int8: scale * q."""
@@ -98,7 +102,10 @@ def pack_blocks(blocks: QuantBlocks):
     """The form the matmul reads: the kernels' layout where they run, else the torch reference."""
     kernels = cpu_kernels.active()
     if kernels is not None and blocks.qtype in kernels.quant_types:
-        data = kernels.pack_quant_weight(blocks.data, blocks.qtype, blocks.in_features)
+        raw = blocks.data
+        if blocks.qtype in quant_kblocks.BLOCK_SIZE:
+            raw = torch.from_numpy(quant_kblocks.unpack(raw.numpy(), blocks.qtype))
+        data = kernels.pack_quant_weight(raw, blocks.qtype, blocks.in_features)
         return QuantWeight(data, blocks.qtype, *blocks.shape)
     return QuantReference(blocks.dequantize(), blocks.qtype)
 

@@ -71,8 +71,8 @@ _UNSET = object()
 
 def load_rows(param: nn.Parameter, offset: int, src) -> None:
     """Copy src (a tensor, or QuantBlocks) into rows offset.. of param. Blocks stay blocks, in param.blocks; a
-    part of another kind than the parts before it (a merged layer whose q, k, v differ in type) turns the whole
-    parameter dense, dequantized, as does a part that is not a whole-row 2-D weight."""
+    part of another kind than the parts before it (a merged layer whose q, k, v differ in type, unless
+    `quant.same_type` makes them one without loss) turns the whole parameter dense, dequantized, as does a part that is not a whole-row 2-D weight."""
     dst = param.data[offset:offset + shape_of(src)[0]]
     blocks = getattr(param, "blocks", _UNSET)
     if isinstance(src, QuantBlocks):
@@ -80,6 +80,9 @@ def load_rows(param: nn.Parameter, offset: int, src) -> None:
             raise ValueError(f"checkpoint weight slice has shape {src.shape}, the model expects {tuple(dst.shape)}")
         if blocks is _UNSET:
             blocks = param.blocks = QuantBlocks.zeros(*param.shape, src.qtype)
+        if blocks is not None:
+            blocks, src = quant.same_type(blocks, src)
+            param.blocks = blocks
         if blocks is not None and blocks.qtype == src.qtype:
             blocks.data[offset:offset + src.shape[0]] = src.data
             return

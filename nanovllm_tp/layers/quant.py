@@ -70,6 +70,20 @@ class QuantBlocks:
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype).reshape(self.shape).copy())
 
 
+def same_type(a: QuantBlocks, b: QuantBlocks) -> tuple[QuantBlocks, QuantBlocks]:
+    """Two parts of one merged weight in one type where that loses nothing (Q4_0 and Q5_0 beside Q8_0 become
+    Q8_0); else as they are."""
+    widen = (2, 6)
+    if a.qtype == b.qtype or {a.qtype, b.qtype} - {8, *widen} or 8 not in (a.qtype, b.qtype):
+        return a, b
+
+    def q8(x: QuantBlocks) -> QuantBlocks:
+        if x.qtype == 8:
+            return x
+        return QuantBlocks(torch.from_numpy(quant_kblocks.to_q8_0(x.data.numpy(), x.qtype)), 8, x.in_features)
+    return q8(a), q8(b)
+
+
 def int8_blocks(w: torch.Tensor) -> QuantBlocks:
     """A dense weight [out, in] as int8 per output channel: scale = max |row| * (1/127), q = round(w / scale)."""
     scale, q = _symmetric(w.float(), w.shape[1])

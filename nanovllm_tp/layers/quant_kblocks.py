@@ -34,6 +34,20 @@ def unpack(data: np.ndarray, qtype: int) -> np.ndarray:
     return np.concatenate([head.view(np.uint8), q], axis=-1).reshape(n, -1)
 
 
+def to_q8_0(data: np.ndarray, qtype: int) -> np.ndarray:
+    """Rows of Q4_0 or Q5_0 blocks as Q8_0 blocks of the same values (d, and q - 8 or q - 16 as int8): lossless,
+    for a merged layer whose parts come in these types beside Q8_0 (llama.cpp's Q4_K_M: q, k in Q5_0, v in
+    Q8_0)."""
+    n = data.shape[0]
+    size = 18 if qtype == 2 else 22
+    blocks = np.ascontiguousarray(data).reshape(-1, size)
+    if qtype == 2:
+        q = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).astype(np.int8) - 8
+    else:
+        q = _five(blocks, qtype)[1].astype(np.int8) - 16
+    return np.concatenate([blocks[:, :2], q.view(np.uint8)], axis=-1).reshape(n, -1)
+
+
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
     """[blocks, chunks * width] bytes -> [blocks, 2 * chunks, width]: a chunk's low nibbles, then its high ones."""
     pairs = qs.reshape(qs.shape[0], -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)

@@ -84,6 +84,47 @@ def same_type(a: QuantBlocks, b: QuantBlocks) -> tuple[QuantBlocks, QuantBlocks]
     return q8(a), q8(b)
 
 
+@dataclass(slots=True)
+class MixedBlocks:
+    """A merged weight whose parts come in types with no lossless common one (a Q4_K_M file's q and k in Q4_K
+    beside v in Q6_K): runs of rows of one type each, in row order."""
+    parts: list[QuantBlocks]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def write_rows(blocks: "QuantBlocks | MixedBlocks", offset: int, src: QuantBlocks) -> "QuantBlocks | MixedBlocks":
+    """A whole parameter's blocks with rows offset.. set to src: in place where the types agree (after
+    same_type), else the rows split into runs of one type."""
+    out, start, end = [], 0, offset + src.shape[0]
+    for part in blocks.parts if isinstance(blocks, MixedBlocks) else [blocks]:
+        stop = start + part.shape[0]
+        lo, hi = max(offset, start), min(end, stop)
+        if lo >= hi:
+            out.append(part)
+        else:
+            part, piece = same_type(part, QuantBlocks(src.data[lo - offset:hi - offset], src.qtype, src.in_features))
+            if part.qtype == piece.qtype:
+                part.data[lo - start:hi - start] = piece.data
+                out.append(part)
+            else:
+                out += [QuantBlocks(part.data[:lo - start], part.qtype, part.in_features), piece,
+                        QuantBlocks(part.data[hi - start:], part.qtype, part.in_features)]
+        start = stop
+    runs = []
+    for part in (p for p in out if p.shape[0]):
+        if runs and runs[-1].qtype == part.qtype:
+            runs[-1] = QuantBlocks(torch.cat([runs[-1].data, part.data]), part.qtype, part.in_features)
+        else:
+            runs.append(part)
+    return runs[0] if len(runs) == 1 else MixedBlocks(runs)
+
+
 def int8_blocks(w: torch.Tensor) -> QuantBlocks:
     """A dense weight [out, in] as int8 per output channel: scale = max |row| * (1/127), q = round(w / scale)."""
     scale, q = _symmetric(w.float(), w.shape[1])
@@ -108,12 +149,28 @@ class QuantReference:
     qtype: int
 
 
+@dataclass(slots=True)
+class QuantParts:
+    """MixedBlocks packed: each run of rows its own packed weight (QuantWeight or QuantReference), the outputs
+    side by side."""
+    parts: list
+    out_features: int
+
+
+FORMS = (QuantWeight, QuantReference, QuantParts)      # what quant_matmul runs
+
+
 def type_name(packed) -> str:
+    """"Q4_1"; for QuantParts its parts' types, "Q4_K+Q6_K"."""
+    if isinstance(packed, QuantParts):
+        return "+".join(sorted({type_name(p) for p in packed.parts}))
     return NAMES[packed.qtype]
 
 
-def pack_blocks(blocks: QuantBlocks):
+def pack_blocks(blocks: "QuantBlocks | MixedBlocks"):
     """The form the matmul reads: the kernels' layout where they run, else the torch reference."""
+    if isinstance(blocks, MixedBlocks):
+        return QuantParts([pack_blocks(p) for p in blocks.parts], blocks.shape[0])
     kernels = cpu_kernels.active()
     if kernels is not None and blocks.qtype in kernels.quant_types:
         raw = blocks.data
@@ -142,6 +199,13 @@ def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 
 def quant_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ w.T (+ bias) in x's dtype, with fp32 sums and one rounding at the end."""
+    if isinstance(packed, QuantParts):
+        outs, start = [], 0
+        for part in packed.parts:
+            n = part.out_features if isinstance(part, QuantWeight) else part.weight.shape[0]
+            outs.append(quant_matmul(x, part, None if bias is None else bias[start:start + n]))
+            start += n
+        return torch.cat(outs, dim=-1)
     if isinstance(packed, QuantWeight):
         return cpu_kernels.load().linear_quant(x, packed.data, packed.qtype, packed.out_features, bias)
     block = x.shape[-1] if packed.qtype == INT8 else BLOCK

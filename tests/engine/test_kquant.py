@@ -62,7 +62,7 @@ def test_q4_0_and_q5_0_beside_q8_0_become_q8_0_without_loss(name):
     assert (a.qtype, b.qtype) == (8, 8) and b is q8
     assert torch.equal(a.dequantize(), small.dequantize())
     k4, q6 = blocks_of(2, 256, "Q4_K", seed=3), blocks_of(2, 256, "Q6_K", seed=3)
-    assert same_type(k4, q6) == (k4, q6)         # no lossless common type: the merged layer turns dense
+    assert same_type(k4, q6) == (k4, q6)         # no lossless common type: the merged layer keeps two parts
 
 
 @needs_kernels
@@ -101,7 +101,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_
 MIXES = {   # llama.cpp's mixes at the tiny shape: Q4_K_M's (and its fallbacks), and one of every K type
     "q4_k_m": dict(qtype="Q4_K", layer_qtypes={"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0",
                                                "down_proj": "Q6_K", "up_proj": "Q5_1", "gate_proj": "Q5_1"}),
-    "k": dict(qtype="Q4_K", layer_qtypes={"down_proj": "Q5_K", "o_proj": "Q6_K"}),
+    "k": dict(qtype="Q4_K", layer_qtypes={"down_proj": "Q5_K", "o_proj": "Q5_K", "v_proj": "Q6_K"}),
 }
 RUNS = {"q4_k_m": "Q4_K+Q5_1+Q6_K+Q8_0", "k": "Q4_K+Q5_K+Q6_K+Q8_0"}
 
@@ -134,15 +134,18 @@ TP2 = (pytest.mark.spawn, pytest.mark.slow)
     pytest.param("q4_k_m", 2, True, marks=TP2), pytest.param("k", 2, False, marks=TP2)])
 def test_greedy_tokens_are_the_rounded_math(mix, tp, kernels, kquant_gguf):
     """The engine against transformers with every linear input rounded per block of 32 (tests/quant_reference.py
-    says what is compared; the torch reference at TP 1 token for token). Q4_K_M's q and k (Q5_0) beside v (Q8_0)
-    run as one Q8_0 weight."""
+    says what is compared: tokens up to the first near tie, teacher-forced logprobs everywhere; at this width a
+    chunked prefill's attention sums, a few ulps off transformers', can move a rounding step, so even the torch
+    reference is held to the near-tie rule). Q4_K_M's q and k (Q5_0) beside v (Q8_0)
+    run as one Q8_0 weight; q and k in Q4_K beside v in Q6_K (the only Q6_K of that mix) as two."""
     if kernels and 14 not in KERNEL_TYPES:
         pytest.skip("csrc/linear_q.c needs AVX-512 VNNI")
     path, ref = kquant_gguf(mix)
-    stats = assert_follows_reference(str(path), rounded_reference(copy.deepcopy(ref)), exact=tp == 1 and not kernels,
-                                     tensor_parallel_size=tp, cpu_kernels=kernels)
+    stats = assert_follows_reference(str(path), rounded_reference(copy.deepcopy(ref)), tensor_parallel_size=tp,
+                                     cpu_kernels=kernels)
     assert stats["quantization"] == RUNS[mix]
     assert stats["linear"] == "+".join(t.lower() + ("" if kernels else "-torch") for t in RUNS[mix].split("+"))
+
 
 
 def test_a_tp_size_that_splits_a_super_block_is_refused(kquant_gguf):

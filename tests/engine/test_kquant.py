@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels, quant_kblocks
 from nanovllm_tp.layers.linear import matmul
-from nanovllm_tp.layers.quant import QuantBlocks, QuantWeight, pack_blocks, quant_embedding, round_activations, same_type
+from nanovllm_tp.layers.quant import (MixedBlocks, QuantBlocks, QuantParts, QuantWeight, pack_blocks, quant_embedding,
+                                      round_activations, same_type, type_name, write_rows)
 from tests.kquant_blocks import random_blocks
 from tests.quant_reference import assert_follows_reference, rounded_reference
 
@@ -93,6 +94,25 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
     ids = torch.tensor([0, n - 1, n // 2])
     rows_got = quant_embedding(ids, packed, torch.float32).double()
     assert ((rows_got - w[ids]).abs() <= size[ids] * 2.0 ** -23).all()
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_parts_of_two_types_run_side_by_side(kernels):
+    """A merged weight of Q4_K rows beside Q6_K rows (MixedBlocks): its outputs, bias included, are each part's
+    own, through the kernels and through the torch reference."""
+    if kernels and 14 not in KERNEL_TYPES:
+        pytest.skip("csrc/linear_q.c needs AVX-512 VNNI")
+    a, b = blocks_of(40, 256, "Q4_K", seed=5), blocks_of(24, 256, "Q6_K", seed=6)
+    merged = write_rows(write_rows(QuantBlocks.zeros(64, 256, a.qtype), 0, a), 40, b)
+    assert isinstance(merged, MixedBlocks) and torch.equal(merged.dequantize(), torch.cat([a.dequantize(),
+                                                                                           b.dequantize()]))
+    x, bias = torch.randn(3, 256), torch.randn(64)
+    with cpu_kernels.switched(kernels):
+        packed, parts = pack_blocks(merged), (pack_blocks(a), pack_blocks(b))
+    assert isinstance(packed, QuantParts) and type_name(packed) == "Q4_K+Q6_K"
+    want = torch.cat([matmul(x, torch.empty(0, 256), parts[0], bias[:40]),
+                      matmul(x, torch.empty(0, 256), parts[1], bias[40:])], dim=-1)
+    assert torch.equal(matmul(x, torch.empty(0, 256), packed, bias), want)
 
 
 # ---------------------------------------------------------------- engine on tiny GGUFs

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from nanovllm_tp import SamplingParams
 from nanovllm_tp.config import add_engine_args
+from nanovllm_tp.launch.bench_common import apply_threads
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-cpp", action="store_true",
                         help="llama-perplexity's chunking: disjoint chunks of ctx, each scoring its second half")
     parser.add_argument("--max-tokens", type=int, default=None, help="use the text's first N tokens only")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the engine's)")
     return parser
 
 
@@ -99,6 +101,7 @@ def main(argv=None) -> Perplexity:
     args = parser.parse_args(argv)
     if args.llama_cpp and args.stride is not None:
         parser.error("--stride does not apply to --llama-cpp's disjoint chunks")
+    apply_threads(args)
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     if args.max_model_len is None:

@@ -292,7 +292,8 @@ def check_block_split(path: str, tp: int) -> None:
         if t.ggml_type in GGUF_TYPES and (".attn_output." in t.name or ".ffn_down." in t.name):
             if t.shape[-1] % (tp * BLOCK_SIZE[t.ggml_type]):
                 raise ValueError(f"tensor_parallel_size={tp} would split the blocks of {BLOCK_SIZE[t.ggml_type]} of "
-                                 f"{t.name} ({GGUF_TYPES[t.ggml_type]}, {t.shape[-1]} inputs: {t.shape[-1] / tp:g} per rank); "
+                                 f"{t.name} ({GGUF_TYPES[t.ggml_type]}, {t.shape[-1]} inputs: "
+                                 f"{t.shape[-1] / tp:g} per rank); "
                                  "choose a TP size that keeps them whole, or quantization='none' (dequantized)")
 
 

@@ -1,7 +1,8 @@
 """Weights that stay block-quantized on CPU: GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 inputs, an fp16 scale d per
 block, and a min m for Q4_1), Q5_0 / Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (layers/quant_kblocks.py unpacks
-their super-blocks of 256 into blocks of 32 at load), and int8 per output channel made at load from a dense checkpoint (quantization
-"int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output, activations quantized per token).
+their super-blocks of 256 into blocks of 32 at load), and int8 per output channel made at load from a dense
+checkpoint (quantization "int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output,
+activations quantized per token).
 
 A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
 as the file stores them); `linear.load_rows` keeps them beside the parameter, whose dense storage is never
@@ -73,8 +74,8 @@ class QuantBlocks:
 def same_type(a: QuantBlocks, b: QuantBlocks) -> tuple[QuantBlocks, QuantBlocks]:
     """Two parts of one merged weight in one type where that loses nothing (Q4_0 and Q5_0 beside Q8_0 become
     Q8_0); else as they are."""
-    widen = (2, 6)
-    if a.qtype == b.qtype or {a.qtype, b.qtype} - {8, *widen} or 8 not in (a.qtype, b.qtype):
+    kinds = {a.qtype, b.qtype}
+    if len(kinds) == 1 or 8 not in kinds or not kinds <= {8, 2, 6}:
         return a, b
 
     def q8(x: QuantBlocks) -> QuantBlocks:

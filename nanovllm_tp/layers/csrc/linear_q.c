@@ -161,7 +161,8 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *q = packed + (u * nb + b) * uq + (lane / 16) * (uq / 2) + (lane % 16) * 4;
             const uint8_t *s = scales + (u * nb + b) * us;
-            const float d = scale_at(s, 0, lane, qtype), d2 = scale_count(qtype) > 1 ? scale_at(s, 1, lane, qtype) : 0.f;
+            const float d = scale_at(s, 0, lane, qtype);
+            const float d2 = scale_count(qtype) > 1 ? scale_at(s, 1, lane, qtype) : 0.f;
             for (int j = 0; j < QK; j++) {
                 const int jj = j % 16;
                 const int v = bytes ? q[j / 4 * 64 + j % 4] : (q[jj / 4 * 64 + jj % 4] >> (j < 16 ? 0 : 4)) & 0xf;
@@ -253,6 +254,13 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int
     }
 }
 
+/* 16 lanes (tile t) of a block's scale j (0: d; 1: the min, or Q6_K's second d), fp16 or fp32 (f32) */
+INLINE __m512 scales16(const uint8_t *s, int j, int t, const int f32)
+{
+    if (f32) return _mm512_loadu_ps((const float *)s + 32 * j + 16 * t);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + 32 * j + 16 * t)));
+}
+
 INLINE __m512i bcast4(const int8_t *p)
 {
     int32_t v;
@@ -332,11 +340,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         }
         #pragma GCC unroll 2
         for (int t = 0; t < 2; t++) {      /* d, and the second scale: the min, or Q6_K's second half's d */
-            const __m512 dw = f32 ? _mm512_loadu_ps((const float *)s + 16 * t)
-                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + 16 * t)));
-            const __m512 d2 = !(min || half) ? _mm512_setzero_ps()
-                              : f32 ? _mm512_loadu_ps((const float *)s + 32 + 16 * t)
-                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + 32 + 16 * t)));
+            const __m512 dw = scales16(s, 0, t, f32), d2 = min || half ? scales16(s, 1, t, f32) : _mm512_setzero_ps();
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 if (r < rows) {

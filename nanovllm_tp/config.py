@@ -117,7 +117,7 @@ def _auto_config(model: str, gguf: str | None):
         _check_int_fields(raw, path)
         if raw.get("quantization_config"):
             raise ValueError(f"quantization_config in {path}: quantized checkpoints are not implemented "
-                             "(a .gguf file of Q8_0, Q4_0 or Q4_1 tensors runs quantized)")
+                             "(a .gguf file of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or K-quant tensors runs quantized)")
     try:
         if gguf is None:
             return AutoConfig.from_pretrained(model)
@@ -289,8 +289,8 @@ class EngineConfig:
                                    "bf16 weights only), onednn, off (F.linear); default from "
                                    "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "c", "bf16", "onednn", "off"),
                               default_factory=_env_packed_linear)
-    quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0 and Q4_1 tensors stay quantized on "
-                                          "CPU, run by AVX-512 VNNI kernels; dequantized at load where those "
+    quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K "
+                                          "and Q6_K tensors stay quantized on CPU, run by AVX-512 VNNI kernels; dequantized at load where those "
                                           "cannot run, with a log line), none (dequantize at load), int8 (CPU: "
                                           "quantize a bf16/fp32 checkpoint's linear layers at load, int8 per "
                                           "output channel, activations per token)",

@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's single-file format): find the file, read its header, build the HF config
 and tokenizer from it, and hand its tensors to the loader under their HF names: dequantized, or, for the types
-layers/quant.py runs (Q8_0, Q4_0, Q4_1) when the engine keeps them, as the file's blocks (`QuantBlocks`).
+layers/quant.py runs (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) when the engine keeps them, as the file's
+blocks (`QuantBlocks`).
 
 The header is read here (string arrays such as the vocabulary are stepped over, not decoded), so a rank pays
 milliseconds for it; the `gguf` package dequantizes and maps GGUF tensor names to HF ones, transformers' GGUF
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.quant import BLOCK, GGUF_TYPES, QuantBlocks
+from nanovllm_tp.layers.quant import BLOCK_SIZE, GGUF_TYPES, QuantBlocks
 
 # GGUF architectures the engine reads (a qwen3moe file stacks each layer's experts: split at load)
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
@@ -289,9 +290,10 @@ def check_block_split(path: str, tp: int) -> None:
     that would split a block of a tensor that stays quantized, naming it."""
     for t in read_header(path).tensors:
         if t.ggml_type in GGUF_TYPES and (".attn_output." in t.name or ".ffn_down." in t.name):
-            if t.shape[-1] % (tp * BLOCK):
-                raise ValueError(f"tensor_parallel_size={tp} would split the blocks of {BLOCK} of {t.name} "
-                                 f"({GGUF_TYPES[t.ggml_type]}, {t.shape[-1]} inputs: {t.shape[-1] / tp:g} per rank); "
+            if t.shape[-1] % (tp * BLOCK_SIZE[t.ggml_type]):
+                raise ValueError(f"tensor_parallel_size={tp} would split the blocks of {BLOCK_SIZE[t.ggml_type]} of "
+                                 f"{t.name} ({GGUF_TYPES[t.ggml_type]}, {t.shape[-1]} inputs: "
+                                 f"{t.shape[-1] / tp:g} per rank); "
                                  "choose a TP size that keeps them whole, or quantization='none' (dequantized)")
 
 

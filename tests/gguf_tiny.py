@@ -8,13 +8,17 @@ import json
 
 import numpy as np
 
+from tests import kquant_blocks
+
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadata: dict | None = None,
-               qtype: str = "Q8_0", embed_qtype: str = "Q8_0"):
+               qtype: str = "Q8_0", embed_qtype: str = "Q8_0", layer_qtypes: dict | None = None):
+    """layer_qtypes: {part of an HF name ("down_proj"): its type} over qtype, as llama.cpp's mixes (Q4_K_M:
+    ffn_down and attn_v in Q6_K)."""
     import gguf
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -74,8 +78,10 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
             w = w + 1
         name = f"{names.get_name(base) or base}.{suffix}"
         if w.ndim >= 2:
-            kind = gguf.GGMLQuantizationType[embed_qtype if "embed" in base or "lm_head" in base else qtype]
-            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+            chosen = next((t for part, t in (layer_qtypes or {}).items() if part in base), qtype)
+            kind = gguf.GGMLQuantizationType[embed_qtype if "embed" in base or "lm_head" in base else chosen]
+            data = kquant_blocks.quantize(w, kind.name) if kind.name.endswith("_K") else gguf.quants.quantize(w, kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()

@@ -104,8 +104,9 @@ class CpuKernels:
         # the dtypes csrc/linear.c was built for here (AVX-512 BF16 for bf16, AVX-512F for fp32)
         self.linear_dtypes = tuple(dt for dt, ok in ((torch.bfloat16, self._linear_bf16_available()),
                                                      (torch.float32, self._linear_f32_available())) if ok)
-        # what csrc/linear_q.c runs (built with AVX-512 VNNI): ggml's Q4_0, Q4_1, Q8_0, and int8 (its code 100)
-        self.quant_types = (2, 3, 8, 100) if self._linear_q_available() else ()
+        # what csrc/linear_q.c runs (built with AVX-512 VNNI): ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+        # Q6_K, and int8 (its code 100)
+        self.quant_types = (2, 3, 6, 7, 8, 12, 13, 14, 100) if self._linear_q_available() else ()
 
     def pack_linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         """w [n, k] (a dtype in linear_dtypes; k even for bf16) in csrc/linear.c's layout, flat: blocks of 16
@@ -131,8 +132,8 @@ class CpuKernels:
         return out
 
     def pack_quant_weight(self, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-        """raw: a weight's rows as GGUF blocks of `qtype` ([n, k / 32 * block bytes] uint8; int8: [n, 4 + k]), in
-        csrc/linear_q.c's layout (units of 32 rows; see there)."""
+        """raw: a weight's rows as blocks of 32 of `qtype` ([n, k / 32 * block bytes] uint8: GGUF's, or
+        quant_kblocks.unpack's; int8: [n, 4 + k]), in csrc/linear_q.c's layout (units of 32 rows; see there)."""
         n = raw.shape[0]
         size = self._q_packed_bytes(n, k, qtype)
         if size < 0:

@@ -26,7 +26,7 @@ from torch import nn
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm_tp.layers import cpu_kernels, kernel_choice, quant
 from nanovllm_tp.layers.kernel_choice import ChosenWeight
-from nanovllm_tp.layers.quant import QuantBlocks, QuantReference, QuantWeight
+from nanovllm_tp.layers.quant import QuantBlocks, QuantParts, QuantReference, QuantWeight
 
 
 def shape_of(loaded) -> tuple[int, ...]:
@@ -73,21 +73,21 @@ _UNSET = object()
 
 
 def load_rows(param: nn.Parameter, offset: int, src) -> None:
-    """Copy src (a tensor, or QuantBlocks) into rows offset.. of param. Blocks stay blocks, in param.blocks; a
-    part of another kind than the parts before it (a merged layer whose q, k, v differ in type) turns the whole
-    parameter dense, dequantized, as does a part that is not a whole-row 2-D weight."""
+    """Copy src (a tensor, or QuantBlocks) into rows offset.. of param. Blocks stay blocks, in param.blocks
+    (`quant.write_rows`: a merged layer whose q, k, v differ in type keeps each part's); a dense part turns the
+    whole parameter dense, dequantized, as does a part that is not a whole-row 2-D weight."""
     dst = param.data[offset:offset + shape_of(src)[0]]
     blocks = getattr(param, "blocks", _UNSET)
     if isinstance(src, QuantBlocks):
         if tuple(dst.shape) != src.shape or param.dim() != 2:
             raise ValueError(f"checkpoint weight slice has shape {src.shape}, the model expects {tuple(dst.shape)}")
         if blocks is _UNSET:
-            blocks = param.blocks = QuantBlocks.zeros(*param.shape, src.qtype)
-        if blocks is not None and blocks.qtype == src.qtype:
-            blocks.data[offset:offset + src.shape[0]] = src.data
+            blocks = QuantBlocks.zeros(*param.shape, src.qtype)
+        if blocks is not None:
+            param.blocks = quant.write_rows(blocks, offset, src)
             return
         src = src.dequantize()
-    if isinstance(blocks, QuantBlocks):
+    if blocks is not _UNSET and blocks is not None:
         param.data.copy_(blocks.dequantize())
     param.blocks = None
     copy_checked(dst, src)
@@ -185,6 +185,8 @@ def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
 
 
 def _path(packed) -> str:
+    if isinstance(packed, QuantParts):
+        return "+".join(_path(p) for p in packed.parts)
     if isinstance(packed, QuantWeight):
         return quant.type_name(packed).lower()
     if isinstance(packed, QuantReference):
@@ -197,14 +199,15 @@ def _path(packed) -> str:
 def linear_paths(model: nn.Module) -> str:
     """Which matmuls the model's linear layers (and LM head) run: "c" (csrc/linear.c), "onednn", "torch"
     (F.linear), a GGUF type in lower case ("q4_1": csrc/linear_q.c; "q4_1-torch": its torch reference)."""
-    kinds = {k for m in model.modules() if hasattr(m, "packed") and m.packs_dense for k in _path(m.packed).split("+")}
+    kinds = {kind for m in model.modules() if hasattr(m, "packed") and m.packs_dense
+             for kind in _path(m.packed).split("+")}
     return "+".join(sorted(kinds)) or "torch"
 
 
 def quantization_of(model: nn.Module) -> str:
     """The quantized types the model's weights run in ("Q4_1+Q8_0"), or "none"."""
-    kinds = {quant.type_name(m.packed) for m in model.modules()
-             if isinstance(getattr(m, "packed", None), (QuantWeight, QuantReference))}
+    kinds = {kind for m in model.modules() if isinstance(getattr(m, "packed", None), quant.FORMS)
+             for kind in quant.type_name(m.packed).split("+")}
     return "+".join(sorted(kinds)) or "none"
 
 
@@ -212,14 +215,14 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | N
     """x @ weight.T (+ bias): through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and isinstance(packed, (QuantWeight, QuantReference)):      # the usual case, without reshapes
+    if x.dim() == 2 and isinstance(packed, quant.FORMS):      # the usual case, without reshapes
         return quant.quant_matmul(x, packed, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(packed, ChosenWeight):
         y = packed(x2, bias)
     elif isinstance(packed, BlockedWeight):
         y = C_KERNEL.run(x2, packed, bias)
-    elif isinstance(packed, (QuantWeight, QuantReference)):
+    elif isinstance(packed, quant.FORMS):
         y = quant.quant_matmul(x2, packed, bias)
     else:
         y = ONEDNN.run(x2, packed, bias)

@@ -1,6 +1,8 @@
 """Weights that stay block-quantized on CPU: GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 inputs, an fp16 scale d per
-block, and a min m for Q4_1), and int8 per output channel made at load from a dense checkpoint (quantization
-"int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output, activations quantized per token).
+block, and a min m for Q4_1), Q5_0 / Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (layers/quant_kblocks.py unpacks
+their super-blocks of 256 into blocks of 32 at load), and int8 per output channel made at load from a dense
+checkpoint (quantization "int8", vLLM's W8A8 on CPU: symmetric int8 weights with an fp32 scale per output,
+activations quantized per token).
 
 A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
 as the file stores them); `linear.load_rows` keeps them beside the parameter, whose dense storage is never
@@ -21,11 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_kernels, quant_kblocks
 
-BLOCK = 32
-GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}      # ggml type -> name: the types that stay quantized
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+BLOCK = 32          # the activations' block, and the smallest weight block
+# ggml type -> name: the types that stay quantized
+GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", **quant_kblocks.FIVE, **quant_kblocks.SUPER}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, **quant_kblocks.BLOCK_BYTES}
+BLOCK_SIZE = {2: BLOCK, 3: BLOCK, 8: BLOCK, **quant_kblocks.BLOCK_SIZE}     # inputs per block in the file
 INT8 = 100          # csrc/linear_q.c's code for int8 per output channel: rows of [fp32 scale][in_features int8]
 NAMES = {**GGUF_TYPES, INT8: "int8"}
 INV127 = torch.tensor(np.float32(1) / np.float32(127))     # the kernel's 1.0f / 127.0f
@@ -45,18 +49,19 @@ class QuantBlocks:
 
     @classmethod
     def zeros(cls, rows: int, in_features: int, qtype: int) -> "QuantBlocks":
-        return cls(torch.zeros(rows, in_features // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8), qtype,
-                   in_features)
+        return cls(torch.zeros(rows, in_features // BLOCK_SIZE[qtype] * BLOCK_BYTES[qtype], dtype=torch.uint8),
+                   qtype, in_features)
 
     def columns(self, start: int, size: int, name: str) -> "QuantBlocks":
         """Inputs start..start+size; a rank's slice must hold whole blocks."""
-        if start % BLOCK or size % BLOCK:
-            raise ValueError(f"{name}: a slice of inputs {start}..{start + size} splits its blocks of {BLOCK} "
+        block = BLOCK_SIZE[self.qtype]
+        if start % block or size % block:
+            raise ValueError(f"{name}: a slice of inputs {start}..{start + size} splits its blocks of {block} "
                              f"({GGUF_TYPES[self.qtype]}); choose a tensor_parallel_size that divides "
-                             f"{self.in_features} into multiples of {BLOCK}, or quantization='none'")
+                             f"{self.in_features} into multiples of {block}, or quantization='none'")
         per = BLOCK_BYTES[self.qtype]
-        return QuantBlocks(self.data[:, start // BLOCK * per:(start + size) // BLOCK * per].contiguous(), self.qtype,
-                           size)
+        return QuantBlocks(self.data[:, start // block * per:(start + size) // block * per].contiguous(),
+                           self.qtype, size)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, in_features]: d * q (+ m), as llama.cpp (the gguf package's dequantizer); int8: scale * q."""
@@ -64,6 +69,61 @@ class QuantBlocks:
             return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
         from gguf import dequantize
         return torch.from_numpy(dequantize(self.data.numpy(), self.qtype).reshape(self.shape).copy())
+
+
+def same_type(a: QuantBlocks, b: QuantBlocks) -> tuple[QuantBlocks, QuantBlocks]:
+    """Two parts of one merged weight in one type where that loses nothing (Q4_0 and Q5_0 beside Q8_0 become
+    Q8_0); else as they are."""
+    kinds = {a.qtype, b.qtype}
+    if len(kinds) == 1 or 8 not in kinds or not kinds <= {8, 2, 6}:
+        return a, b
+
+    def q8(x: QuantBlocks) -> QuantBlocks:
+        if x.qtype == 8:
+            return x
+        return QuantBlocks(torch.from_numpy(quant_kblocks.to_q8_0(x.data.numpy(), x.qtype)), 8, x.in_features)
+    return q8(a), q8(b)
+
+
+@dataclass(slots=True)
+class MixedBlocks:
+    """A merged weight whose parts come in types with no lossless common one (a Q4_K_M file's q and k in Q4_K
+    beside v in Q6_K): runs of rows of one type each, in row order."""
+    parts: list[QuantBlocks]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].in_features
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def write_rows(blocks: "QuantBlocks | MixedBlocks", offset: int, src: QuantBlocks) -> "QuantBlocks | MixedBlocks":
+    """A whole parameter's blocks with rows offset.. set to src: in place where the types agree (after
+    same_type), else the rows split into runs of one type."""
+    out, start, end = [], 0, offset + src.shape[0]
+    for part in blocks.parts if isinstance(blocks, MixedBlocks) else [blocks]:
+        stop = start + part.shape[0]
+        lo, hi = max(offset, start), min(end, stop)
+        if lo >= hi:
+            out.append(part)
+        else:
+            part, piece = same_type(part, QuantBlocks(src.data[lo - offset:hi - offset], src.qtype, src.in_features))
+            if part.qtype == piece.qtype:
+                part.data[lo - start:hi - start] = piece.data
+                out.append(part)
+            else:
+                out += [QuantBlocks(part.data[:lo - start], part.qtype, part.in_features), piece,
+                        QuantBlocks(part.data[hi - start:], part.qtype, part.in_features)]
+        start = stop
+    runs = []
+    for part in (p for p in out if p.shape[0]):
+        if runs and runs[-1].qtype == part.qtype:
+            runs[-1] = QuantBlocks(torch.cat([runs[-1].data, part.data]), part.qtype, part.in_features)
+        else:
+            runs.append(part)
+    return runs[0] if len(runs) == 1 else MixedBlocks(runs)
 
 
 def int8_blocks(w: torch.Tensor) -> QuantBlocks:
@@ -90,15 +150,34 @@ class QuantReference:
     qtype: int
 
 
+@dataclass(slots=True)
+class QuantParts:
+    """MixedBlocks packed: each run of rows its own packed weight (QuantWeight or QuantReference), the outputs
+    side by side."""
+    parts: list
+    out_features: int
+
+
+FORMS = (QuantWeight, QuantReference, QuantParts)      # what quant_matmul runs
+
+
 def type_name(packed) -> str:
+    """"Q4_1"; for QuantParts its parts' types, "Q4_K+Q6_K"."""
+    if isinstance(packed, QuantParts):
+        return "+".join(sorted({type_name(p) for p in packed.parts}))
     return NAMES[packed.qtype]
 
 
-def pack_blocks(blocks: QuantBlocks):
+def pack_blocks(blocks: "QuantBlocks | MixedBlocks"):
     """The form the matmul reads: the kernels' layout where they run, else the torch reference."""
+    if isinstance(blocks, MixedBlocks):
+        return QuantParts([pack_blocks(p) for p in blocks.parts], blocks.shape[0])
     kernels = cpu_kernels.active()
     if kernels is not None and blocks.qtype in kernels.quant_types:
-        data = kernels.pack_quant_weight(blocks.data, blocks.qtype, blocks.in_features)
+        raw = blocks.data
+        if blocks.qtype in quant_kblocks.BLOCK_SIZE:
+            raw = torch.from_numpy(quant_kblocks.unpack(raw.numpy(), blocks.qtype))
+        data = kernels.pack_quant_weight(raw, blocks.qtype, blocks.in_features)
         return QuantWeight(data, blocks.qtype, *blocks.shape)
     return QuantReference(blocks.dequantize(), blocks.qtype)
 
@@ -121,6 +200,13 @@ def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 
 def quant_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ w.T (+ bias) in x's dtype, with fp32 sums and one rounding at the end."""
+    if isinstance(packed, QuantParts):
+        outs, start = [], 0
+        for part in packed.parts:
+            n = part.out_features if isinstance(part, QuantWeight) else part.weight.shape[0]
+            outs.append(quant_matmul(x, part, None if bias is None else bias[start:start + n]))
+            start += n
+        return torch.cat(outs, dim=-1)
     if isinstance(packed, QuantWeight):
         return cpu_kernels.load().linear_quant(x, packed.data, packed.qtype, packed.out_features, bias)
     block = x.shape[-1] if packed.qtype == INT8 else BLOCK

@@ -133,20 +133,32 @@ def test_embedding_rows_are_the_dequantized_rows(name, dtype):
                                                                  want.to(dtype))
 
 
-def test_parts_of_two_kinds_turn_a_merged_weight_dense():
-    """A merged layer (q, k, v) whose parts come in different types, or one part dense, is dequantized whole."""
+def test_parts_of_a_merged_weight_keep_their_types():
+    """A merged layer (q, k, v) keeps its parts' blocks: one type as one weight; Q4_0 beside Q8_0 as Q8_0 (no
+    loss); Q4_0 beside Q4_1 as runs of rows of each (parts written in any order); one part dense: dequantized
+    whole."""
     from nanovllm_tp.layers.linear import load_rows
-    a, b = random_blocks(4, 64, "Q4_0", seed=0), random_blocks(2, 64, "Q8_0", seed=1)
+    from nanovllm_tp.layers.quant import MixedBlocks
+    a, b, c = (random_blocks(4, 64, "Q4_0", seed=0), random_blocks(2, 64, "Q8_0", seed=1),
+               random_blocks(2, 64, "Q4_1", seed=2))
     same = torch.nn.Parameter(torch.empty(8, 64), requires_grad=False)
     load_rows(same, 0, a)
     load_rows(same, 4, a)
     assert same.blocks.qtype == a.qtype and torch.equal(same.blocks.data, torch.cat([a.data, a.data]))
-    for second in (b, b.dequantize()):
-        mixed = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
-        load_rows(mixed, 0, a)
-        load_rows(mixed, 4, second)
-        assert mixed.blocks is None
-        assert torch.equal(mixed.data, torch.cat([a.dequantize(), b.dequantize()]))
+    widened = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+    load_rows(widened, 0, a)
+    load_rows(widened, 4, b)
+    assert widened.blocks.qtype == 8 and torch.equal(widened.blocks.dequantize(), torch.cat([a.dequantize(),
+                                                                                             b.dequantize()]))
+    mixed = torch.nn.Parameter(torch.empty(10, 64), requires_grad=False)
+    for offset, part in ((8, c), (0, a), (4, a)):
+        load_rows(mixed, offset, part)
+    assert isinstance(mixed.blocks, MixedBlocks) and [p.qtype for p in mixed.blocks.parts] == [2, 3]
+    assert torch.equal(mixed.blocks.dequantize(), torch.cat([a.dequantize(), a.dequantize(), c.dequantize()]))
+    dense = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
+    load_rows(dense, 0, a)
+    load_rows(dense, 4, b.dequantize())
+    assert dense.blocks is None and torch.equal(dense.data, torch.cat([a.dequantize(), b.dequantize()]))
     dense_first = torch.nn.Parameter(torch.empty(6, 64), requires_grad=False)
     load_rows(dense_first, 4, b.dequantize())
     load_rows(dense_first, 0, a)

@@ -1,21 +1,25 @@
-/* Linear layers over block-quantized weights on CPU: out = x @ w.T (+ bias) where w stays in GGUF's blocks of 32
- * (Q8_0: d * q, q int8; Q4_0: d * (q - 8), q 4 bits; Q4_1: d * q + m, q 4 bits; d and m fp16 per block).
+/* Linear layers over block-quantized weights on CPU: out = x @ w.T (+ bias) where w stays in blocks of 32 inputs:
+ * GGUF's Q8_0 (d * q, q int8), Q4_0 (d * (q - 8), q 4 bits), Q4_1 (d * q + m), Q5_0 (d * (q - 16), q 5 bits),
+ * Q5_1 (d * q + m), with d and m fp16 per block; the K-quants unpacked by layers/quant_kblocks.py into blocks of
+ * 32 with fp32 scales: Q4_K and Q5_K (d * q + m, q 4 or 5 bits), Q6_K (d_half * (q - 32), one d per 16 inputs).
  *
  * The weight is repacked once (pack_q_weight) into units of 32 outputs, two tiles of 16 lanes, so that one
  * 64-byte load holds 4 consecutive k of 16 outputs, the operand layout of VPDPBUSD (u8 x s8, 4 products summed
  * per int32 lane):
- *     quants  [unit][block][tile][group][16 lanes][4 bytes]     Q8_0: 8 groups of q + 128; Q4: 4 groups of the
- *                                                               file's bytes (low nibble k = 4g + i, high 16 + 4g + i)
- *     scales  [unit][block][d fp16 x 32][m fp16 x 32 (Q4_1)]    after every quant
+ *     quants  [unit][block][tile][group][16 lanes][4 bytes]     one byte per quant: 8 groups (Q8_0 as q + 128);
+ *                                                               Q4_0, Q4_1, Q4_K: 4 groups of 4-bit pairs (low
+ *                                                               nibble k = 4g + i, high 16 + 4g + i)
+ *     scales  [unit][block][d x 32][m or Q6_K's second d x 32]  after every quant; fp16, fp32 for the K-quants
  * The last unit is zero-padded. A thread's units are one contiguous stream, read once per row group.
  *
  * Activations are quantized per row and per block of 32 (as llama.cpp's Q8_0/Q8_1 activation blocks): scale
  * dx = amax * (1/127) in fp32, q = round-half-even(x * (1/dx)), kept beside their sum. Each (output, block) then
  * costs an exact integer dot product of the stored unsigned values u against q, and
- *     y += (dw * dx) * (dot - off * sum(q))        off = 128 (Q8_0, u = q + 128), 8 (Q4_0), 0 (Q4_1)
- *     y += mw * (dx * sum(q))                       Q4_1 only
- * in fp32: the same numbers as dequantizing both operands (layers/quant.py's torch reference does that), summed
- * in another order. I8 (int8 per output channel, layers/quant.py's quantization="int8") stores q + 128 like Q8_0
+ *     y += (dw * dx) * (dot - off * sum(q))        off = 128 (Q8_0, u = q + 128), 8 (Q4_0), 16 (Q5_0), 0 (mins)
+ *     y += mw * (dx * sum(q))                       the types with a min
+ * (Q6_K: each half of 16 its own dot, sum and d, off = 32) in fp32: the same numbers as dequantizing both operands
+ * (layers/quant.py's torch reference does that), summed in another order. I8 (int8 per output channel,
+ * layers/quant.py's quantization="int8") stores q + 128 like Q8_0
  * and one fp32 scale per output; its activations take one scale per row, and each output is one integer dot
  * product over all of k, scaled once: (sw * dx) * (dot - 128 * sum(q)). One kernel serves decode (bound by reading
  * the weights) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without AVX-512 VNNI at
@@ -27,13 +31,33 @@
 
 #define QK 32
 #define UNIT 32
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8,      /* ggml type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,     /* ggml type ids */
        I8 = 100 };                        /* int8 per output channel: rows of [fp32 scale][k int8] (layers/quant.py) */
 
-static int64_t unit_quant_bytes(int qt) { return qt == Q8_0 || qt == I8 ? 1024 : 512; }
-static int64_t unit_scale_bytes(int qt) { return qt == Q4_1 ? 128 : qt == I8 ? 0 : 64; }   /* per unit and block */
-static int64_t file_block_bytes(int qt) { return qt == Q8_0 ? 34 : qt == Q4_1 ? 20 : 18; }
-static int known(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q4_1 || qt == I8; }
+/* What a type's packed blocks hold. Quants: one byte each (8 groups of 4 per tile), or 4-bit pairs (Q4_0, Q4_1,
+ * Q4_K: 4 groups). Scales per output and block of 32: d, then a min m (w = d * (u - off) + m) or, for Q6_K, the
+ * second half's d (its sub-blocks are 16 wide: w = d_half * (u - 32)); fp16 as the file stores them, fp32 for the
+ * K-quants (d = super-block scale x sub-block scale, exact in fp32). off: subtracted from the stored u. */
+static int byte_quants(int qt) { return qt != Q4_0 && qt != Q4_1 && qt != Q4_K; }
+static int has_min(int qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
+static int halves(int qt) { return qt == Q6_K; }
+static int wide(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+static int offset_of(int qt)
+{
+    return qt == Q8_0 || qt == I8 ? 128 : qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q6_K ? 32 : 0;
+}
+static int scale_count(int qt) { return qt == I8 ? 0 : 1 + (has_min(qt) || halves(qt)); }
+static int64_t unit_quant_bytes(int qt) { return byte_quants(qt) ? 1024 : 512; }
+static int64_t unit_scale_bytes(int qt) { return scale_count(qt) * (wide(qt) ? 4 : 2) * UNIT; }  /* per unit, block */
+/* the raw blocks pack_q_weight reads: the file's (Q8_0, Q4_0, Q4_1), or layers/quant_kblocks.py's per block of
+ * 32 ([fp16 d][fp16 m][32 u8] for Q5_0 / Q5_1, [fp32 d][fp32 m or d2][32 u8] for the K-quants) */
+static int64_t raw_head_bytes(int qt) { return qt == Q8_0 || qt == Q4_0 ? 2 : wide(qt) ? 8 : 4; }
+static int64_t raw_block_bytes(int qt) { return raw_head_bytes(qt) + (qt == Q4_0 || qt == Q4_1 ? 16 : 32); }
+static int known(int qt)
+{
+    return qt == Q8_0 || qt == Q4_0 || qt == Q4_1 || qt == Q5_0 || qt == Q5_1 || qt == Q4_K || qt == Q5_K ||
+           qt == Q6_K || qt == I8;
+}
 
 /* bytes of the packed form of an [n, k] weight, or -1 for a type this file does not know or k not whole blocks;
  * I8 keeps its 32 row scales (fp32) per unit after the quants */
@@ -44,12 +68,14 @@ int64_t q_packed_bytes(int64_t n, int64_t k, int qtype)
     return units * ((k / QK) * (unit_quant_bytes(qtype) + unit_scale_bytes(qtype)) + (qtype == I8 ? 4 * UNIT : 0));
 }
 
-/* raw: the file's rows of blocks [n][k / 32] (I8: rows of [fp32 scale][k int8]); packed: q_packed_bytes bytes */
+/* raw: rows of raw blocks [n][k / 32] (I8: rows of [fp32 scale][k int8]); packed: q_packed_bytes bytes */
 void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, int qtype)
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
-    const int64_t us = unit_scale_bytes(qtype), bb = file_block_bytes(qtype), groups = uq == 1024 ? 8 : 4;
-    const int offset = uq == 1024 ? 0x80 : 0;          /* int8 quants are stored as u8 = q + 128 */
+    const int64_t us = unit_scale_bytes(qtype), bb = raw_block_bytes(qtype), head = raw_head_bytes(qtype);
+    const int64_t size = wide(qtype) ? 4 : 2, groups = uq == 1024 ? 8 : 4, scales_n = scale_count(qtype);
+    const int offset = qtype == Q8_0 || qtype == I8 ? 0x80 : 0;    /* int8 quants are stored as u8 = q + 128 */
+    const int expand4 = qtype == Q4_K;      /* one byte per quant in the raw block, packed into 4-bit pairs here */
     uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for schedule(static) if (n * k >= (1 << 20))
     for (int64_t u = 0; u < units; u++)
@@ -68,17 +94,17 @@ void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, in
                 } else {
                     const uint8_t *src = row < n ? raw + (row * nb + b) * bb : NULL;
                     uint8_t *s = scales + (u * nb + b) * us;
-                    qs = src ? src + (qtype == Q4_1 ? 4 : 2) : NULL;
-                    memset(s + 2 * lane, 0, 2);
-                    if (src) memcpy(s + 2 * lane, src, 2);
-                    if (qtype == Q4_1) {
-                        memset(s + 64 + 2 * lane, 0, 2);
-                        if (src) memcpy(s + 64 + 2 * lane, src + 2, 2);
+                    qs = src ? src + head : NULL;
+                    for (int64_t j = 0; j < scales_n; j++) {
+                        memset(s + (j * UNIT + lane) * size, 0, size);
+                        if (src) memcpy(s + (j * UNIT + lane) * size, src + j * size, size);
                     }
                 }
                 for (int g = 0; g < groups; g++)
                     for (int i = 0; i < 4; i++)
-                        q[g * 64 + i] = (uint8_t)((qs ? qs[4 * g + i] : 0) ^ offset);
+                        q[g * 64 + i] = !qs ? 0
+                                        : expand4 ? (uint8_t)(qs[4 * g + i] | qs[16 + 4 * g + i] << 4)
+                                        : (uint8_t)(qs[4 * g + i] ^ offset);
             }
 }
 
@@ -108,13 +134,26 @@ static void store_float(void *out, int64_t i, float f, int bf16)
     ((uint16_t *)out)[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-/* Rows ids[0..count) of a packed weight of a GGUF type (not I8), dequantized (d * q + m in fp32, then the output
- * dtype): the embedding's lookup when the LM head shares its weight. */
+static float scale_at(const uint8_t *s, int j, int lane, int qt)
+{
+    if (wide(qt)) {
+        float f;
+        memcpy(&f, s + (j * UNIT + lane) * 4, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, s + (j * UNIT + lane) * 2, 2);
+    return half_to_float(h);
+}
+
+/* Rows ids[0..count) of a packed weight of a GGUF type (not I8), dequantized (d * (u - off) + m in fp32, then
+ * the output dtype): the embedding's lookup when the LM head shares its weight. */
 void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t count, int64_t n, int64_t k,
                    int qtype, int bf16)
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
     const int64_t us = unit_scale_bytes(qtype);
+    const int off = offset_of(qtype), bytes = byte_quants(qtype);
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
     for (int64_t e = 0; e < count; e++) {
@@ -122,18 +161,14 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *q = packed + (u * nb + b) * uq + (lane / 16) * (uq / 2) + (lane % 16) * 4;
             const uint8_t *s = scales + (u * nb + b) * us;
-            uint16_t dh, mh = 0;
-            memcpy(&dh, s + 2 * lane, 2);
-            if (qtype == Q4_1) memcpy(&mh, s + 64 + 2 * lane, 2);
-            const float d = half_to_float(dh), m = half_to_float(mh);
+            const float d = scale_at(s, 0, lane, qtype);
+            const float d2 = scale_count(qtype) > 1 ? scale_at(s, 1, lane, qtype) : 0.f;
             for (int j = 0; j < QK; j++) {
-                float v;
-                if (qtype == Q8_0) v = (float)(int8_t)(q[j / 4 * 64 + j % 4] ^ 0x80) * d;
-                else {
-                    const int jj = j % 16, nib = (q[jj / 4 * 64 + jj % 4] >> (j < 16 ? 0 : 4)) & 0xf;
-                    v = qtype == Q4_0 ? (float)(nib - 8) * d : (float)nib * d + m;
-                }
-                store_float(out, e * k + b * QK + j, v, bf16);
+                const int jj = j % 16;
+                const int v = bytes ? q[j / 4 * 64 + j % 4] : (q[jj / 4 * 64 + jj % 4] >> (j < 16 ? 0 : 4)) & 0xf;
+                const float w = halves(qtype) ? (float)(v - off) * (j < 16 ? d : d2)
+                                : has_min(qtype) ? (float)v * d + d2 : (float)(v - off) * d;
+                store_float(out, e * k + b * QK + j, w, bf16);
             }
         }
     }
@@ -175,9 +210,10 @@ INLINE float scale_of(float amax, float *inverse)
 }
 
 /* One row of k activations (fp32, or bf16) into int8 q, scaled per block of 32 (dx, off * sum(q), dx * sum(q)
- * per block) or, with whole, by one scale for the row (I8: the three at index 0). */
+ * per block; with hi (Q6_K's two halves of 16): c = off * sum of the first half, hi = off * sum of the second)
+ * or, with whole, by one scale for the row (I8: the three at index 0). */
 INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int8_t *q, float *dx, int32_t *c,
-                         float *s, const int whole)
+                         float *s, int32_t *hi, const int whole)
 {
     __m512 v0, v1, amax = _mm512_setzero_ps();
     float d = 0.f, id = 0.f;
@@ -201,8 +237,14 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int
             total += sum;
         } else {
             dx[b] = d;
-            c[b] = off * sum;
             s[b] = d * (float)sum;
+            if (hi) {
+                const int32_t low = _mm512_reduce_add_epi32(q0);
+                c[b] = off * low;
+                hi[b] = off * (sum - low);
+            } else {
+                c[b] = off * sum;
+            }
         }
     }
     if (whole) {
@@ -210,6 +252,13 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int
         c[0] = off * total;
         s[0] = d * (float)total;
     }
+}
+
+/* 16 lanes (tile t) of a block's scale j (0: d; 1: the min, or Q6_K's second d), fp16 or fp32 (f32) */
+INLINE __m512 scales16(const uint8_t *s, int j, int t, const int f32)
+{
+    if (f32) return _mm512_loadu_ps((const float *)s + 32 * j + 16 * t);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + 32 * j + 16 * t)));
 }
 
 INLINE __m512i bcast4(const int8_t *p)
@@ -221,7 +270,8 @@ INLINE __m512i bcast4(const int8_t *p)
 
 /* rows (<= ROWS) quantized rows against one unit (wq: its quants, ws: its scales); left: the layer's outputs
  * from the unit's first one on */
-INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32_t *xc, const float *xs, int64_t k,
+INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32_t *xc, const float *xs,
+                    const int32_t *xh, int64_t k,
                     int64_t nb, const uint8_t *wq, const uint8_t *ws, int rows, const float *bias, void *out,
                     int64_t n, int64_t left, const int bf16, const int R)
 {
@@ -252,12 +302,13 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         }
         nb = 0;          /* no per-block pass */
     }
+    const int bytes = byte_quants(qt), half = halves(qt), min = has_min(qt), f32 = wide(qt);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = wq + b * uq;
-        const uint16_t *s = (const uint16_t *)(ws + b * us);
-        __m512i dot[ROWS][2];
-        for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        if (qt == Q8_0) {
+        const uint8_t *s = ws + b * us;
+        __m512i dot[ROWS][2], dot2[ROWS][2];      /* dot2: Q6_K's second half of the block */
+        for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = dot2[r][0] = dot2[r][1] = _mm512_setzero_si512();
+        if (bytes) {
             #pragma GCC unroll 8
             for (int g = 0; g < 8; g++)
                 #pragma GCC unroll 2
@@ -265,8 +316,11 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
                     #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
-                        if (r < rows)
-                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
+                        if (r < rows) {
+                            const __m512i xv = bcast4(xq + r * k + b * QK + 4 * g);
+                            if (half && g >= 4) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], v, xv);
+                            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, xv);
+                        }
                 }
         } else {
             #pragma GCC unroll 4
@@ -285,18 +339,20 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                 }
         }
         #pragma GCC unroll 2
-        for (int t = 0; t < 2; t++) {
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16 * t)));
-            const __m512 mw = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32 + 16 * t)))
-                                         : _mm512_setzero_ps();
+        for (int t = 0; t < 2; t++) {      /* d, and the second scale: the min, or Q6_K's second half's d */
+            const __m512 dw = scales16(s, 0, t, f32), d2 = min || half ? scales16(s, 1, t, f32) : _mm512_setzero_ps();
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 if (r < rows) {
                     __m512i c = dot[r][t];
-                    if (qt != Q4_1) c = _mm512_sub_epi32(c, _mm512_set1_epi32(xc[r * nb + b]));
-                    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b]));
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, acc[r][t]);
-                    if (qt == Q4_1) acc[r][t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+                    const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
+                    if (!min) c = _mm512_sub_epi32(c, _mm512_set1_epi32(xc[r * nb + b]));
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dw, dx), acc[r][t]);
+                    if (min) acc[r][t] = _mm512_fmadd_ps(d2, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+                    if (half) {
+                        const __m512i c2 = _mm512_sub_epi32(dot2[r][t], _mm512_set1_epi32(xh[r * nb + b]));
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_mul_ps(d2, dx), acc[r][t]);
+                    }
                 }
         }
     }
@@ -312,7 +368,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
     }
 }
 
-#define CHUNK_R(QT, BF16, R) q_chunk(QT, xq + r * k, xd + r * nb, xc + r * nb, xs + r * nb, k, nb, wq, ws, rows, \
+#define CHUNK_R(QT, BF16, R) q_chunk(QT, xq + r * k, xd + r * nb, xc + r * nb, xs + r * nb, xh + r * nb, k, nb, wq, \
+                                     ws, rows, \
                                      bias_u, (char *)out + (r * n + col) * (BF16 ? 2 : 4), n, n - col, BF16, R)
 /* one row (decode) gets a copy of its own, with no registers kept for the other rows */
 #define CHUNK(QT, BF16) do { if (rows == 1) CHUNK_R(QT, BF16, 1); else CHUNK_R(QT, BF16, ROWS); } while (0)
@@ -324,20 +381,20 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
     const int64_t us = unit_scale_bytes(qtype), groups = (m + GROUP_ROWS - 1) / GROUP_ROWS;
-    const int off = qtype == Q8_0 || qtype == I8 ? 128 : qtype == Q4_0 ? 8 : 0, whole = qtype == I8;
+    const int off = offset_of(qtype), whole = qtype == I8;
     const int64_t q_bytes = (m * k + 63) / 64 * 64;
-    char *scratch = aligned_alloc(64, q_bytes + (m * nb * 12 + 63) / 64 * 64);
+    char *scratch = aligned_alloc(64, q_bytes + (m * nb * 16 + 63) / 64 * 64);
     if (!scratch) return -1;
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + q_bytes), *xs = xd + m * nb;
-    int32_t *xc = (int32_t *)(xs + m * nb);
+    int32_t *xc = (int32_t *)(xs + m * nb), *xh = xc + m * nb;
     #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
     for (int64_t r = 0; r < m; r++) {
         int8_t *q = xq + r * k;
         float *d = xd + r * nb, *s = xs + r * nb;
-        int32_t *c = xc + r * nb;
-        if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, whole);
-        else quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, whole);
+        int32_t *c = xc + r * nb, *h = halves(qtype) ? xh + r * nb : NULL;
+        if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, h, whole);
+        else quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, h, whole);
     }
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for collapse(2) schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
@@ -348,10 +405,17 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
             const float *bias_u = bias ? bias + col : NULL;
             for (int64_t r = g * GROUP_ROWS; r < end; r += ROWS) {
                 const int rows = end - r < ROWS ? (int)(end - r) : ROWS;
-                if (qtype == Q8_0) { if (bf16) CHUNK(Q8_0, 1); else CHUNK(Q8_0, 0); }
-                else if (qtype == Q4_0) { if (bf16) CHUNK(Q4_0, 1); else CHUNK(Q4_0, 0); }
-                else if (qtype == I8) { if (bf16) CHUNK(I8, 1); else CHUNK(I8, 0); }
-                else { if (bf16) CHUNK(Q4_1, 1); else CHUNK(Q4_1, 0); }
+                switch (qtype) {     /* one copy of the chunk per type and dtype, its branches decided */
+                case Q8_0: if (bf16) CHUNK(Q8_0, 1); else CHUNK(Q8_0, 0); break;
+                case Q4_0: if (bf16) CHUNK(Q4_0, 1); else CHUNK(Q4_0, 0); break;
+                case Q4_1: if (bf16) CHUNK(Q4_1, 1); else CHUNK(Q4_1, 0); break;
+                case Q5_0: if (bf16) CHUNK(Q5_0, 1); else CHUNK(Q5_0, 0); break;
+                case Q5_1: if (bf16) CHUNK(Q5_1, 1); else CHUNK(Q5_1, 0); break;
+                case Q4_K: if (bf16) CHUNK(Q4_K, 1); else CHUNK(Q4_K, 0); break;
+                case Q5_K: if (bf16) CHUNK(Q5_K, 1); else CHUNK(Q5_K, 0); break;
+                case Q6_K: if (bf16) CHUNK(Q6_K, 1); else CHUNK(Q6_K, 0); break;
+                default: if (bf16) CHUNK(I8, 1); else CHUNK(I8, 0);
+                }
             }
         }
     free(scratch);

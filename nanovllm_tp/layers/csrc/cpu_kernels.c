@@ -47,8 +47,8 @@ INLINE void store(void *p, int64_t i, float f, const int bf16)
 /* ---------------------------------------------------------------- quantized KV values
  * A quantized KV cache (kv_cache_dtype, layers/attention/kv_quant.py) holds 8-bit values, each token's vector of
  * one KV head with one fp32 scale: kv 1 = int8, 2 = fp8 e4m3 (torch.float8_e4m3fn), 3 = fp8 e5m2; kv 0 = the
- * query's dtype, unscaled. fp8 is widened through a 256-entry table (its NaN codes, which a scaled store never
- * writes, read as 0).
+ * query's dtype, unscaled. fp8 is widened through a 256-entry table (its NaN and inf codes, which a scaled store
+ * never writes, read as 0).
  */
 static float fp8_e4m3[256], fp8_e5m2[256];
 

@@ -1,50 +1,16 @@
 """kv_cache_dtype: the engine's greedy tokens equal transformers' with K/V round-tripped through the same 8-bit
-format (tests/kv_reference.py), through chunked prefill, prefix hits, preemption and n > 1 block copies; the KV
-budget's block count; bad values refused before anything starts.
-
-Tokens are compared up to the reference's first near tie (two best logits closer than NEAR_TIE): there a sum in
-another order may pick the other token, and a different token changes the rest of the sequence."""
+format (tests/kv_reference.py: compared up to the reference's first near tie), through chunked prefill, prefix
+hits, preemption and n > 1 block copies; the KV budget's block count; bad values refused before anything starts."""
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from tests.helpers import hf_greedy, mixed_prompts
-from tests.kv_reference import kv_quantized_model
+from tests.kv_reference import LENGTHS, TOKENS, assert_follows, reference
 
-TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-NEAR_TIE = 0.01
-LENGTHS = (1, 7, 16, 33, 64, 100, 180, 257)
 # int8 on the fp32 tiny model: 2 x 4 layers x 16 tokens x 2 heads x (32 + 4) bytes = 9216 bytes a block; 20 blocks
 # (and the null block) hold one 300-token sequence and a little more, so the running rows outgrow them
 TIGHT = dict(kvcache_block_size=16, max_model_len=300, kv_cache_memory=21 * 9216, max_num_batched_tokens=48)
-_references = {}
-
-
-def reference(model_dir: str, kv: str, prompts) -> list[tuple[list[int], list[float]]]:
-    """The round-tripped model's greedy tokens per prompt, and the gap between its two best logits at each."""
-    import torch
-    if kv not in _references:
-        ref = kv_quantized_model(model_dir, kv)
-        runs = []
-        for p in prompts:
-            tokens = hf_greedy(ref, p, TOKENS)
-            with torch.no_grad():
-                top = ref(torch.tensor([p + tokens])).logits[0, len(p) - 1:-1].topk(2, -1).values
-            runs.append((tokens, (top[:, 0] - top[:, 1]).tolist()))
-        _references[kv] = runs
-    return _references[kv]
-
-
-def assert_follows(outputs, runs) -> None:
-    compared = 0
-    for i, (out, (tokens, gaps)) in enumerate(zip(outputs, runs)):
-        decisive = next((j for j, gap in enumerate(gaps) if gap < NEAR_TIE), TOKENS)
-        got = out if isinstance(out, list) else out.outputs[0].token_ids
-        assert got[:decisive] == tokens[:decisive], f"prompt {i} diverges before the reference's first near tie"
-        compared += decisive
-    assert compared >= len(runs) * TOKENS * 3 // 4
-
-
 @pytest.fixture(scope="module")
 def prompts(tiny_llm):
     return mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=LENGTHS)

@@ -35,6 +35,7 @@ _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int,
                             _float, _int, _float, _int, _int]),
+    "kv_store_int8": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
@@ -191,6 +192,20 @@ class CpuKernels:
                               block_size, scale, window, softcap, _bf16(q), KV_CODES.get(want, 0)):
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
+
+    def kv_store_int8(self, x, slot_mapping, cache, scales, readback: bool) -> torch.Tensor:
+        """x [tokens, heads, dim] quantized into its slots of an int8 cache [.., heads, dim] (fp32 scales [.., heads]),
+        a scale per token and head (kv_quant.quantize's math); returns x dequantized (readback, in place when x's
+        rows are contiguous) or x."""
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            x = x.contiguous()
+        elif readback:
+            x = x.clone()        # x may be a view of the qkv projection that other code still reads
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tokens, heads, dim = x.shape
+        self._kv_store_int8(x.data_ptr(), x.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(), tokens,
+                            heads, dim, _bf16(x), int(readback))
+        return x
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """x [..., size] (rows may be strided, e.g. heads sliced out of a fused projection). With residual

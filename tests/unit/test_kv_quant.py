@@ -22,12 +22,12 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C com
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
 
-def quantized_cache(lens, block_size, kv_heads, head_dim, kv_cache_dtype, seed=0):
-    """A random paged cache stored through store_quantized: (k, v, (k_scale, v_scale), table), every slot written
-    (the spare blocks too)."""
-    k, v, table = random_paged_cache(lens, block_size, kv_heads, head_dim, seed=seed)
+def quantized_cache(lens, block_size, kv_heads, head_dim, kv_cache_dtype, seed=0, x_dtype=torch.float32):
+    """A random paged cache stored through store_quantized: (k, v, (k_scale, v_scale), table, the K/V stored,
+    and what the store read back), every slot written (the spare blocks too)."""
+    k, v, table = random_paged_cache(lens, block_size, kv_heads, head_dim, dtype=x_dtype, seed=seed)
     k[0, 0] = 0.0       # a zero vector: scale 0, values 0
-    qk, qv, scales = allocate_kv_cache(1, k.shape[0], block_size, kv_heads, head_dim, torch.float32, "cpu",
+    qk, qv, scales = allocate_kv_cache(1, k.shape[0], block_size, kv_heads, head_dim, x_dtype, "cpu",
                                        kv_cache_dtype)
     qk, qv, scales = qk[0], qv[0], (scales[0][0], scales[1][0])
     slots = torch.arange(k.shape[0] * block_size)
@@ -39,21 +39,25 @@ def dequantized(cache, scale):
     return cache.float() * scale.unsqueeze(-1)
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["c", "torch"])      # int8 has a C store on CPU
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", QUANTIZED)
-def test_store_holds_the_format_and_reads_back_the_roundtrip(kv):
-    qk, qv, (ks, vs), _, k, v, (back_k, back_v) = quantized_cache([40, 9], 16, 2, 32, kv)
+def test_store_holds_the_format_and_reads_back_the_roundtrip(kv, x_dtype, kernels):
+    with cpu_kernels.switched(kernels):
+        qk, qv, (ks, vs), _, k, v, (back_k, back_v) = quantized_cache([40, 9], 16, 2, 32, kv, x_dtype=x_dtype)
+    assert back_k.dtype is x_dtype
     dtype, qmax = FORMATS[kv]
     assert qk.dtype is dtype and ks.dtype is torch.float32 and ks.shape == qk.shape[:3]
-    torch.testing.assert_close(ks, k.abs().amax(-1) / qmax, rtol=0, atol=0)
+    torch.testing.assert_close(ks, k.float().abs().amax(-1) / qmax, rtol=0, atol=0)
     assert not ks[0, 0].any() and not qk[0, 0].float().any()
     # the largest element of every other vector lands on the format's largest value
     assert torch.equal(qk.float().abs().amax(-1)[ks > 0], torch.full_like(ks[ks > 0], qmax))
     for cache, scale, x, back in ((qk, ks, k, back_k), (qv, vs, v, back_v)):
         want = roundtrip(x, kv)
-        assert torch.equal(dequantized(cache, scale), want)
+        assert torch.equal(dequantized(cache, scale).to(x_dtype), want)
         assert torch.equal(back.view_as(x), want)
     if kv == "int8":   # rounded to nearest: within half a step
-        assert ((back_k.view_as(k) - k).abs() <= ks.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
+        assert ((dequantized(qk, ks) - k.float()).abs() <= ks.unsqueeze(-1) * 0.5001).all()
 
 
 @needs_compiler

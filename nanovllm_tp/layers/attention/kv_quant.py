@@ -16,6 +16,8 @@ hits and preemption give the tokens of one pass.
 """
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
+
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 ALL_KV_DTYPES = tuple(KV_CACHE_DTYPES)
@@ -65,6 +67,10 @@ def store_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                     readback: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize this step's k/v [tokens, kv_heads, dim] into their slots of the cache and its scales; returns
     k/v as the cache now holds them (dequantized) with readback, else k/v themselves."""
+    kernels = cpu_kernels.for_tensor(k) if k_cache.dtype is torch.int8 else None
+    if kernels is not None:     # one C call each instead of a chain of small torch ops
+        return tuple(kernels.kv_store_int8(x, slot_mapping, cache, scales, readback)
+                     for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])))
     out = []
     for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):
         values, scale = quantize(x, cache.dtype)

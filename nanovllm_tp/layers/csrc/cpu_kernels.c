@@ -65,13 +65,52 @@ __attribute__((constructor)) static void fill_fp8_tables(void)
 
 #define KV_SIZE(kv, bf16) ((kv) ? 1 : ELEM_SIZE(bf16))
 
-INLINE float load_kv(const void *p, int64_t i, const int kv, const int bf16)
+/* dst[0..dim) = the 8-bit vector at p (format kv 1-3) in fp32; one loop per format */
+INLINE void widen(const void *p, int dim, int kv, float *dst)
 {
-    switch (kv) {
-    case 1: return (float)((const int8_t *)p)[i];
-    case 2: return fp8_e4m3[((const uint8_t *)p)[i]];
-    case 3: return fp8_e5m2[((const uint8_t *)p)[i]];
-    default: return load(p, i, bf16);
+    const int8_t *i8 = p;
+    const uint8_t *u8 = p;
+    if (kv == 1)
+        for (int d = 0; d < dim; d++) dst[d] = (float)i8[d];
+    else {
+        const float *table = kv == 2 ? fp8_e4m3 : fp8_e5m2;
+        for (int d = 0; d < dim; d++) dst[d] = table[u8[d]];
+    }
+}
+
+/* int8 store: x [tokens, heads, dim] (token stride x_stride elements, fp32 or bf16), each (token, head) vector
+ * quantized into slot slots[t] of cache [slots, heads, dim] int8 with scales [slots, heads] fp32, as
+ * kv_quant.quantize does it: scale = absmax / 127, value = x / scale rounded half to even. Built without
+ * -ffast-math (whose reciprocals round differently), so the values equal torch's; a function of its own, not
+ * inlined into the OpenMP region, whose outlined body would not keep the attribute. readback: x becomes the
+ * dequantized values.
+ */
+__attribute__((noinline, optimize("no-fast-math"))) static float
+quantize_int8(void *x, int8_t *dst, int dim, int bf16, int readback)
+{
+    float absmax = 0.f;
+    for (int d = 0; d < dim; d++) {
+        const float a = fabsf(load(x, d, bf16));
+        absmax = a > absmax ? a : absmax;
+    }
+    const float scale = absmax / 127.f;
+    for (int d = 0; d < dim; d++) {
+        float q = scale > 0.f ? nearbyintf(load(x, d, bf16) / scale) : 0.f;
+        q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+        dst[d] = (int8_t)q;
+        if (readback) store(x, d, q * scale, bf16);
+    }
+    return scale;
+}
+
+void kv_store_int8(void *x, int64_t x_stride, const int64_t *slots, int8_t *cache, float *scales, int64_t tokens,
+                   int heads, int dim, int bf16, int readback)
+{
+    const int64_t vectors = tokens * heads;
+    #pragma omp parallel for if (vectors * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
+    for (int64_t e = 0; e < vectors; e++) {
+        const int64_t t = e / heads, h = e % heads, slot = slots[t] * heads + h;
+        scales[slot] = quantize_int8(AT(x, t * x_stride + h * dim, bf16), cache + slot * dim, dim, bf16, readback);
     }
 }
 
@@ -91,8 +130,9 @@ INLINE float load_kv(const void *p, int64_t i, const int kv, const int bf16)
 static inline __attribute__((always_inline)) void
 decode_row(const float *q, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
            const int32_t *table, int len, int heads, int kv_heads, const int dim, int block_size, float scale,
-           int window, float softcap, float *scratch, float *out, const int bf16, const int kv)
+           int window, float softcap, float *scratch, float *out, const int bf16, const int quantized, int kv)
 {
+    kv = quantized ? kv : 0;     /* quantized: a compile-time constant, kv the format (run time) */
     const int group = heads / kv_heads;
     const int64_t token_stride = (int64_t)kv_heads * dim, block_elems = (int64_t)block_size * token_stride;
     const int64_t block_bytes = block_elems * KV_SIZE(kv, bf16);
@@ -123,14 +163,14 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const float
             for (int head = 0; head < kv_heads; head++) {
                 const int64_t k = i * token_stride + head * dim;
                 float head_scale = scale;
-                if (kv) {
-                    for (int d = 0; d < dim; d++) widened[d] = load_kv(k_block, k + d, kv, bf16);
+                if (quantized) {
+                    widen((const int8_t *)k_block + k, dim, kv, widened);
                     head_scale *= k_scale[scale_row + (int64_t)i * kv_heads + head];
                 }
                 for (int h = head * group; h < (head + 1) * group; h++) {
                     const float *qh = q + (int64_t)h * dim;
                     float dot = 0.f;
-                    if (kv)
+                    if (quantized)
                         for (int d = 0; d < dim; d++) dot += qh[d] * widened[d];
                     else
                         for (int d = 0; d < dim; d++) dot += qh[d] * load(k_block, k + d, bf16);
@@ -155,13 +195,13 @@ decode_row(const float *q, const void *k_cache, const void *v_cache, const float
         for (int i = skip; i < n; i++) {       /* out[h] += p[h][i] * v_i */
             for (int head = 0; head < kv_heads; head++) {
                 const int64_t v = i * token_stride + head * dim;
-                const float head_scale = kv ? v_scale[scale_row + (int64_t)i * kv_heads + head] : 1.f;
-                if (kv)
-                    for (int d = 0; d < dim; d++) widened[d] = load_kv(v_block, v + d, kv, bf16);
+                const float head_scale = quantized ? v_scale[scale_row + (int64_t)i * kv_heads + head] : 1.f;
+                if (quantized)
+                    widen((const int8_t *)v_block + v, dim, kv, widened);
                 for (int h = head * group; h < (head + 1) * group; h++) {
                     const float p = scores[h * block_size + i] * head_scale;
                     float *o = out + (int64_t)h * dim;
-                    if (kv)
+                    if (quantized)
                         for (int d = 0; d < dim; d++) o[d] += p * widened[d];
                     else
                         for (int d = 0; d < dim; d++) o[d] += p * load(v_block, v + d, bf16);
@@ -200,16 +240,13 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, const 
             for (int64_t e = 0; e < row_elems; e++) qr[e] = load(q, r * row_elems + e, bf16);
             const int32_t *table = tables + (int64_t)r * table_stride;
             /* head_dim and dtypes as compile-time constants in the common cases, so the inner loops unroll */
-#define DECODE_ROW(DIM, BF16, KV) decode_row(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], heads,      \
-                                             kv_heads, DIM, block_size, scale, window, softcap, scratch, acc, \
-                                             BF16, KV)
-#define DECODE_KV(DIM)                                                   \
-            switch (kv) {                                                \
-            case 1: DECODE_ROW(DIM, 0, 1); break;                        \
-            case 2: DECODE_ROW(DIM, 0, 2); break;                        \
-            case 3: DECODE_ROW(DIM, 0, 3); break;                        \
-            default: if (bf16) DECODE_ROW(DIM, 1, 0); else DECODE_ROW(DIM, 0, 0); \
-            }
+#define DECODE_ROW(DIM, BF16, QUANTIZED) decode_row(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], heads, \
+                                                    kv_heads, DIM, block_size, scale, window, softcap, scratch, acc, \
+                                                    BF16, QUANTIZED, kv)
+#define DECODE_KV(DIM)                                                       \
+            if (kv) DECODE_ROW(DIM, 0, 1);                                   \
+            else if (bf16) DECODE_ROW(DIM, 1, 0);                            \
+            else DECODE_ROW(DIM, 0, 0)
             switch (dim) {
             case 64: DECODE_KV(64); break;
             case 128: DECODE_KV(128); break;

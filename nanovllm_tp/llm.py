@@ -323,8 +323,8 @@ class LLM:
         """Facts about the running engine, lifetime counters and its load now: device, dtype,
         tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, kv_cache_dtype (the KV cache's
         storage: the model dtype's name, or int8 / fp8_e4m3 / fp8_e5m2 with an fp32 scale per token and KV head),
-        quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths: linear_paths in
-        layers/linear.py), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
+        quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths:
+        linear_paths in layers/linear.py), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         prefix_cache_hit_tokens, num_running and num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
         in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled
         grammar masks, masks filled, time spent filling them). RuntimeError once closed."""

@@ -70,8 +70,11 @@ def test_bench_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
 
 
 def test_bench_kv_formats_side_by_side(tiny_model_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and keeps running through the field " * 8)
     result = bench_kv.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--repeats", "2", "--kv-dtypes", "auto",
-                            "int8", "--out", str(tmp_path / "kv.json"), "--quiet"])
+                            "int8", "--out", str(tmp_path / "kv.json"), "--quiet", "--ppl-text", str(text),
+                            "--ppl-window", "64"])
     table = "\n".join(last_block(capsys.readouterr().out))
     f = load(result)["figures"]
     assert list(f) == ["auto", "int8"] and f["auto"]["ratio"] == 1.0 and f["auto"]["kv_cache"] == "float32"
@@ -80,7 +83,10 @@ def test_bench_kv_formats_side_by_side(tiny_model_dir, tmp_path, capsys):
     assert f["int8"]["num_kv_blocks"] > 3 * f["auto"]["num_kv_blocks"]      # 36 bytes a vector against 128
     assert f["auto"]["agreement"] == {"identical_requests": 4, "requests": 4, "prefix_share": 1.0}
     assert 0 <= f["int8"]["agreement"]["prefix_share"] <= 1
-    assert "int8" in table and "prefix share" in table
+    assert "int8" in table and "prefix share" in table and "perplexity" in table
+    # a random model is a poor one: each near the vocabulary's size, and the two within a few percent
+    assert 100 < f["auto"]["perplexity"] and f["int8"]["perplexity"] == pytest.approx(f["auto"]["perplexity"],
+                                                                                      rel=0.05)
 
 
 def test_bench_latency_closed_loop_and_plot(tiny_model_dir, tmp_path, capsys):

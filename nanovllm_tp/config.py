@@ -264,6 +264,10 @@ class EngineConfig:
                                           flags=("--block-size", "--kvcache-block-size"), minimum=1)
     attention_backend: str = knob("auto", help="auto, or a backend's name: torch, cpu (C decode kernel), "
                                                "torch-cuda, flash")
+    kv_cache_dtype: str = knob("auto", help="KV cache storage (vLLM's names): auto (the model's dtype), int8, fp8 "
+                                            "(= fp8_e4m3) or fp8_e5m2: 8-bit values with one fp32 scale per token "
+                                            "and KV head (absmax), about twice the blocks of bf16 in the same memory",
+                               choices=("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"))
     kv_cache_memory: int | None = knob(None, help="KV cache bytes per rank (CPU default 1 GiB; on CUDA it "
                                                   "overrides gpu_memory_utilization)", minimum=1)
     gpu_memory_utilization: float = knob(0.9, help="fraction of GPU memory the engine may use (weights, "

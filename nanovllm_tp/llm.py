@@ -361,11 +361,12 @@ class LLM(EmbeddingRequests):
 
     def stats(self) -> dict:
         """Facts about the running engine, lifetime counters and its load now: device, dtype,
-        tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, quantization ("none", or the
-        quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths: linear_paths in
-        layers/linear.py), linear_kernels (packed_linear="auto": the kernel per weight shape and row-count bucket
-        with the timings that chose it, the extra bytes of second layouts: kernel_choice.report; else None),
-        cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
+        tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, kv_cache_dtype (the KV cache's
+        storage: the model dtype's name, or int8 / fp8_e4m3 / fp8_e5m2 with an fp32 scale per token and KV head),
+        quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths:
+        linear_paths in layers/linear.py), linear_kernels (packed_linear="auto": the kernel per weight shape and
+        row-count bucket with the timings that chose it, the extra bytes of second layouts: kernel_choice.report;
+        else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and
         num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens, num_running and
         num_waiting (sequences), kv_cache_usage (the fraction of KV blocks

@@ -33,7 +33,8 @@ def resolve_device_and_dtype(config) -> tuple[torch.device, torch.dtype]:
 def resolve_attention_backend(config, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The backend config.attention_backend names (or auto's choice); config then names it, with the block size
     it runs at, so that the ranks rank 0 starts get the same pair."""
-    backend = select_backend(device, dtype, config.kvcache_block_size, config.attention_backend)
+    backend = select_backend(device, dtype, config.kvcache_block_size, config.attention_backend,
+                             config.kv_cache_dtype)
     config.kvcache_block_size = backend.fit_block_size(config.kvcache_block_size)
     config.attention_backend = backend.name
     return backend

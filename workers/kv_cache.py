@@ -1,16 +1,26 @@
 """KV cache allocation and sizing from a memory budget."""
 import torch
 
-
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V, on one rank."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+from nanovllm_tp.layers.attention.kv_quant import SCALE_DTYPE, kv_storage_dtype, kv_token_head_bytes
 
 
-def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-    """Zeroed, so never-written slots (the null slot, padding) hold finite values that masking can cancel."""
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   kv_cache_dtype: str = "auto") -> int:
+    """Bytes one block takes across all layers, K and V (and a quantized cache's scales), on one rank."""
+    return 2 * num_layers * block_size * num_kv_heads * kv_token_head_bytes(kv_cache_dtype, head_dim, dtype)
+
+
+def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                      kv_cache_dtype: str = "auto"):
+    """(k, v, scales): [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each, and for a quantized
+    cache its (K, V) fp32 scales [num_layers, num_blocks, block_size, num_kv_heads] (None for "auto"). Zeroed, so
+    never-written slots (the null slot, padding) hold finite values that masking can cancel."""
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    storage = kv_storage_dtype(kv_cache_dtype, dtype)
+    k, v = (torch.zeros(shape, dtype=storage, device=device) for _ in range(2))
+    if storage is dtype:
+        return k, v, None
+    return k, v, tuple(torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) for _ in range(2))
 
 
 def blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

@@ -54,6 +54,7 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.backend = backend
         self.num_kv_blocks = 0
+        self.kv_scales = None
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
         self._hidden = None   # rank 0: the last step's final hidden states, when it had embedding rows
 
@@ -73,21 +74,24 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
         return kv_block_bytes(len(self.attention_layers), self.block_size, layer.num_kv_heads, layer.head_dim,
-                              self.dtype)
+                              self.dtype, self.config.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """num_blocks usable blocks plus one null block that padded rows write into."""
         self.num_kv_blocks = num_blocks
         layer = self.attention_layers[0]
-        self.k_cache, self.v_cache = allocate_kv_cache(len(self.attention_layers), num_blocks + 1, self.block_size,
-                                                       layer.num_kv_heads, layer.head_dim, self.dtype, self.device)
+        self.k_cache, self.v_cache, self.kv_scales = allocate_kv_cache(
+            len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim,
+            self.dtype, self.device, self.config.kv_cache_dtype)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+            attn.kv_scales = None if self.kv_scales is None else (self.kv_scales[0][i], self.kv_scales[1][i])
 
     def drop_kv_cache(self) -> None:
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
-        self.k_cache = self.v_cache = None
+            attn.kv_scales = None
+        self.k_cache = self.v_cache = self.kv_scales = None
         self.num_kv_blocks = 0
 
     @property
@@ -133,11 +137,13 @@ class ModelRunner:
         return hidden
 
     def copy_blocks(self, copies: np.ndarray) -> None:
-        """Copy whole KV blocks (src -> dst) in every layer."""
+        """Copy whole KV blocks (src -> dst) in every layer, a quantized cache's scales with them."""
         src = torch.from_numpy(copies[:, 0].astype(np.int64)).to(self.device)
         dst = torch.from_numpy(copies[:, 1].astype(np.int64)).to(self.device)
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
+        tensors = [self.k_cache, self.v_cache, *(self.kv_scales or ())]
+        for t in tensors:
+            t = t.view(torch.uint8) if t.element_size() == 1 else t      # torch copies no fp8 by index on CPU
+            t[:, dst] = t[:, src]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -186,4 +192,11 @@ class ModelRunner:
         kernels = f" (per bucket: {kernel_choice.summary(table)})" if table else ""
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
                 f"{self.backend.name}, linear {linear_paths(self.model)}{kernels}, quantization {self.quantization}, "
-                f"{self.num_kv_blocks} KV blocks of {self.block_size}")
+                f"{self.num_kv_blocks} KV blocks of {self.block_size} ({self.kv_cache_format()}"
+                f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})")
+
+    def kv_cache_format(self) -> str:
+        """The KV cache's storage: the model dtype's name for "auto", else the 8-bit format ("fp8" as
+        "fp8_e4m3")."""
+        kv = self.config.kv_cache_dtype
+        return str(self.dtype).removeprefix("torch.") if kv == "auto" else {"fp8": "fp8_e4m3"}.get(kv, kv)

@@ -88,7 +88,8 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                            f"the KV cache budget of {budget / 2**20:.1f} MiB per rank ({block_bytes} bytes a "
                            f"block{draft})")
     runner.allocate_kv_cache(num_blocks)
-    if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs:
+    # a quantized cache reaches the graph-capturing backends through per-step dequantized copies: eager
+    if device.type == "cuda" and not config.enforce_eager and backend.supports_graphs and runner.kv_scales is None:
         from nanovllm_tp.workers.cuda_graph import capture_decode_graphs
         runner.graphs = capture_decode_graphs(runner, config.max_num_seqs, config.max_model_len)
     trace.watch_layers(runner.model)    # after capture: no hook runs while graphs are recorded

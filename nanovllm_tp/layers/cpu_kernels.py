@@ -1,4 +1,5 @@
-"""C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention, RMSNorm with the residual
+"""C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention (over a cache in the model
+dtype or quantized: int8, fp8), RMSNorm with the residual
 add fused in, RoPE and SiLU-and-mul; linear layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with
 AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per
 entry from penalties to the drawn token.
@@ -33,8 +34,9 @@ HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
-    "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int, _float, _int,
-                            _float, _int]),
+    "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int,
+                            _float, _int, _float, _int, _int]),
+    "kv_store_int8": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
@@ -56,7 +58,8 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "lora_gathered": (None, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _i64,
                              _int]),
 }
-DTYPES = (torch.float32, torch.bfloat16)   # the C functions' last argument says which: 1 for bf16
+DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says which: 1 for bf16
+KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}    # paged_decode's kv: quantized caches
 
 
 def cache_dir() -> pathlib.Path:
@@ -164,21 +167,45 @@ class CpuKernels:
         return out
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
-        """window > 0: each row sees its last `window` tokens only; softcap > 0: scores capped by tanh."""
+                     softcap: float = 0.0, kv_scales=None) -> torch.Tensor:
+        """window > 0: each row sees its last `window` tokens only; softcap > 0: scores capped by tanh.
+        kv_scales: a quantized cache's (K, V) fp32 scales [num_blocks, block_size, kv_heads] (the caches then
+        int8 or fp8, see kv_quant.py); None: the caches are in q's dtype."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        if k_cache.dtype is not q.dtype or v_cache.dtype is not q.dtype:
-            raise TypeError(f"KV cache {k_cache.dtype}/{v_cache.dtype} does not match the query's {q.dtype}")
-        if self._paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        want = q.dtype if kv_scales is None else k_cache.dtype
+        if k_cache.dtype is not want or v_cache.dtype is not want or (kv_scales and want not in KV_CODES):
+            raise TypeError(f"KV cache {k_cache.dtype}/{v_cache.dtype} for {q.dtype} queries "
+                            f"{'without' if kv_scales is None else 'with'} scales")
+        k_scale, v_scale = kv_scales or (None, None)
+        if kv_scales is not None and not all(t.dtype is torch.float32 and t.is_contiguous() and
+                                             t.shape == k_cache.shape[:3] for t in kv_scales):
+            raise TypeError("KV scales must be contiguous float32 [num_blocks, block_size, kv_heads]")
+        if self._paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                              None if k_scale is None else k_scale.data_ptr(),
+                              None if v_scale is None else v_scale.data_ptr(), tables.data_ptr(),
                               tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                              block_size, scale, window, softcap, _bf16(q)):
+                              block_size, scale, window, softcap, _bf16(q), KV_CODES.get(want, 0)):
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
+
+    def kv_store_int8(self, x, slot_mapping, cache, scales, readback: bool) -> torch.Tensor:
+        """x [tokens, heads, dim] quantized into its slots of an int8 cache [.., heads, dim] (fp32 scales [.., heads]),
+        a scale per token and head (kv_quant.quantize's math); returns x dequantized (readback, in place when x's
+        rows are contiguous) or x."""
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            x = x.contiguous()
+        elif readback:
+            x = x.clone()        # x may be a view of the qkv projection that other code still reads
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tokens, heads, dim = x.shape
+        self._kv_store_int8(x.data_ptr(), x.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(), tokens,
+                            heads, dim, _bf16(x), int(readback))
+        return x
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """x [..., size] (rows may be strided, e.g. heads sliced out of a fused projection). With residual

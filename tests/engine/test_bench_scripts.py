@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from nanovllm_tp.launch import bench, bench_common, bench_latency, bench_tp
+from nanovllm_tp.launch import bench, bench_common, bench_kv, bench_latency, bench_tp
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
 SMALL_KV = ["--kv-cache-memory", str(32 << 20)]
@@ -67,6 +67,26 @@ def test_bench_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
         assert f["ratios"][key] == pytest.approx(engine["tok_s"] / f[key.split("/")[1]]["tok_s"])
     text = "\n".join(table)
     assert "nanovllm_tp TP=1" in text and "hf generate" in text and "hf continuous batching" in text
+
+
+def test_bench_kv_formats_side_by_side(tiny_model_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and keeps running through the field " * 8)
+    result = bench_kv.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--repeats", "2", "--kv-dtypes", "auto",
+                            "int8", "--out", str(tmp_path / "kv.json"), "--quiet", "--ppl-text", str(text),
+                            "--ppl-window", "64"])
+    table = "\n".join(last_block(capsys.readouterr().out))
+    f = load(result)["figures"]
+    assert list(f) == ["auto", "int8"] and f["auto"]["ratio"] == 1.0 and f["auto"]["kv_cache"] == "float32"
+    assert f["int8"]["ratio"] == pytest.approx(f["int8"]["tok_s"] / f["auto"]["tok_s"])
+    assert f["int8"]["kv_cache"] == "int8" and f["int8"]["lengths_ok"] and len(f["int8"]["tok_s_runs"]) == 2
+    assert f["int8"]["num_kv_blocks"] > 3 * f["auto"]["num_kv_blocks"]      # 36 bytes a vector against 128
+    assert f["auto"]["agreement"] == {"identical_requests": 4, "requests": 4, "prefix_share": 1.0}
+    assert 0 <= f["int8"]["agreement"]["prefix_share"] <= 1
+    assert "int8" in table and "prefix share" in table and "perplexity" in table
+    # a random model is a poor one: each near the vocabulary's size, and the two within a few percent
+    assert 100 < f["auto"]["perplexity"] and f["int8"]["perplexity"] == pytest.approx(f["auto"]["perplexity"],
+                                                                                      rel=0.05)
 
 
 def test_bench_latency_closed_loop_and_plot(tiny_model_dir, tmp_path, capsys):

@@ -1,11 +1,13 @@
 """`flash`: flash-attn's varlen kernel for prefill (through the block table when part of the KV is cached) and
-flash_attn_with_kvcache for decode. CUDA only, fp16/bf16, KV blocks a multiple of 256."""
+flash_attn_with_kvcache for decode. CUDA only, fp16/bf16, KV blocks a multiple of 256. A quantized KV cache reaches
+it dequantized (base.py: the step's blocks copied into the model dtype first; flash-attn 2 reads no fp8 cache)."""
 import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm_tp.layers.attention.base import HALF, AttentionBackend, register_backend
+from nanovllm_tp.layers.attention.kv_quant import ALL_KV_DTYPES
 
 
 def flash_available() -> bool:
@@ -25,6 +27,7 @@ class FlashBackend(AttentionBackend):
     devices = ("cuda",)
     default_block_size = 256
     supports_graphs = True
+    kv_dtypes = ALL_KV_DTYPES
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -45,7 +48,7 @@ class FlashBackend(AttentionBackend):
         if ctx.is_prefill:      # varlen's key offsets: each row's whole context (cached prefix + new tokens)
             ctx.cu_seqlens_k = F.pad(ctx.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         block_table = None
         if ctx.has_cached_prefix:
             k, v, block_table = k_cache, v_cache, ctx.block_tables
@@ -53,7 +56,7 @@ class FlashBackend(AttentionBackend):
                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
                            softmax_scale=scale, causal=True, block_table=block_table, **_options(window, softcap))
 
-    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                  block_table=ctx.block_tables, softmax_scale=scale, causal=True,
                                  **_options(window, softcap)).squeeze(1)

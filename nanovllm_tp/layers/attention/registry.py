@@ -48,10 +48,22 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, block_size: int | None,
-                   requested: str = AUTO) -> AttentionBackend:
-    """An instance of the asked backend (or of auto's choice), or a ValueError saying why it cannot run here.
-    The block size is checked by the caller (`AttentionBackend.fit_block_size`), except on CUDA, where it
-    steers auto's choice."""
+                   requested: str = AUTO, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """An instance of the asked backend (or of auto's choice), or a ValueError saying why it cannot run here
+    (a kv_cache_dtype it does not take included). The block size is checked by the caller
+    (`AttentionBackend.fit_block_size`), except on CUDA, where it steers auto's choice."""
+    backend = _select(device, dtype, block_size, requested)
+    problem = backend.kv_dtype_problem(kv_cache_dtype)
+    if problem:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with attention_backend={backend.name}: {problem}")
+    if kv_cache_dtype != "auto" and not backend.reads_quantized:
+        log.warning("kv_cache_dtype=%s: the %s backend's kernels read dense caches, so each step dequantizes the "
+                    "KV blocks it reads into %s first (correct, not fast; no CUDA graphs)", kv_cache_dtype,
+                    backend.name, str(dtype).removeprefix("torch."))
+    return backend
+
+
+def _select(device: torch.device, dtype: torch.dtype, block_size: int | None, requested: str) -> AttentionBackend:
     if requested != AUTO:
         cls = backend_class(requested)
         if device.type not in cls.devices:

@@ -1,6 +1,7 @@
 """`torch-cuda`, CUDA's backend when flash-attn is not in use: torch's varlen attention for bf16/fp16 prefill
 without a cached prefix where this torch has it, a Triton paged kernel for every other prefill (cached prefixes,
-fp32), and a Triton paged split-K kernel for decode (captured in CUDA graphs)."""
+fp32), and a Triton paged split-K kernel for decode (captured in CUDA graphs). The Triton kernels read dense caches:
+a quantized KV cache reaches them dequantized (base.py: the step's blocks copied into the model dtype first)."""
 import inspect
 
 from nanovllm_tp.layers.attention.base import HALF, register_backend
@@ -23,6 +24,7 @@ class CudaTorchBackend(TorchBackend):
     name = "torch-cuda"
     devices = ("cuda",)
     supports_graphs = True
+    reads_quantized = False     # the torch backend's reads do, the Triton kernels do not
 
     def __init__(self):
         from nanovllm_tp.layers.triton_decode import paged_decode_attention
@@ -36,7 +38,7 @@ class CudaTorchBackend(TorchBackend):
             return None
         return "the torch-cuda backend's Triton kernels need a power of two in [8, 1024]"
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         varlen_fits = not softcap and (not window or "window_size" in self.varlen_params)
         if self.varlen is not None and varlen_fits and not ctx.has_cached_prefix and q.dtype in HALF:
             return self._varlen_prefill(q, k, v, ctx, scale, window)
@@ -45,7 +47,7 @@ class CudaTorchBackend(TorchBackend):
                                        ctx.max_seqlen_q, scale, window, softcap)
         return super().prefill(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
 
-    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         return self.decode_kernel(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                                   window=window, softcap=softcap)
 

@@ -1,9 +1,11 @@
-"""`torch`: SDPA over K/V gathered from the paged cache. Runs on CPU and CUDA; the reference for the others."""
+"""`torch`: SDPA over K/V gathered from the paged cache. Runs on CPU and CUDA; the reference for the others. A
+quantized cache is dequantized as it is gathered (kv_quant.py)."""
 import torch
 import torch.nn.functional as F
 
 from nanovllm_tp.context import Context
 from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
+from nanovllm_tp.layers.attention.kv_quant import ALL_KV_DTYPES, gather_blocks, gather_slots
 
 
 AS_DECODE = 16     # a row of at most this many new tokens over cached KV runs as that many decode rows
@@ -16,8 +18,10 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     devices = ("cpu", "cuda")
     supports_graphs = False     # decode reads host-side lengths, which a captured graph cannot
+    kv_dtypes = ALL_KV_DTYPES
+    reads_quantized = True
 
-    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         out = torch.empty_like(q)
         block_size = k_cache.shape[1] if k_cache.numel() else 0
         starts = [0]
@@ -38,7 +42,7 @@ class TorchBackend(AttentionBackend):
             decode_ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=q.device),
                                  block_tables=ctx.block_tables[torch.tensor(rows, device=q.device)],
                                  context_lens_cpu=lens)
-            out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale, window, softcap)
+            out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale, window, softcap, kv_scales)
         done = set(short)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
             if row in done:
@@ -50,8 +54,9 @@ class TorchBackend(AttentionBackend):
                 ki, vi = k[start + first:start + q_len], v[start + first:start + q_len]
             else:
                 slots = self._slots(ctx.block_tables[row:row + 1], block_size, kv_len)[0, first:]
-                ki = k_cache.view(-1, *k_cache.shape[2:])[slots]
-                vi = v_cache.view(-1, *v_cache.shape[2:])[slots]
+                k_scale, v_scale = kv_scales or (None, None)
+                ki = gather_slots(k_cache, k_scale, slots, q.dtype)
+                vi = gather_slots(v_cache, v_scale, slots, q.dtype)
             mask = None
             if kv_len != q_len or softcap or 0 < window < q_len:
                 q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
@@ -65,7 +70,7 @@ class TorchBackend(AttentionBackend):
                                                       is_causal=mask is None, scale=scale)[0]
         return out
 
-    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0):
+    def decode(self, q, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
         """Rows are grouped by context length (powers of two of blocks) so that gathering a group's K/V
         pads each row to at most twice its length, not to the longest row of the whole batch."""
         block_size = k_cache.shape[1]
@@ -75,18 +80,19 @@ class TorchBackend(AttentionBackend):
         if len(groups) == 1:
             (blocks,) = groups
             return self._decode_rows(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, blocks, scale,
-                                     window, softcap)
+                                     window, softcap, kv_scales)
         out = torch.empty_like(q)
         for blocks, rows in groups.items():
             idx = torch.tensor(rows, device=q.device)
             out[idx] = self._decode_rows(q[idx], k_cache, v_cache, ctx.block_tables[idx], ctx.context_lens[idx],
-                                         blocks, scale, window, softcap)
+                                         blocks, scale, window, softcap, kv_scales)
         return out
 
     @staticmethod
-    def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, blocks, scale, window=0, softcap=0.0):
+    def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, blocks, scale, window=0, softcap=0.0,
+                     kv_scales=None):
         rows, heads, dim = q.shape
-        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        _, block_size, kv_heads, _ = k_cache.shape
         blocks = min(blocks, block_tables.shape[1])
         lens = context_lens.to(torch.long)[:, None]
         columns = torch.arange(blocks, device=q.device)[None, :]
@@ -98,9 +104,9 @@ class TorchBackend(AttentionBackend):
         else:
             table = block_tables[:, :blocks]
         table = table.clamp(min=0).flatten().to(torch.long)
-        # index_select over whole blocks (contiguous runs) is several times faster than per-slot indexing
-        k = k_cache.view(num_blocks, -1).index_select(0, table).view(rows, blocks * block_size, kv_heads, dim)
-        v = v_cache.view(num_blocks, -1).index_select(0, table).view(rows, blocks * block_size, kv_heads, dim)
+        k_scale, v_scale = kv_scales or (None, None)
+        k = gather_blocks(k_cache, k_scale, table, q.dtype).view(rows, blocks * block_size, kv_heads, dim)
+        v = gather_blocks(v_cache, v_scale, table, q.dtype).view(rows, blocks * block_size, kv_heads, dim)
         # query heads that share a kv head are grouped on it, so K/V are never expanded for GQA
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
         scores = torch.einsum("rkgd,rskd->rkgs", qg, k) * scale

@@ -33,6 +33,7 @@ def test_workload_round_trips_through_json_lines():
     ({"prompts": [], "max_tokens": []}, ValueError),
     ({"prompts": [[1]], "max_tokens": [0]}, ValueError),
     ({"prompts": [[1]], "max_tokens": [1], "temperature": -1}, ValueError),
+    ({"prompts": [[1]], "max_tokens": [1], "ignore_eos": "yes"}, ValueError),
 ])
 def test_bad_run_messages_are_refused(bad, error):
     with pytest.raises(error):
@@ -159,3 +160,24 @@ def test_the_peer_is_stopped_except_while_it_answers(tmp_path):
     finally:
         peer.close()
     assert peer.proc.poll() is not None and not alive(peer.proc.pid)
+
+
+def test_speculation_fields_cross_checked_and_ignore_eos_defaults_on():
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    config = {**CONFIG, "speculative_config": spec, "request_times": True}
+    assert bench_peer.decode_config(bench_peer.encode(config)) == config
+    for bad in ({"speculative_config": "ngram"}, {"request_times": 1}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            bench_peer.decode_config(bench_peer.encode({**CONFIG, **bad}))
+    line = json.dumps({"op": "run", "prompts": [[1, 2]], "max_tokens": [3], "temperature": 0})
+    assert bench_peer.decode_command(line)["ignore_eos"] is True          # the protocol's older form: as before
+    msg = bench_peer.decode_command(bench_peer.encode(bench_peer.run_message([[1, 2]], [3], 0, ignore_eos=False)))
+    assert msg["ignore_eos"] is False
+
+
+def test_bench_spec_compare_vllm_needs_a_peer_python_and_a_directory(tmp_path):
+    from nanovllm_tp.launch import bench_spec
+    with pytest.raises(SystemExit, match="bench_spec: --compare vllm needs --peer-python"):
+        bench_spec.main(["--compare", "vllm"])
+    with pytest.raises(SystemExit, match="bench_spec: --peer-python .*no such executable"):
+        bench_spec.main(["--compare", "vllm", "--peer-python", str(tmp_path / "none")])

@@ -1,6 +1,7 @@
 """The value checks of user input, one rule each, shared by SamplingParams and the engine knobs: strict types
 (a bool is not a number, a float is not an int), then the range, in messages that name the field."""
 import difflib
+import json
 import math
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -37,3 +38,15 @@ def did_you_mean(name: str, known) -> str:
     """"; did you mean 'x'?" with the known name closest to an unknown one, or "" when none is close."""
     close = difflib.get_close_matches(name, list(known), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def json_object(path: str) -> dict:
+    """The JSON object a file holds (a config the user pointed at); ValueError naming the file otherwise."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return value

@@ -4,6 +4,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from nanovllm_tp.checks import json_object
 from nanovllm_tp.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 
 
@@ -104,13 +105,7 @@ def _auto_config(model: str, gguf: str | None):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"{model!r} is not a model directory: no config.json (or .gguf file) in it")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} does not hold a JSON object")
+        raw = json_object(path)
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise ValueError(f"{path} lacks {', '.join(missing)}")

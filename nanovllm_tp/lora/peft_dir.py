@@ -4,10 +4,11 @@
 `read_adapter` is rank 0's check of a directory before any request uses it (the config, then every tensor's name
 and shape against the model's LoRA targets, reading headers only); `load_tensors` is what every rank reads when
 the adapter is given a slot. What the engine does not implement is refused by name."""
-import json
 import math
 import os
 from dataclasses import dataclass
+
+from nanovllm_tp.checks import json_object
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -36,14 +37,7 @@ def _config(path: str) -> dict:
         raise ValueError(f"LoRA adapter {path!r} is not a directory")
     if not os.path.isfile(file):
         raise ValueError(f"LoRA adapter {path!r} has no {CONFIG_FILE}")
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {file}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} does not hold a JSON object")
-    return config
+    return json_object(file)
 
 
 def _scale(config: dict, file: str) -> tuple[int, float]:

@@ -12,8 +12,8 @@ import torch
 
 from nanovllm_tp import LLM, SamplingParams
 from tests.helpers import hf_greedy
+from tests.engine.test_speculative import TEXTS, assert_greedy_under_preemption
 
-TEXTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world! Hello, world! Hello, world!"]
 SMALL = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 
 
@@ -155,17 +155,7 @@ def test_a_draft_equal_to_the_target_is_always_right(tiny_model_dir, hf_model):
 def test_greedy_with_a_draft_under_preemption(target_dir, tiny_model_dir, hf_target):
     llm = LLM(target_dir, speculative_config=draft_spec(tiny_model_dir), kvcache_block_size=16,
               kv_cache_memory=21 * 81920, max_model_len=256)     # 20 blocks
-    try:
-        tok = llm.get_tokenizer()
-        prompts = [tok.encode(t) for t in TEXTS] * 2
-        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
-        stats = llm.stats()
-        assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0, stats
-        for p, o in zip(prompts, out):
-            assert o.outputs[0].token_ids == hf_greedy(hf_target, p, 100)
-        assert stats["kv_cache_usage"] == 0.0
-    finally:
-        llm.close()
+    assert_greedy_under_preemption(llm, hf_target, 100)
 
 
 @pytest.mark.spawn

@@ -80,21 +80,27 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(spec_ll
     assert stats["kv_cache_usage"] == 0.0
 
 
-@pytest.mark.slow
-def test_greedy_equals_transformers_under_preemption(tiny_model_dir, hf_model):
-    llm = LLM(tiny_model_dir, speculative_config=NGRAM, kvcache_block_size=16, kv_cache_memory=700_000,
-              max_model_len=256)
+def assert_greedy_under_preemption(llm, hf, max_tokens: int) -> None:
+    """Each of TEXTS twice on a pool too small for all: some preemption, some accepted proposals, every output
+    transformers' greedy one, no block held afterwards. Closes llm."""
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(t) for t in TEXTS] * 2
-        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0, stats
         for p, o in zip(prompts, out):
-            assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 120)
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, max_tokens)
         assert stats["kv_cache_usage"] == 0.0
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_under_preemption(tiny_model_dir, hf_model):
+    assert_greedy_under_preemption(LLM(tiny_model_dir, speculative_config=NGRAM, kvcache_block_size=16,
+                                       kv_cache_memory=700_000, max_model_len=256), hf_model, 120)
 
 
 @pytest.mark.spawn

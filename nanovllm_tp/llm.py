@@ -1,28 +1,25 @@
-"""The client API, with vLLM's names: LLM(model, ...).generate / chat / add_request / step / abort_request."""
+"""The client API, with vLLM's names: LLM(model, ...).generate / chat / add_request / step / abort_request.
+
+LLM is made of parts, one file each: input checking (llm_inputs.py), the step loop and aborts (llm_steps.py),
+embeddings (llm_embed.py); this file builds requests (ids, seeds, sequences) and holds the engine."""
 import itertools
-import logging
 import os
 import sys
-import time
-from collections.abc import Iterable
-from collections.abc import Sequence as SequenceABC
 
-from nanovllm_tp import trace
-from nanovllm_tp.checks import integer
 from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.llm_embed import EmbeddingRequests
+from nanovllm_tp.llm_inputs import RequestInputs
+from nanovllm_tp.llm_steps import StepLoop
 from nanovllm_tp.output_processor import RequestState
 from nanovllm_tp.outputs import RequestOutput
-from nanovllm_tp.llm_embed import EmbeddingRequests
 from nanovllm_tp.pooling_params import ModelPooling, PoolingParams
-from nanovllm_tp.prompts import check_prompt_length, is_token_ids, render_chat
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.scheduler import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15
-log = logging.getLogger("nanovllm_tp")
 
 
-class LLM(EmbeddingRequests):
+class LLM(RequestInputs, StepLoop, EmbeddingRequests):
     def __init__(self, model, **kwargs):
         """`model`: a Hugging Face directory or .gguf file; `kwargs`: any EngineConfig knob (config.py lists them,
         with vLLM's names where vLLM has one). Unknown names are refused with the closest knob."""
@@ -56,83 +53,6 @@ class LLM(EmbeddingRequests):
     def get_tokenizer(self):
         return self.tokenizer
 
-    # ---- input checking: everything is validated before any request reaches the engine ----
-
-    def _normalize_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, SequenceABC) or isinstance(prompts, (bytes, bytearray)):
-            raise TypeError("prompts must be a string, a list of strings or a list of token-id lists, "
-                            f"got {type(prompts).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty")
-        return [self._normalize_prompt(i, p) for i, p in enumerate(prompts)]
-
-    def _normalize_prompt(self, i: int, p, add_special_tokens: bool = True,
-                          embedding: PoolingParams | None = None) -> tuple[str | None, list[int]]:
-        """One prompt as (text or None, token ids). `embedding`: an embedding request's prompt, cut to its
-        truncate_prompt_tokens; it may fill max_model_len (no output follows it)."""
-        vocab = self.config.model_config.vocab_size
-        if isinstance(p, dict):
-            p = p.get("prompt_token_ids", p.get("prompt"))
-        if isinstance(p, str):
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"prompt {i} is not valid Unicode text ({exc.reason} at index {exc.start})") from None
-            text, ids = p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
-        elif isinstance(p, (list, tuple)):
-            bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
-            if bad is not None:
-                raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__}")
-            text, ids = None, list(p)
-            out_of_range = [t for t in ids if not 0 <= t < vocab]
-            if out_of_range:
-                raise ValueError(f"prompt {i}: token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
-        else:
-            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-        limit = self.config.max_model_len
-        if embedding is None:
-            check_prompt_length(i, len(ids), limit)
-            return text, ids
-        ids = embedding.truncated(ids, limit)
-        check_prompt_length(i, len(ids), limit, output_room=0)
-        return text, ids
-
-    def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * n
-        if not isinstance(sampling_params, (list, tuple)):
-            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
-                            f"got {type(sampling_params).__name__}")
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
-        vocab = self.config.model_config.vocab_size
-        for sp in {id(sp): sp for sp in sampling_params}.values():     # one check of a params shared by prompts
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params entries must be SamplingParams, got {type(sp).__name__}")
-            sp.validate()
-            sp.check_vocab(vocab)
-            sp.tokenize_bad_words(self.tokenizer, vocab)
-            if sp.structured_outputs is not None:
-                self.grammars.compile(sp.structured_outputs)     # compiled (or refused) before the engine
-        return list(sampling_params)
-
-    def prepare(self, sampling_params: SamplingParams):
-        """Start compiling a request's structured output in the background (the server calls it before
-        add_request, so that no step waits for a compile): the compile's `Pending` (`.ready()`), or None when
-        there is nothing to compile. Validation errors are raised here."""
-        if isinstance(sampling_params, PoolingParams) or sampling_params.structured_outputs is None:
-            return None
-        sampling_params.validate()
-        return self.grammars.submit(sampling_params.structured_outputs)
-
-    # ---- generation ----
-
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order, whole whatever their output_kind.
@@ -150,14 +70,7 @@ class LLM(EmbeddingRequests):
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
         rendered with the tokenizer's chat template (or `chat_template`); `tools` (OpenAI's function tools) are
         handed to the template as transformers does."""
-        conversations = [messages] if _is_conversation(messages) else messages
-        if not isinstance(conversations, list) or not conversations or \
-                not all(_is_conversation(c) for c in conversations):
-            raise TypeError("messages must be a list of {'role': str, 'content': str} dicts, or a list of such lists")
-        items = []
-        for i, conv in enumerate(conversations):
-            text = render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs, tools)
-            items.append(self._normalize_prompt(i, text, add_special_tokens=False))   # the template has them
+        items = self._chat_prompts(messages, chat_template, add_generation_prompt, chat_template_kwargs, tools)
         params = self._normalize_params(sampling_params, len(items))
         return self._generate(items, params, use_tqdm, loras=self.loras.check_all(lora_request, len(items)))
 
@@ -177,16 +90,7 @@ class LLM(EmbeddingRequests):
         """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or
         none: every prompt, id and parameter is checked before the first is queued. Returns their request ids.
         PoolingParams make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
-        if not isinstance(prompts, list) or not prompts:
-            raise TypeError("prompts must be a non-empty list (one entry per request)")
-        ids = [None] * len(prompts) if request_ids is None else request_ids
-        if not isinstance(ids, list) or len(ids) != len(prompts):
-            raise ValueError(f"request_ids must be a list of {len(prompts)} ids, got {request_ids!r}")
-        seen = set()
-        for rid in ids:
-            if rid is not None and (not isinstance(rid, str) or rid in self._requests or rid in seen):
-                raise ValueError(f"request_id must be a new string, got {rid!r}")
-            seen.add(rid)
+        ids = self._new_request_ids(prompts, request_ids)
         if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
             if lora_request is not None:
                 raise ValueError("embedding requests run on the base model: lora_request must be None")
@@ -209,19 +113,6 @@ class LLM(EmbeddingRequests):
         return [self._add(text, token_ids, sp, rid, incremental, rank, lora)
                 for (text, token_ids), rid in zip(items, ids)]
 
-    def _priorities(self, priority, n: int) -> list[int]:
-        """One priority per request: integers, and nonzero only under the priority policy (as vLLM)."""
-        if priority is None:
-            return [0] * n
-        if not isinstance(priority, (list, tuple)) or len(priority) != n:
-            raise ValueError(f"priority must be a list of {n} integers (one per prompt), got {priority!r}")
-        for p in priority:
-            integer("priority", p)
-            if p and self.config.scheduling_policy != "priority":
-                raise ValueError(f"priority={p} needs scheduling_policy='priority' (the engine's is "
-                                 f"'{self.config.scheduling_policy}')")
-        return list(priority)
-
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter: requests running with it finish with it, its slot goes to the next adapter that needs
         one, and a later LoRARequest with this id reads its directory afresh."""
@@ -229,103 +120,11 @@ class LLM(EmbeddingRequests):
         if self.engine.scheduler.lora_slots is not None:
             self.engine.scheduler.lora_slots.forget(lora_int_id)
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
-        the next step() reports them with finish_reason "abort". Unknown ids are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            state = self._requests.get(rid)
-            if state is None or state.finished:
-                continue
-            for c in state.completions:
-                self.engine.finish(c.seq, "abort")
-            self._dirty[rid] = None
-
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that progressed (per its output_kind),
-        including what happened to step()-driven requests since the last call."""
-        if self.engine.has_unfinished():
-            with trace.span("step"):
-                self._engine_step()
-        outputs = []
-        for rid in list(self._dirty):
-            del self._dirty[rid]
-            state = self._requests[rid]
-            out = state.output()
-            if out is not None:
-                outputs.append(out)
-            if state.finished:
-                self._forget(state)
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._dirty)
-
-    def _engine_step(self) -> tuple[int, bool]:
-        """One engine step: detokenize, match stop strings, mark the requests that progressed."""
-        try:
-            progressed, num_tokens, is_prefill = self.engine.step()
-        except BaseException:
-            for state in list(self._requests.values()):     # the engine failed them all; the error says why
-                self._forget(state)
-            self._dirty.clear()
-            raise
-        with trace.span("detokenize"):
-            for seq in progressed:
-                state = self._by_seq[seq.seq_id]
-                if seq.grammar is not None and not seq.is_finished:
-                    self._advance_grammar(seq)
-                hit = state.update(seq)
-                if hit is not None:           # a stop string: the sequence ends at the token that completes it
-                    self.engine.finish(seq, "stop", *hit)
-                    state.update(seq)
-                self._dirty[state.request_id] = None
-        return num_tokens, is_prefill
-
-    def _advance_grammar(self, seq: Sequence) -> None:
-        """The sequence's matcher takes its new tokens; a token outside the language (another knob left the grammar
-        nothing to choose: min_tokens against its end, allowed_token_ids, bad_words) ends the request."""
-        error = seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
-        if error is not None:
-            log.warning("request %s: structured output ended: %s", self._by_seq[seq.seq_id].request_id, error)
-            self.engine.finish(seq, "abort")
-
     def _generate(self, items, params, use_tqdm: bool, priorities=None, loras=None) -> list[RequestOutput]:
         priorities = priorities or [0] * len(items)
         ids = [self._add(text, token_ids, sp, priority=rank, lora=lora)
                for (text, token_ids), sp, rank, lora in zip(items, params, priorities, loras or [None] * len(items))]
         return self._run(ids, use_tqdm, "Generating")
-
-    def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
-        """Step until the requests `ids` have finished; their whole outputs in that order."""
-        mine = [self._requests[i] for i in ids]
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True)
-        prefill_tps = decode_tps = 0.0
-        done = 0
-        try:
-            while not all(s.finished for s in mine):
-                start = time.perf_counter()
-                with trace.span("step"):
-                    num_tokens, is_prefill = self._engine_step()
-                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-                prefill_tps, decode_tps = (rate, decode_tps) if is_prefill else (prefill_tps, rate)
-                if bar is not None:
-                    now_done = sum(s.finished for s in mine)
-                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
-                    bar.update(now_done - done)
-                    done = now_done
-        finally:
-            if bar is not None:
-                bar.close()
-        outputs = []
-        for state in mine:
-            outputs.append(state.output(full=True))
-            self._dirty.pop(state.request_id, None)
-            self._forget(state)
-        return outputs
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
              incremental: bool = False, priority: int = 0, lora=None) -> str:
@@ -344,11 +143,6 @@ class LLM(EmbeddingRequests):
         for seq in seqs:
             self._by_seq[seq.seq_id] = state
         return request_id
-
-    def _forget(self, state: RequestState) -> None:
-        self._requests.pop(state.request_id, None)
-        for c in state.completions:
-            self._by_seq.pop(c.seq.seq_id, None)
 
     def _token_texts(self, ids) -> dict[int, str]:
         """The token id -> text cache of logprobs, holding every id of ids: the missing ones decoded in one batch
@@ -385,10 +179,3 @@ class LLM(EmbeddingRequests):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _is_conversation(x) -> bool:
-    """Messages with a role and text content (an assistant's tool calls may stand for its content)."""
-    return isinstance(x, list) and bool(x) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and (
-            isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))) for m in x)

@@ -8,6 +8,16 @@ def is_token_ids(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) for t in p)
 
 
+def prompt_list(value, name: str) -> list:
+    """A body's prompt field (a string, token ids, or a list of either) as one entry per prompt; ValueError naming
+    the field when it is empty."""
+    if isinstance(value, str) or is_token_ids(value):
+        return [value]
+    if not value:
+        raise ValueError(f"{name} is empty")
+    return list(value)
+
+
 def check_prompt_length(i: int, num_tokens: int, max_model_len: int, at_least: bool = False,
                         output_room: int = 1) -> None:
     """ValueError when prompt i (`num_tokens` long, or at least that long) leaves no room for output (an embedding's

@@ -5,12 +5,12 @@ import base64
 from typing import Literal
 
 from nanovllm_tp.pooling_params import PoolingParams
-from nanovllm_tp.prompts import is_token_ids
-from nanovllm_tp.serving.protocol import Int, Prompt, _TextBody
+from nanovllm_tp.prompts import prompt_list
+from nanovllm_tp.serving.body import Int, Prompt, TextBody
 from nanovllm_tp.serving.wire import float32_bytes
 
 
-class EmbeddingRequest(_TextBody):
+class EmbeddingRequest(TextBody):
     input: Prompt
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -23,12 +23,7 @@ class EmbeddingRequest(_TextBody):
 
     def prompts(self) -> list:
         """One entry per input: a string or a list of token ids."""
-        p = self.input
-        if isinstance(p, str) or is_token_ids(p):
-            return [p]
-        if not p:
-            raise ValueError("input is empty")
-        return list(p)
+        return prompt_list(self.input, "input")
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(normalize=self.normalize, dimensions=self.dimensions,

@@ -5,7 +5,8 @@ import time
 
 from nanovllm_tp.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
-from nanovllm_tp.serving.protocol import DECLARED_FIELDS, INT64, REFUSED_FIELDS, UNION_MEMBERS
+from nanovllm_tp.serving.body import INT64, UNION_MEMBERS
+from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:

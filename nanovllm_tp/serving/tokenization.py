@@ -6,10 +6,11 @@ from typing import Annotated
 from pydantic import Discriminator, Field, Tag
 
 from nanovllm_tp.serving.inputs import render
-from nanovllm_tp.serving.protocol import ChatMessage, Int, _Body
+from nanovllm_tp.serving.body import Body, Int
+from nanovllm_tp.serving.chat_request import ChatMessage
 
 
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(Body):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -19,7 +20,7 @@ class TokenizeCompletionRequest(_Body):
         return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -43,7 +44,7 @@ def tokenize_response(ids: list[int], tokenizer, max_model_len: int, with_strs: 
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if with_strs else None}
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[Int]
 

@@ -98,8 +98,9 @@ class SamplingFields(TextBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-if set(_FROM_BODY) - set(SamplingFields.model_fields):      # every knob is the server's too
-    raise ImportError(f"SamplingParams fields the request bodies lack: {set(_FROM_BODY) - set(SamplingFields.model_fields)}")
+_MISSING = set(_FROM_BODY) - set(SamplingFields.model_fields)
+if _MISSING:      # every knob is the server's too
+    raise ImportError(f"SamplingParams fields the request bodies lack: {_MISSING}")
 
 
 class CompletionRequest(SamplingFields):

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from nanovllm_tp.serving.engine_client import EngineDead
-from nanovllm_tp.serving.responses import error_body
+from nanovllm_tp.serving.responses import error_response
 
 
 class ServedAdapters:
@@ -23,27 +23,24 @@ class ServedAdapters:
                  "parent": base, "max_model_len": max_model_len} for name, _, path in self.by_name.values()]
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse(error_body(message, kind, status, param), status_code=status)
-
-
 async def _body(request: Request, *names: str) -> dict | JSONResponse:
     try:
         body = await request.json()
     except ValueError:
-        return _error(400, "the body must be a JSON object")
+        return error_response(400, "the body must be a JSON object")
     if not isinstance(body, dict):
-        return _error(400, "the body must be a JSON object")
+        return error_response(400, "the body must be a JSON object")
     for name in names:
         if not isinstance(body.get(name), str) or not body[name]:
-            return _error(400, f"{name} must be a non-empty string", param=name)
+            return error_response(400, f"{name} must be a non-empty string", param=name)
     return body
 
 
 def add_lora_routes(app, engine, adapters: ServedAdapters, base_name: str, allowed: bool) -> None:
     def refused():
-        return _error(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating (or "
-                           "NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING=1) and --enable-lora", "not_found_error")
+        return error_response(404, "runtime LoRA updating is off: start the server with "
+                                   "--allow-runtime-lora-updating (or NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING=1) and "
+                                   "--enable-lora", "not_found_error")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
@@ -54,14 +51,14 @@ def add_lora_routes(app, engine, adapters: ServedAdapters, base_name: str, allow
             return body
         name = body["lora_name"]
         if name in adapters.by_name or name == base_name:
-            return _error(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            return error_response(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         entry = [name, next(adapters._ids), body["lora_path"]]
         try:
             await engine.lora("lora_load", entry)
         except (ValueError, TypeError) as exc:
-            return _error(400, str(exc), param="lora_path")
+            return error_response(400, str(exc), param="lora_path")
         except EngineDead as exc:
-            return _error(503, str(exc), "service_unavailable")
+            return error_response(503, str(exc), "service_unavailable")
         adapters.by_name[name] = entry
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -74,10 +71,10 @@ def add_lora_routes(app, engine, adapters: ServedAdapters, base_name: str, allow
             return body
         entry = adapters.by_name.pop(body["lora_name"], None)
         if entry is None:
-            return _error(404, f"The lora adapter '{body['lora_name']}' cannot be found.", "not_found_error",
-                          "lora_name")
+            return error_response(404, f"The lora adapter '{body['lora_name']}' cannot be found.", "not_found_error",
+                                  "lora_name")
         try:
             await engine.lora("lora_unload", entry)
         except EngineDead as exc:
-            return _error(503, str(exc), "service_unavailable")
+            return error_response(503, str(exc), "service_unavailable")
         return PlainTextResponse(f"Success: LoRA adapter '{entry[0]}' removed successfully.")

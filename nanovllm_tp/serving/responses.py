@@ -3,6 +3,8 @@ and the wording of a refused request."""
 import sys
 import time
 
+from fastapi.responses import JSONResponse
+
 from nanovllm_tp.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
 from nanovllm_tp.serving.body import INT64, UNION_MEMBERS
@@ -11,6 +13,19 @@ from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, status, param), status_code=status)
+
+
+class ApiError(Exception):
+    """A refused request, raised anywhere in a route: the app answers it with its error_response."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

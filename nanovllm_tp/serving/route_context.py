@@ -1,0 +1,63 @@
+"""What the routes of the OpenAI API share in the HTTP process: the served model, and `RouteContext`, the handle
+every route file takes (engine client, server config, prompt encoder, adapters) with the checks and the submission
+the endpoints have in common."""
+from dataclasses import dataclass, field
+
+from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
+from nanovllm_tp.serving.inputs import PromptEncoder
+from nanovllm_tp.serving.lora_routes import ServedAdapters
+from nanovllm_tp.serving.responses import ApiError
+from nanovllm_tp.serving.server_config import ServerConfig
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str                  # what clients call it
+    root: str                  # where it was loaded from
+    max_model_len: int
+    tokenizer: object          # for chat templates and echo
+    loras: list = field(default_factory=list)    # [name, lora_int_id, path] of each adapter served from the start
+
+
+@dataclass(slots=True)
+class RouteContext:
+    engine: EngineClient
+    model: ServedModel
+    config: ServerConfig
+    encoder: PromptEncoder
+    adapters: ServedAdapters
+
+    def check_model(self, name: str | None) -> list | None:
+        """The LoRA adapter a request's model field names ([name, id, path]), None for the base model."""
+        model_name, by_name = self.model.name, self.adapters.by_name
+        if name is None or name == model_name:
+            return None
+        if name in by_name:
+            return by_name[name]
+        served = ", ".join(repr(n) for n in (model_name, *by_name))
+        raise ApiError(404, f"The model `{name}` does not exist (this server serves {served}).", "not_found_error",
+                       "model")
+
+    async def submit_all(self, request_id: str, prompts: list[list[int]], params, priority: int,
+                         lora: list | None = None) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`), queued all or none."""
+        try:
+            return await self.engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
+                                            priority, lora)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        except Overloaded as exc:
+            raise ApiError(429, str(exc), "rate_limit_error") from None
+        except EngineDead as exc:
+            raise ApiError(503, str(exc), "service_unavailable") from None
+
+    def check_template_kwargs(self, kwargs: dict | None) -> None:
+        if "chat_template" in (kwargs or {}) and not self.config.trust_request_chat_template:
+            raise ApiError(400, "chat templates sent in requests are refused: this server renders its model's own "
+                                "(the operator allows request templates with --trust-request-chat-template)",
+                           param="chat_template_kwargs.chat_template")
+
+    def aborter(self, request_id: str, count: int):
+        """abort(which=all): aborts the engine requests submit_all made for `request_id`."""
+        engine = self.engine
+        return lambda which=range(count): engine.abort([f"{request_id}-{i}" for i in which])

@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
     llm = build_llm(args)            # under torchrun, ranks > 0 serve in here and exit when rank 0 is done
     build_s = time.perf_counter() - t0
     env = bc.environment()
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME)
+    out_path = bc.out_path(args, NAME)
     runner_desc = llm.engine.runner.describe()
     bc.log(args, f"engine ready in {build_s:.1f}s: {runner_desc}")
     extra = {"engine_build_s": build_s}

@@ -97,8 +97,7 @@ def main(argv=None) -> dict:
                "min_cosine": min(cosines) if cosines else None}
     result = {"name": NAME, "config": bc.config_dict(args), "environment": bc.finish_environment(env),
               "runs": runs, "figures": figures}
-    bc.save_result(args, bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME), result,
-                   lambda result: None)
+    bc.save_result(args, bc.out_path(args, NAME), result, lambda result: None)
     f = figures
     print(bc.format_table(["engine emb/s", "transformers emb/s", "engine/transformers", "min cosine"],
                           [[bc.fmt(f["engine_emb_s"]), bc.fmt(f["transformers_emb_s"]),

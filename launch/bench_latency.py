@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
     from nanovllm_tp.launch.generate import build_llm
     llm = build_llm(args)            # under torchrun, ranks > 0 serve in here and exit when rank 0 is done
     env = bc.environment()
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME)
+    out_path = bc.out_path(args, NAME)
     runs = []
     try:
         if not args.no_warmup:

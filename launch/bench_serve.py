@@ -212,7 +212,7 @@ def main(argv=None) -> dict:
     if args.launch:
         args.model = bc.resolve_model(args)
     env = bc.environment()
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME)
+    out_path = bc.out_path(args, NAME)
     server_runs = [[] for _ in points]
     offline_runs = [[] for _ in points]
     try:

@@ -134,8 +134,7 @@ def main(argv=None) -> dict:
         "first_compile_ms": 1e3 * compile_s, "invalid_outputs": invalid}
     result = {"name": NAME, "config": bc.config_dict(args), "schema": SCHEMA,
               "environment": bc.finish_environment(env), "figures": figures, "runs": runs}
-    bc.save_result(args, bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME), result,
-                   lambda result: None)
+    bc.save_result(args, bc.out_path(args, NAME), result, lambda result: None)
     f = figures
     print(bc.format_table(
         ["requests", "tokens", "JSON tok/s", "free tok/s", "JSON/free", "step ms JSON", "step ms free",

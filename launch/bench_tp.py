@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     args.model_source = args.model or f"preset {args.preset}"
     env = bc.environment()
     env["OMP_NUM_THREADS_children"] = str(args.threads_per_rank)
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME)
+    out_path = bc.out_path(args, NAME)
     if not args.model:   # make the checkpoint once, here, rather than racing in the first child
         from nanovllm_tp.launch.make_tiny import ensure_tiny
         ensure_tiny(args.preset)

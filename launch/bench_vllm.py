@@ -197,7 +197,7 @@ def main(args) -> dict:
     cold = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0}
     env, peers, ready = bc.environment(), {}, {}
     penv = peer_env(args.peer_kv_gib, env["torch_threads"])
-    out_path = bc.pathlib.Path(args.out) if args.out else bc.default_out_path("bench")
+    out_path = bc.out_path(args, "bench")
     runs = {"engine": []} | {m: [] for m in MODES[args.peer_mode]}
     runner, dtype = llm.engine.runner.describe(), str(llm.engine.dtype).removeprefix("torch.")
     try:

@@ -6,7 +6,8 @@ Each part runs in a process of its own (a CUDA fault cannot poison the next) und
 adds rows to one markdown table, printed last and written to gpu_check.md under --out (else $OUT, else results/),
 beside gpu_check.json (environment, timings) and gpu_check.log. Tokens and logprobs come from LLM.generate, engine
 facts (backend, block size, graphs, preemptions, prefix-cache hits) from LLM.stats(). The dry run covers the same
-rows on the CPU (cpu backend, no graphs, gloo; fp16 skipped).
+rows on the CPU (cpu backend, no graphs, gloo; fp16 skipped). The parts: pytest here, exact and tp2 in
+gpu_check_exact.py, tput in gpu_check_tput.py; what they share (sizes, rows, token comparison) in gpu_check_rows.py.
   pytest  tests/gpu: graph replay vs eager forward and padding rows, Triton paged decode (split-K) and prefill,
           torch varlen prefill and flash-attn vs a dense fp32 reference, KV sizing, allocation-free replays
   exact   the tiny checkpoint's greedy tokens vs transformers fp32 (CPU), 16 prompts of 1..300 tokens.
@@ -34,102 +35,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.launch.gpu_check_exact import VARIANTS, check_variant, part_exact
+from nanovllm_tp.launch.gpu_check_rows import DRY, GPU, Row, Sizes, compare_tokens, first_diff, greedy
+from nanovllm_tp.launch.gpu_check_tput import part_tput
 
+__all__ = ["main", "PARTS", "VARIANTS", "check_variant", "compare_tokens", "first_diff", "greedy", "Row", "Sizes",
+           "GPU", "DRY", "table"]
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PARTS = {"pytest": 150, "exact": 100, "tp2": 60, "tput": 300}       # part -> its time cap in seconds
-HALF_LOGPROB_TOL, FP32_LOGPROB_TOL = 0.25, 1e-2     # |engine - reference| / std(reference), first position
-BASE = dict(max_model_len=512, max_num_seqs=16, kvcache_block_size=16, kv_cache_memory=256 << 20)
-TIGHT_KV = 41 * (32 << 10)    # 40 tiny fp32 blocks of 16 (+ null block): one 512-token sequence, never the batch
-# check, dtype, LLM arguments over BASE, what LLM.stats() must show afterwards
-VARIANTS = [("fp32, block 16, graphs", "float32", {}, "graphs"),
-            ("fp32, enforce_eager", "float32", {"enforce_eager": True}, "eager"),
-            ("fp32, prefix-cache hits", "float32", {}, "hits"),
-            ("fp32, chunked prefill", "float32", {"max_num_batched_tokens": 64}, ""),
-            ("fp32, preemption", "float32", {"kv_cache_memory": TIGHT_KV}, "preemptions"),
-            ("bf16, default block", "bfloat16", {"kvcache_block_size": None}, "graphs"),
-            ("bf16, block 16", "bfloat16", {}, "graphs"),
-            ("fp16, block 128", "float16", {"kvcache_block_size": 128}, "graphs")]
-
-
-@dataclass(slots=True)
-class Sizes:
-    prompts: int                    # exactness prompts, their lengths and output lengths
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-    preset: str                     # throughput: make_tiny preset, requests, their prompt and output lengths
-    requests: int
-    lens: tuple[int, int]
-    hf_requests: int                # the first N requests, also run by transformers
-
-
-GPU = Sizes(16, (1, 300), (8, 32), "qwen3-0.6b", 256, (100, 1024), 64)
-DRY = Sizes(8, (1, 160), (4, 12), "tiny", 12, (8, 48), 4)
-
-
-@dataclass(slots=True)
-class Row:
-    part: str
-    check: str
-    result: str
-    status: str         # PASS, FAIL, SKIP or INFO (a figure)
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (a length difference counts), else None."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-def compare_tokens(got: list[list[int]], want: list[list[int]], within: int | None = None) -> tuple[str, str]:
-    """PASS or FAIL, and a summary, for greedy tokens against a reference, prompt by prompt. within=None: every
-    token must match. within=k (half precision, where a near-tie may flip): at most 1 prompt in 8 may differ in
-    its first k tokens; a real fault (a wrong KV slot, a stale graph input) breaks most prompts at once."""
-    if len(got) != len(want):
-        return "FAIL", f"{len(got)} outputs for {len(want)} prompts"
-    diffs = {i: d for i, (a, b) in enumerate(zip(got, want)) if (d := first_diff(a, b)) is not None}
-    summary = f"{len(got) - len(diffs)}/{len(got)} identical" + (f", first differences {diffs}" if diffs else "")
-    early = len(diffs) if within is None else sum(d < within for d in diffs.values())
-    return ("PASS" if early <= (0 if within is None else len(got) // 8) else "FAIL"), summary
-
-
-def greedy(llm, prompts, lens, logprobs: int | None = None):
-    from nanovllm_tp import SamplingParams
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=logprobs) for m in lens]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
-
-
-def check_variant(part: str, model: str, device: str, ref, variant, tp: int) -> Row:
-    """One engine against the reference: tokens, first-position logprobs (max |diff| over the engine's top 5,
-    in units of the reference's std over the vocabulary) and what LLM.stats() says it did."""
-    from nanovllm_tp import LLM
-    (check, dtype, kwargs, expect), (prompts, lens, want, want_lp) = variant, ref
-    if dtype == "float16" and device == "cpu":
-        return Row(part, check, "float16 runs on CUDA only", "SKIP")
-    try:
-        llm = LLM(model, tensor_parallel_size=tp, dtype=dtype, device=device, **{**BASE, **kwargs})
-        try:
-            for _ in range(2 if expect == "hits" else 1):      # the second pass finds the prompts cached
-                tokens, logprobs = greedy(llm, prompts, lens, logprobs=5)
-            stats = llm.stats()
-        finally:
-            llm.close()
-    except Exception as exc:        # one broken row must not hide the others
-        return Row(part, check, f"{type(exc).__name__}: {exc}"[:300], "FAIL")
-    half = dtype != "float32"
-    status, summary = compare_tokens(tokens, want, 1 if half else None)
-    err = max(abs(lp.logprob - float(w[t])) / float(w.std()) for pos, w in zip(logprobs, want_lp)
-              for t, lp in pos[0].items())
-    graphs = stats["cuda_graph_batch_sizes"]
-    shown = {"graphs": bool(graphs) or device == "cpu", "eager": graphs is None, "": True,
-             "hits": stats["prefix_cache_hit_tokens"] > 0, "preemptions": stats["num_preemptions"] > 0}
-    if err > (HALF_LOGPROB_TOL if half else FP32_LOGPROB_TOL) or not shown[expect]:
-        status = "FAIL"
-    return Row(part, check, f"{summary}; logprob err {err:.1e}; {stats['attention_backend']} block "
-                            f"{stats['kv_block_size']}, graphs {graphs}, {stats['num_preemptions']} preemptions, "
-                            f"{stats['prefix_cache_hit_tokens']} prefix-cache hit tokens", status)
 
 
 def part_pytest(sizes: Sizes, device: str, add, part: str) -> None:
@@ -145,67 +61,6 @@ def part_pytest(sizes: Sizes, device: str, add, part: str) -> None:
     rc = pytest.main([str(REPO / "tests" / "gpu"), "-q", "-rsfE", "-p", "no:cacheprovider"], plugins=[Counter()])
     status = "FAIL" if rc not in (0, 5) else ("PASS" if counts.get("passed") else "SKIP")
     add(Row(part, "tests/gpu", ", ".join(f"{v} {k}" for k, v in counts.items()) or f"exit code {rc}", status))
-
-
-def part_exact(sizes: Sizes, device: str, add, part: str) -> None:
-    """The exactness rows ("exact" at TP=1, "tp2" at TP=2) against transformers fp32 on the CPU: prompts, output
-    lengths, its greedy tokens and its log-softmax over the vocabulary at each prompt's first generated position."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from nanovllm_tp.launch.bench_hf import hf_greedy
-    from nanovllm_tp.launch.make_tiny import ensure_tiny
-    if part == "tp2" and device == "cuda" and torch.cuda.device_count() < 2:
-        return add(Row(part, "tensor_parallel_size=2", f"needs 2 GPUs, found {torch.cuda.device_count()}", "SKIP"))
-    model = str(ensure_tiny("tiny"))
-    w = bc.make_workload(sizes.prompts, sizes.prompt_len, sizes.output_len, 5, bc.model_vocab_size(model))
-    prompts, hf = w.prompts(draw=1), AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        first = [hf(torch.tensor([p])).logits[0, -1].float().log_softmax(-1) for p in prompts]
-    ref = prompts, w.output_lens, [hf_greedy(hf, p, m) for p, m in zip(prompts, w.output_lens)], first
-    tp2 = [VARIANTS[0], VARIANTS[5]][:1 if device == "cpu" else 2]     # fp32 and bf16 graphs (fp32 on the CPU)
-    for variant in (VARIANTS if part == "exact" else tp2):
-        add(check_variant(part, model, device, ref, variant, 1 if part == "exact" else 2))
-
-
-def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
-    import torch
-
-    from nanovllm_tp import LLM
-    from nanovllm_tp.launch import bench_engine, bench_hf
-    from nanovllm_tp.launch.make_tiny import ensure_tiny
-    model = str(ensure_tiny(sizes.preset))
-    vocab, dtype, k = bc.model_vocab_size(model), ("float32" if device == "cpu" else "bfloat16"), sizes.hf_requests
-    w = bc.make_workload(sizes.requests, sizes.lens, sizes.lens, 0, vocab)
-    sub = bc.Workload(w.prompt_lens[:k], w.output_lens[:k], w.seed, vocab)
-    prompts, check = w.prompts(draw=1), w.prompts(draw=2)[:16]
-    check_lens = [max(1, 2 * sizes.output_len[1] - 3 * i) for i in range(len(check))]   # decode batch shrinks
-    extra = dict(kv_cache_memory=64 << 20, max_model_len=1024) if device == "cpu" else {}
-    runs, tokens = {}, {}
-    for mode in ("graphs", "eager"):
-        llm = LLM(model, dtype=dtype, device=device, enforce_eager=mode == "eager", enable_prefix_caching=False,
-                  **extra)
-        try:
-            stats = llm.stats()
-            tokens[mode] = greedy(llm, check, check_lens)[0]
-            bench_engine.warm_up_engine(llm, vocab, 0, 0.0)
-            runs[mode] = run = bench_engine.run_engine(llm, w, prompts, 0.0)
-            if mode == "graphs":        # the engine on the requests transformers runs too
-                runs["subset"] = bench_engine.run_engine(llm, sub, prompts[:k], 0.0)
-        finally:
-            llm.close()
-        add(Row(part, f"engine tok/s, {mode}", f"{run['tok_s']:,.0f} ({w.num_requests} requests, "
-                f"{w.requested_output_tokens} tokens, {run['seconds']:.1f}s; {stats['attention_backend']} block "
-                f"{stats['kv_block_size']}, graphs {stats['cuda_graph_batch_sizes']})", "INFO" if run["lengths_ok"]
-                else "FAIL"))
-    status, summary = compare_tokens(tokens["graphs"], tokens["eager"], None if dtype == "float32" else 8)
-    add(Row(part, f"graphs vs eager tokens ({dtype})", summary, status))
-    add(Row(part, "graph speed-up", f"{runs['graphs']['tok_s'] / runs['eager']['tok_s']:.2f}x", "INFO"))
-    hf = bench_hf.HFRunner(model, getattr(torch, dtype), torch.device(device), 0.0, 0, 512 if device == "cpu" else 8192)
-    hf.warm_up(vocab, ["cb"])
-    cb, ours = hf.generate_cb(sub, prompts[:k]), runs["subset"]
-    add(Row(part, "transformers CB tok/s", f"{cb['tok_s']:,.0f} ({hf.attn_implementation}) on the first {k} requests, "
-            f"engine {ours['tok_s']:,.0f}: {ours['tok_s'] / cb['tok_s']:.2f}x", "INFO" if cb["lengths_ok"] else "FAIL"))
 
 
 PART_RUNNERS = {"pytest": part_pytest, "exact": part_exact, "tp2": part_exact, "tput": part_tput}

@@ -198,7 +198,8 @@ class ModelRunner:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
                 f"{self.backend.name}, linear {linear_paths(self.model)}{kernels}, quantization {self.quantization}, "
                 f"{self.num_kv_blocks} KV blocks of {self.block_size} ({self.kv_cache_format()}"
-                f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})")
+                f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})"
+                f"{', decode layers fused' if getattr(getattr(self.model, 'model', None), 'fused', None) else ''}")
 
     def kv_cache_format(self) -> str:
         """The KV cache's storage: the model dtype's name for "auto", else the 8-bit format ("fp8" as

@@ -66,6 +66,7 @@ class FusedDecode:
         self.layers = list(model.layers)
         self.tables: dict[tuple, ctypes.Array | None] = {}     # (KV cache, dtype, row bucket) -> LayerDesc array
         self.keep: list[torch.Tensor] = []      # tensors the tables point at that the modules do not hold
+        self.steps = 0       # the steps run here
 
     @classmethod
     def of(cls, model) -> "FusedDecode | None":
@@ -105,6 +106,7 @@ class FusedDecode:
                 hidden = all_reduce(hidden)
         if failed:
             raise MemoryError("the fused decoder layers could not allocate their scratch")
+        self.steps += 1
         return hidden, residual
 
     def _table(self, dtype: torch.dtype, row_bucket: int):

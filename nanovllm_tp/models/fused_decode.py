@@ -82,6 +82,8 @@ class FusedDecode:
                 or first._forward_hooks or (kernels := cpu_kernels.active()) is None):
             return None
         rows = hidden.shape[0]
+        if ctx.context_lens.shape[0] != rows:      # not one token per row
+            return None
         table = self._table(hidden.dtype, bucket(rows))
         if table is None:
             return None

@@ -5,17 +5,21 @@ layer around kernels that, for one row, run for microseconds each: at one stream
 matmuls. `FusedDecode` describes every layer once (its packed weights, norms, rotary table, KV cache: the
 `LayerDesc` records below, the C structs' twins) and hands a step's rows to one C call for all layers (one rank),
 or one per half layer with the all-reduces between (TP). The C code calls the kernels the modules call, in their
-order, so the hidden states are the modules' to the bit.
+order, so a decode step's hidden states are the modules' to the bit. Steps whose rows each add a few tokens to a
+cached prefix (speculative verify steps) run too, as one decode row per token (`_token_rows`): their attention is
+then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill attention.
 
 It runs where every piece of every layer has such a kernel: the plain `DecoderLayer` of blocks.py (SiLU MLP,
 q/k norms or none, any window and logit cap), weights quantized for csrc/linear_q.c or packed for csrc/linear.c
 (under packed_linear=auto, where csrc/linear.c won the step's row-count bucket), no bias on the row-parallel
-layers, no LoRA, a KV cache in the model dtype, the `cpu` attention backend, decode steps (one token per row), no
-layer hooks (`--trace-layers`). Anything else runs through the modules.
+layers, no LoRA, a KV cache in the model dtype, the `cpu` attention backend, no layer hooks (`--trace-layers`).
+Anything else (prompts, LoRA, a quantized KV cache, oneDNN-packed weights, other layer kinds) runs through the
+modules.
 """
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
 
+import numpy as np
 import torch
 
 from nanovllm_tp.context import get_context
@@ -28,6 +32,7 @@ from nanovllm_tp.layers.quant import QuantWeight
 from nanovllm_tp.models.blocks import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP
 
 LINEAR_QUANT, LINEAR_DENSE = 1, 2     # decoder.c's kinds of linear_desc
+MAX_ROW_TOKENS = 16      # a step's rows of at most this many tokens each run here (as a decode row per token)
 
 
 class LinearDesc(ctypes.Structure):
@@ -67,6 +72,7 @@ class FusedDecode:
         self.tables: dict[tuple, ctypes.Array | None] = {}     # (KV cache, dtype, row bucket) -> LayerDesc array
         self.keep: list[torch.Tensor] = []      # tensors the tables point at that the modules do not hold
         self.steps = 0       # the steps run here
+        self.verify_steps = 0     # of which steps of several tokens a row (see _token_rows)
 
     @classmethod
     def of(cls, model) -> "FusedDecode | None":
@@ -77,20 +83,19 @@ class FusedDecode:
         ctx = get_context()
         first = self.layers[0]
         attn = first.self_attn.attn
-        if (ctx.is_prefill or not hidden.is_cpu or hidden.dtype not in cpu_kernels.DTYPES or attn.kv_scales is not None
+        if (not hidden.is_cpu or hidden.dtype not in cpu_kernels.DTYPES or attn.kv_scales is not None
                 or attn.backend is None or attn.backend.name != "cpu" or first._forward_pre_hooks
                 or first._forward_hooks or (kernels := cpu_kernels.active()) is None):
             return None
         rows = hidden.shape[0]
-        if ctx.context_lens.shape[0] != rows:      # not one token per row
-            return None
-        table = self._table(hidden.dtype, bucket(rows))
+        per_token = self._token_rows(ctx, rows) if ctx.is_prefill else (ctx.block_tables, ctx.context_lens)
+        table = self._table(hidden.dtype, bucket(rows)) if per_token is not None else None
         if table is None:
             return None
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         positions, slots = positions.to(torch.int64).contiguous(), ctx.slot_mapping.to(torch.int64).contiguous()
-        tables, lens = ctx.block_tables.to(torch.int32).contiguous(), ctx.context_lens.to(torch.int32).contiguous()
+        tables, lens = per_token[0].to(torch.int32).contiguous(), per_token[1].to(torch.int32).contiguous()
         step = StepDesc(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.stride(0),
                         rows, int(hidden.dtype is torch.bfloat16), 1)
         if tp_size() == 1:
@@ -109,7 +114,24 @@ class FusedDecode:
         if failed:
             raise MemoryError("the fused decoder layers could not allocate their scratch")
         self.steps += 1
+        self.verify_steps += ctx.is_prefill
         return hidden, residual
+
+    @staticmethod
+    def _token_rows(ctx, tokens: int):
+        """A step whose rows each continue their sequence by at most MAX_ROW_TOKENS tokens (speculative verify
+        steps; a short last prompt chunk over a cached prefix) as one decode row per token: (block tables,
+        context lengths) per token, each token seeing its row's KV up to itself (causal). None for other steps
+        (prompts, which go through the modules' prefill attention)."""
+        q_lens, context_lens = ctx.q_lens_cpu, ctx.context_lens_cpu
+        if (q_lens is None or sum(q_lens) != tokens or max(q_lens) > MAX_ROW_TOKENS
+                or any(c <= q for c, q in zip(context_lens, q_lens))):
+            return None
+        q = np.asarray(q_lens, np.int64)
+        row = np.repeat(np.arange(len(q)), q)
+        within = np.arange(tokens) - np.repeat(np.cumsum(q) - q, q)      # each token's index in its row
+        lens = np.asarray(context_lens, np.int64)[row] - (q[row] - 1 - within)
+        return ctx.block_tables[torch.from_numpy(row)], torch.from_numpy(lens)
 
     def _table(self, dtype: torch.dtype, row_bucket: int):
         attn = self.layers[0].self_attn.attn

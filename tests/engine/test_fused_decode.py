@@ -98,3 +98,20 @@ def test_steps_the_fused_layers_cannot_run_go_through_the_modules(tiny_model_dir
     finally:
         llm.close()
     assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * 2
+
+
+@needs_kernels
+def test_speculative_verify_steps_run_fused_and_match_transformers(tiny_model_dir, hf_model):
+    """n-gram speculation: its verify steps (rows of 1 + k tokens over their KV) run fused, one decode row per
+    token, and greedy output is still transformers'."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(tiny_model_dir, speculative_config=ngram, **KV)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in ("Hello, world! Hello, world! Hello, world!", "def main():")]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert fused_of(llm).verify_steps > 0 and llm.stats()["num_accepted_tokens"] > 0
+    finally:
+        llm.close()
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)

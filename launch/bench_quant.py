@@ -4,7 +4,8 @@
     python -m nanovllm_tp.launch.bench_quant --model FILE.gguf --llama-cpp DIR   # DIR: llama-bench, llama-batched-bench
     python -m nanovllm_tp.launch.bench_quant --model HF_DIR --engines int8:bfloat16 none:bfloat16
 
-Engines (`--engines`, each QUANTIZATION:DTYPE) are built in this process on the same file, with the other engine
+Engines (`--engines`, each QUANTIZATION:DTYPE, optionally :KNOB=VALUE,... for other knobs of that engine alone,
+such as auto:float32:fused_decode=false) are built in this process on the same file, with the other engine
 flags as given: by default `auto:bfloat16` (the file's Q8_0/Q4_0/Q4_1 tensors stay quantized) and `none:bfloat16`
 (dequantized at load into bf16). Two workloads, random prompt ids, ignore_eos, greedy:
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     parser.add_argument("--engines", nargs="+", default=["auto:bfloat16", "none:bfloat16"],
-                        metavar="QUANTIZATION:DTYPE", help="engines to compare (default: %(default)s)")
+                        metavar="QUANTIZATION:DTYPE[:KNOB=VALUE,...]", help="engines to compare (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", choices=["stream", "batch"], default=["stream", "batch"])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -52,13 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_specs(specs: list[str]) -> list[tuple[str, str]]:
+def _knob_value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def engine_specs(specs: list[str]) -> list[tuple[str, str, dict]]:
+    """QUANTIZATION:DTYPE[:KNOB=VALUE,...] -> (quantization, dtype, other knobs), e.g.
+    auto:float32:fused_decode=false for the same engine with its decode layers run module by module."""
     out = []
     for spec in specs:
-        quantization, _, dtype = spec.partition(":")
-        if not dtype:
-            raise SystemExit(f"--engines takes QUANTIZATION:DTYPE, got {spec!r}")
-        out.append((quantization, dtype))
+        quantization, _, rest = spec.partition(":")
+        dtype, _, extra = rest.partition(":")
+        pairs = [p.partition("=") for p in extra.split(",") if p]
+        if not dtype or any(not eq or not name for name, eq, _ in pairs):
+            raise SystemExit(f"--engines takes QUANTIZATION:DTYPE[:KNOB=VALUE,...], got {spec!r}")
+        out.append((quantization, dtype, {name: _knob_value(value) for name, _, value in pairs}))
     return out
 
 
@@ -119,12 +131,12 @@ def main(argv=None) -> dict:
     args.vocab_size = ModelConfig.from_pretrained(args.model).vocab_size
     env, names, llms, runs = bc.environment(), [], [], {}
     try:
-        for quantization, dtype in engine_specs(args.engines):
-            kwargs = {**engine_kwargs(args), "quantization": quantization, "dtype": dtype}
+        for quantization, dtype, knobs in engine_specs(args.engines):
+            kwargs = {**engine_kwargs(args), "quantization": quantization, "dtype": dtype, **knobs}
             llm = LLM(**kwargs)
             stats = llm.stats()
             names.append(f"nanovllm_tp {stats['quantization'] if stats['quantization'] != 'none' else 'dequantized'}"
-                         f" {dtype}")
+                         f" {dtype}" + "".join(f" {k}={v}" for k, v in knobs.items()))
             llms.append(llm)
             bc.log(args, f"{names[-1]}: {llm.engine.runner.describe()}")
             run_engine(llm, args, 0)      # warm-up

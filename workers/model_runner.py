@@ -20,6 +20,8 @@ from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantizati
 from nanovllm_tp.gguf_checkpoint import keep_gguf_blocks
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class
+from nanovllm_tp.models.blocks import DecoderModel
+from nanovllm_tp.models.fused_decode import FusedDecode
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
 
@@ -53,6 +55,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:
             attn.backend = backend
+        body = getattr(self.model, "model", None)
+        if config.fused_decode and device.type == "cpu" and isinstance(body, DecoderModel):
+            body.fused = FusedDecode.of(body)     # decode steps' layers in one C call where they can run there
         self.num_kv_blocks = 0
         self.kv_scales = None
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
@@ -193,7 +198,8 @@ class ModelRunner:
         return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
                 f"{self.backend.name}, linear {linear_paths(self.model)}{kernels}, quantization {self.quantization}, "
                 f"{self.num_kv_blocks} KV blocks of {self.block_size} ({self.kv_cache_format()}"
-                f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})")
+                f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})"
+                f"{', decode layers fused' if getattr(getattr(self.model, 'model', None), 'fused', None) else ''}")
 
     def kv_cache_format(self) -> str:
         """The KV cache's storage: the model dtype's name for "auto", else the 8-bit format ("fp8" as

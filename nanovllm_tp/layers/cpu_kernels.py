@@ -29,7 +29,8 @@ from nanovllm_tp.layers import cpu_features
 
 log = logging.getLogger("nanovllm_tp")
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c")]
+SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c",
+                                              "decoder.c")]
 HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them and part of the build's key
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -55,6 +56,9 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                            _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
+    "decoder_attention": (_int, [_ptr, _ptr, _ptr, _ptr]),
+    "decoder_mlp": (_int, [_ptr, _ptr, _ptr, _ptr]),
+    "decoder_layers": (_int, [_ptr, _int, _ptr, _ptr, _ptr]),
     "lora_gathered": (None, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _i64,
                              _int]),
 }

@@ -86,6 +86,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    fused = None     # a models.fused_decode.FusedDecode (set by the runner): its C layers for the steps it runs
+
     def __init__(self, cfg: ModelConfig, make_mlp, layer_class: type[nn.Module] = DecoderLayer,
                  norm: type[RMSNorm] = RMSNorm):
         super().__init__()
@@ -98,8 +100,11 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:      # Gemma: times sqrt(hidden_size), rounded to the activations' dtype
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        if self.fused is not None and (out := self.fused(hidden, positions)) is not None:
+            hidden, residual = out
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,124 @@
+/* A decode step's decoder layers (every row one new token) in one call: the kernels the layer modules call one by
+ * one (rms_norm, the linear layers, rope, paged_decode, silu_mul), called here in the same order on the same
+ * operands, so the results are the modules' to the bit. What is left out is what each module call costs around
+ * its kernel on one stream: the Python, the ctypes call, the fresh tensors and the views, per piece of every layer.
+ *
+ * The layers are described once (layer_desc, filled by nanovllm_tp/models/fused_decode.py from the modules'
+ * packed weights and the layer's KV cache); a step passes its rows' positions, KV slots, block tables and lengths.
+ * hidden [rows, hidden] holds a layer's input and gets its output; residual [rows, hidden] is the running sum.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the kernels of cpu_kernels.c, linear.c and linear_q.c (one library) */
+int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out, int64_t m, int64_t n, int64_t k,
+             int qtype, int bf16);
+void linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k);
+void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
+                 int64_t n, int64_t k);
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t outer, int64_t inner,
+              int64_t x_stride, int64_t out_stride, int size, float eps, int bf16);
+void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
+          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16);
+int paged_decode(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                 const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens, void *out,
+                 int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window, float softcap,
+                 int bf16, int kv);
+void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16);
+
+enum { LINEAR_QUANT = 1, LINEAR_DENSE = 2 };
+
+typedef struct {
+    const void *packed;      /* linear_q's layout (LINEAR_QUANT) or linear.c's, in the activations' dtype */
+    const void *bias;        /* NULL, or [n]: fp32 for a quantized weight, the activations' dtype for a dense one */
+    int64_t n, k;
+    int32_t kind, qtype;
+} linear_desc;
+
+typedef struct {
+    linear_desc qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;     /* [hidden] in the activations' dtype */
+    const void *q_norm, *k_norm;            /* [dim], or NULL: no q/k norms */
+    const void *cos_sin;                    /* [max_position, rot_dim] */
+    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] in the activations' dtype */
+    float eps, qk_eps, scale, softcap;
+    int32_t heads, kv_heads, dim, rot_dim, block_size, window, cos_bf16, hidden;
+} layer_desc;
+
+typedef struct {             /* one step's rows */
+    const int64_t *positions, *slots;
+    const int32_t *tables, *lens;
+    int64_t table_stride, rows;
+    int32_t bf16, first;     /* first: hidden is the embedding (no residual yet) */
+} step_desc;
+
+static int run_linear(const linear_desc *l, const void *x, void *out, int64_t m, int bf16)
+{
+    if (l->kind == LINEAR_QUANT) return linear_q(x, l->packed, l->bias, out, m, l->n, l->k, l->qtype, bf16);
+    if (bf16) linear_bf16(x, l->packed, l->bias, out, m, l->n, l->k);
+    else linear_f32(x, l->packed, l->bias, out, m, l->n, l->k);
+    return 0;
+}
+
+/* norm (residual added first unless first), q/k/v, q/k norms, rope, K/V into their slots, paged decode, o: the
+ * o projection's output (before any all-reduce) in hidden. Returns 0, or -1 when scratch cannot be allocated. */
+int decoder_attention(const layer_desc *L, void *hidden, void *residual, const step_desc *s)
+{
+    const int64_t m = s->rows, H = L->hidden, nq = L->qkv.n, es = s->bf16 ? 2 : 4;
+    const int64_t qd = (int64_t)L->heads * L->dim, kvd = (int64_t)L->kv_heads * L->dim;
+    char *h = malloc((size_t)(m * (H + nq + 2 * qd) * es));
+    if (!h) return -1;
+    char *qkv = h + m * H * es, *q = qkv + m * nq * es, *attn = q + m * qd * es;
+    if (s->first) {
+        rms_norm(hidden, NULL, L->input_norm, h, m, 1, H, H, (int)H, L->eps, s->bf16);
+        memcpy(residual, hidden, (size_t)(m * H * es));
+    } else {
+        rms_norm(hidden, residual, L->input_norm, h, m, 1, H, H, (int)H, L->eps, s->bf16);
+    }
+    int failed = run_linear(&L->qkv, h, qkv, m, s->bf16);
+    if (L->q_norm) {         /* in place: each head of each row its own norm */
+        rms_norm(qkv, NULL, L->q_norm, qkv, m, L->heads, nq, nq, L->dim, L->qk_eps, s->bf16);
+        rms_norm(qkv + qd * es, NULL, L->k_norm, qkv + qd * es, m, L->kv_heads, nq, nq, L->dim, L->qk_eps, s->bf16);
+    }
+    rope(qkv, qkv + qd * es, s->positions, L->cos_sin, m, L->heads, L->kv_heads, nq, nq, L->dim, L->rot_dim,
+         s->bf16, L->cos_bf16);
+    for (int64_t t = 0; t < m; t++) {
+        const char *row = qkv + t * nq * es;
+        memcpy((char *)L->k_cache + s->slots[t] * kvd * es, row + qd * es, (size_t)(kvd * es));
+        memcpy((char *)L->v_cache + s->slots[t] * kvd * es, row + (qd + kvd) * es, (size_t)(kvd * es));
+        memcpy(q + t * qd * es, row, (size_t)(qd * es));
+    }
+    failed |= paged_decode(q, L->k_cache, L->v_cache, NULL, NULL, s->tables, s->table_stride, s->lens, attn, (int)m,
+                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16, 0);
+    failed |= run_linear(&L->o, attn, hidden, m, s->bf16);
+    free(h);
+    return failed ? -1 : 0;
+}
+
+/* residual += hidden, norm, gate/up, SiLU(gate) * up, down: the down projection's output in hidden. */
+int decoder_mlp(const layer_desc *L, void *hidden, void *residual, const step_desc *s)
+{
+    const int64_t m = s->rows, H = L->hidden, I = L->down.k, es = s->bf16 ? 2 : 4;
+    char *h = malloc((size_t)(m * (H + 3 * I) * es));
+    if (!h) return -1;
+    char *gate_up = h + m * H * es, *act = gate_up + 2 * m * I * es;
+    rms_norm(hidden, residual, L->post_norm, h, m, 1, H, H, (int)H, L->eps, s->bf16);
+    int failed = run_linear(&L->gate_up, h, gate_up, m, s->bf16);
+    silu_mul(gate_up, act, m, I, s->bf16);
+    failed |= run_linear(&L->down, act, hidden, m, s->bf16);
+    free(h);
+    return failed ? -1 : 0;
+}
+
+/* layers 0..n-1 in turn, where no all-reduce comes between (one rank) */
+int decoder_layers(const layer_desc *layers, int n, void *hidden, void *residual, const step_desc *s)
+{
+    step_desc step = *s;
+    for (int i = 0; i < n; i++) {
+        if (decoder_attention(layers + i, hidden, residual, &step) || decoder_mlp(layers + i, hidden, residual, &step))
+            return -1;
+        step.first = 0;
+    }
+    return 0;
+}

@@ -1,0 +1,117 @@
+"""The fused decode layers (models/fused_decode.py, csrc/decoder.c): greedy tokens against transformers with the
+decode steps run there (its step count says they were), and its results the modules' to the bit (tokens and
+logprobs of rows decoded together, at different lengths: fp32 and bf16, dense and block-quantized and int8
+weights, q/k norms, biases, a sliding window); the steps it leaves to the modules."""
+import pathlib
+
+import pytest
+
+from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.launch.make_tiny import make_tiny_arch
+from nanovllm_tp.layers import cpu_kernels
+from tests.helpers import hf_greedy, mixed_prompts
+
+KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LENGTHS = (1, 9, 40, 130)      # rows of different lengths (blocks, a window's edge) in one decode batch
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels do not build here")
+
+
+def fused_of(llm):
+    return llm.engine.runner.model.model.fused
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir):
+    return ModelConfig.from_pretrained(tiny_model_dir).vocab_size
+
+
+@needs_kernels
+def test_greedy_matches_transformers_through_the_fused_layers(tiny_llm, hf_model, vocab):
+    """Qwen3's tiny model (q/k norms), four rows decoded together: every decode step runs fused."""
+    fused = fused_of(tiny_llm)
+    assert fused is not None and tiny_llm.engine.runner.describe().endswith(", decode layers fused")
+    before = fused.steps
+    prompts = mixed_prompts(vocab, lengths=LENGTHS, seed=5)
+    outs = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert fused.steps - before >= GREEDY.max_tokens - 1
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)
+
+
+def tiny_gguf(tmp_path, tiny_model_dir, qtype: str) -> str:
+    from tests.gguf_tiny import write_gguf
+    hf = make_tiny_arch(tmp_path / "hf", "llama", tie_word_embeddings=True)
+    return str(write_gguf(hf, pathlib.Path(tiny_model_dir), tmp_path / "tiny.gguf", arch="llama", qtype=qtype))
+
+
+def tiny_arch(tmp_path, arch: str, **overrides) -> str:
+    make_tiny_arch(tmp_path / arch, arch, **overrides)
+    return str(tmp_path / arch)
+
+
+CASES = {   # name -> (model maker, knobs)
+    "qwen3-fp32": (lambda tmp, tiny: tiny, {}),
+    "qwen3-bf16-c": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "packed_linear": "c"}),
+    "qwen3-int8": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "quantization": "int8"}),
+    "qwen2-bias": (lambda tmp, tiny: tiny_arch(tmp, "qwen2"), {}),
+    "mistral-window": (lambda tmp, tiny: tiny_arch(tmp, "mistral", sliding_window=24), {}),
+    "gguf-q4_1": (lambda tmp, tiny: tiny_gguf(tmp, tiny, "Q4_1"), {}),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_layers_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir, vocab):
+    """The same engine knobs with fused_decode on and off: the same tokens and the same logprobs, exactly, for
+    rows decoded together; only the fused engine ran steps fused."""
+    make, knobs = CASES[case]
+    model = make(tmp_path, tiny_model_dir)
+    if case == "qwen3-int8" and 100 not in cpu_kernels.load().quant_types:
+        pytest.skip("int8 weights need csrc/linear_q.c (AVX-512 VNNI)")
+    if case == "gguf-q4_1" and 3 not in cpu_kernels.load().quant_types:
+        pytest.skip("Q4_1 weights need csrc/linear_q.c (AVX-512 VNNI)")
+    prompts = mixed_prompts(vocab, lengths=LENGTHS, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    results = {}
+    for on in (True, False):
+        llm = LLM(model, fused_decode=on, **KV, **knobs)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            fused = fused_of(llm)
+            assert (fused is not None and fused.steps >= params.max_tokens - 1) if on else fused is None
+        finally:
+            llm.close()
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
+
+
+@needs_kernels
+def test_steps_the_fused_layers_cannot_run_go_through_the_modules(tiny_model_dir, vocab):
+    """A quantized KV cache (its store and its decode read scales): the layers could run fused, its steps do not,
+    and every request still finishes."""
+    llm = LLM(tiny_model_dir, kv_cache_dtype="int8", **KV)
+    try:
+        outs = llm.generate(mixed_prompts(vocab, lengths=(3, 20), seed=9), GREEDY, use_tqdm=False)
+        assert fused_of(llm) is not None and fused_of(llm).steps == 0
+    finally:
+        llm.close()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [GREEDY.max_tokens] * 2
+
+
+@needs_kernels
+def test_speculative_verify_steps_run_fused_and_match_transformers(tiny_model_dir, hf_model):
+    """n-gram speculation: its verify steps (rows of 1 + k tokens over their KV) run fused, one decode row per
+    token, and greedy output is still transformers'."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(tiny_model_dir, speculative_config=ngram, **KV)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in ("Hello, world! Hello, world! Hello, world!", "def main():")]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert fused_of(llm).verify_steps > 0 and llm.stats()["num_accepted_tokens"] > 0
+    finally:
+        llm.close()
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)

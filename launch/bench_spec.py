@@ -20,6 +20,9 @@ whose extra layers stay quiet (so the draft agrees with it on most tokens):
 
 The table's "accepted by place" column: proposals accepted at the draft's first, second, .. place, summed over the
 repeats (a place is reached only past the earlier ones).
+"tokens/step": output tokens per decode step of the speculative engine (a step verifying proposals or, while a
+request waits after missed proposals, a plain one); "step cost": its mean decode step's time over the plain
+engine's, paired per repeat. Their ratio is the speedup (less the noise of two timings).
 
 Against vLLM's own speculation (its CPU build in a virtualenv of its own; --model must then be a Hugging Face
 directory, which launch/convert.py makes from a .gguf), with the same --speculative-config, on the same prompt ids,

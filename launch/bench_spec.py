@@ -20,6 +20,9 @@ whose extra layers stay quiet (so the draft agrees with it on most tokens):
 
 The table's "accepted by place" column: proposals accepted at the draft's first, second, .. place, summed over the
 repeats (a place is reached only past the earlier ones).
+"tokens/step": output tokens per decode step of the speculative engine (a step verifying proposals or, while a
+request waits after missed proposals, a plain one); "step cost": its mean decode step's time over the plain
+engine's, paired per repeat. Their ratio is the speedup (less the noise of two timings).
 
 Against vLLM's own speculation (its CPU build in a virtualenv of its own; --model must then be a Hugging Face
 directory, which launch/convert.py makes from a .gguf), with the same --speculative-config, on the same prompt ids,
@@ -67,12 +70,17 @@ def copy_prompt(tokenizer, corpus_ids: list[int], passage_tokens: int, draw: int
 
 
 def run_one(llm, prompt: list[int], params) -> dict:
+    """One request alone; its decode steps are the engine's steps after the prompt's (a step of 1 + k rows when
+    it verifies proposals, of one row otherwise)."""
     before = llm.stats()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     after, m, c = llm.stats(), out.metrics, out.outputs[0]
     decode_s = m.finish_time - m.first_token_time
+    prefill_steps = -(-len(prompt) // llm.engine.config.max_num_batched_tokens)
+    steps = after["num_steps"] - before["num_steps"] - prefill_steps
     return {"tokens": c.token_ids, "decode_tok_s": (len(c.token_ids) - 1) / decode_s if decode_s > 0 else None,
-            "seconds": m.finish_time - m.arrival_time,
+            "seconds": m.finish_time - m.arrival_time, "decode_steps": steps,
+            "step_s": decode_s / steps if steps > 0 else None,
             "draft": after["num_draft_tokens"] - before["num_draft_tokens"],
             "per_pos": [a - b for a, b in zip(after["num_accepted_tokens_per_pos"],
                                               before["num_accepted_tokens_per_pos"])],
@@ -157,6 +165,11 @@ def main(argv=None) -> dict:
                       "ratio": bc.median(b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(p, s)),
                       "acceptance": accepted / draft if draft else None,
                       "accepted_per_pos": per_pos,
+                      # tokens per decode step and the cost of a step against a plain one: their ratio is the gain
+                      "tokens_per_step": bc.median((len(x["tokens"]) - 1) / x["decode_steps"] for x in s
+                                                   if x["decode_steps"] > 0),
+                      "step_cost_ratio": bc.median(b["step_s"] / a["step_s"] for a, b in zip(p, s)
+                                                   if a["step_s"] and b["step_s"]),
                       "output_tokens": bc.median(len(x["tokens"]) for x in s),
                       "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(p, s))}
         for name in peers:
@@ -174,11 +187,12 @@ def main(argv=None) -> dict:
     bc.save_result(args, out, result, lambda result: None)
     rows = [[w, bc.fmt(f["plain_tok_s"]), bc.fmt(f["spec_tok_s"]), f"{f['ratio']:.2f}x",
              "-" if f["acceptance"] is None else f"{f['acceptance']:.2f}",
-             " ".join(map(str, f["accepted_per_pos"])) or "-", f["output_tokens"],
+             " ".join(map(str, f["accepted_per_pos"])) or "-", bc.fmt(f["tokens_per_step"], 2),
+             bc.fmt(f["step_cost_ratio"], 2), f["output_tokens"],
              "yes" if f["same_tokens"] else "NO"] for w, f in figures.items()]
     method = spec_config.get("method", "ngram")
     print(bc.format_table(["workload", "plain tok/s", "spec tok/s", "spec/plain", "acceptance", "accepted by place",
-                           "out tokens", "same tokens"], rows,
+                           "tokens/step", "step cost", "out tokens", "same tokens"], rows,
                           title=f"decode, one request, {method} proposals, medians of {args.repeats}"), flush=True)
     if peers:
         rows = [[w, name, bc.fmt(f["spec_tok_s"]), bc.fmt(f[name]["tok_s"]), f"{f[name]['spec_over_peer']:.2f}x",

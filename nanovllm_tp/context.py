@@ -18,6 +18,8 @@ class Context:
     context_lens_cpu: list[int] | None = None     # host copies so the torch backend can slice without syncs
     q_lens_cpu: list[int] | None = None
     logits_indices: torch.Tensor | None = None    # int64: tokens the LM head computes (None: each row's last)
+    as_decode: tuple | None = None                # torch backend: (rows, token index or None, Context) of the
+                                                  # rows it runs as decode rows (() if none), made once a step
 
 
 _context = Context()

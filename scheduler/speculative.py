@@ -4,7 +4,8 @@ the rules every proposer shares.
 Proposals come from the n-gram lookup (below) or from a draft model (workers/draft_runner.py, which the scheduler
 reaches through the `Proposer` interface only, staying torch-free). With the n-gram method a running request whose
 context repeats itself gets up to k proposed tokens per step: the tokens that followed the earliest earlier
-occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min). The step then computes
+occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min; vLLM's choice), or, when
+the passage the last proposal came from is one of those occurrences, the tokens that follow there. The step then computes
 1 + k positions of that row at once, and every position is sampled as a plain decode step would sample it (same
 request seed, same token index): a proposed token is accepted while it equals the token sampled at its position,
 and the first position that differs gives the request its next token. So the output is the one non-speculative
@@ -79,12 +80,15 @@ def _draft_model(d: dict, tensor_parallel_size: int) -> str:
     return model
 
 
-def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Up to k tokens that followed the earliest earlier occurrence of the context's last n tokens, for the
-    largest n in [min_n, max_n] that occurs; empty when none does."""
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int, follow: int = -1) -> tuple[np.ndarray, int]:
+    """(up to k tokens, where they start): the tokens that followed an earlier occurrence of the context's last n
+    tokens, for the largest n in [min_n, max_n] that occurs; (empty, -1) when none does. The occurrence is the
+    earliest, unless the one starting at `follow` (the proposer's source of the last step, moved on by the tokens
+    since) is among them and still has k tokens after it: a copy keeps reading the passage it was reading, not
+    the first place the last n tokens happen to occur too."""
     size = len(tokens)
     if k <= 0 or size < min_n + 1:
-        return tokens[:0]
+        return tokens[:0], -1
     last = tokens[-1]
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         # ends of earlier n-grams whose last token matches, then the whole n-gram, vectorized
@@ -94,8 +98,10 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
             ends = ends[(window == tokens[size - n:]).all(axis=1)]
         if len(ends):
             start = int(ends[0]) + 1
-            return tokens[start:start + k]
-    return tokens[:0]
+            if 0 < follow <= size - k and np.any(ends == follow - 1):
+                start = follow
+            return tokens[start:start + k], start
+    return tokens[:0], -1
 
 
 def speculates(params) -> bool:
@@ -135,15 +141,19 @@ class Proposer:
 class NgramProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig):
         self.spec, self.found = spec, {}
+        self.source: dict[int, int] = {}     # seq_id -> (where its last proposal started) - (context length then)
 
     def limits(self, seqs) -> dict[int, int]:
-        spec = self.spec
-        self.found = {}
+        spec, source = self.spec, self.source
+        self.found, self.source = {}, {}
         for seq in wanting(seqs):
-            tokens = propose_ngram(np.asarray(seq.token_ids, np.int64), spec.prompt_lookup_min,
-                                   spec.prompt_lookup_max, spec.num_speculative_tokens)
+            size = seq.num_tokens
+            follow = source[seq.seq_id] + size if seq.seq_id in source else -1
+            tokens, start = propose_ngram(np.asarray(seq.token_ids, np.int64), spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max, spec.num_speculative_tokens, follow)
             if len(tokens):
                 self.found[seq.seq_id] = tokens
+                self.source[seq.seq_id] = start - size
         return {i: len(t) for i, t in self.found.items()}
 
     def propose(self, seqs: list, ks: list[int], block_copies) -> list[list[int]]:

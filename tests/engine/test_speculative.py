@@ -19,25 +19,48 @@ SMALL = dict(kvcache_block_size=16, kv_cache_memory=16 << 20)
 TEXTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world! Hello, world! Hello, world!"]
 
 
-def direct_proposal(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+def direct_proposal(tokens: list[int], lo: int, hi: int, k: int, follow: int = -1) -> list[int]:
+    """vLLM's rule (the longest n-gram, its earliest occurrence), except that the occurrence followed so far wins
+    among those of that n-gram while k tokens follow it."""
     for n in range(hi, lo - 1, -1):
         if n >= len(tokens):
             continue
         tail = tokens[-n:]
-        for i in range(len(tokens) - n):          # an occurrence that ends before the last token
-            if tokens[i:i + n] == tail:
-                return tokens[i + n:i + n + k]
+        starts = [i + n for i in range(len(tokens) - n) if tokens[i:i + n] == tail]   # ends before the last
+        if starts:
+            start = follow if follow in starts and follow + k <= len(tokens) else starts[0]
+            return tokens[start:start + k]
     return []
 
 
 def test_ngram_proposals_match_a_direct_search():
     rng = random.Random(0)
-    for case in range(400):
+    for case in range(600):
         tokens = [rng.randrange(1 + case % 6) for _ in range(rng.randint(1, 40))]
         lo = rng.randint(1, 3)
         hi, k = rng.randint(lo, 5), rng.randint(1, 6)
-        got = propose_ngram(np.asarray(tokens, np.int64), lo, hi, k).tolist()
-        assert got == direct_proposal(tokens, lo, hi, k), (tokens, lo, hi, k)
+        follow = rng.randrange(-1, len(tokens) + 1) if case % 2 else -1
+        got, start = propose_ngram(np.asarray(tokens, np.int64), lo, hi, k, follow)
+        assert got.tolist() == direct_proposal(tokens, lo, hi, k, follow), (tokens, lo, hi, k, follow)
+        assert got.tolist() == tokens[start:start + len(got)]
+
+
+def test_ngram_proposer_keeps_reading_the_passage_it_copies():
+    """A passage in which "1 2 3 4 5" occurs twice, followed by different tokens each time: a copy that has
+    reached its second occurrence through accepted proposals keeps reading there, where vLLM's rule (the earliest
+    occurrence of the last n tokens) would jump back to the first."""
+    from nanovllm_tp.scheduler.speculative import NgramProposer
+    passage = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13]
+    proposer = NgramProposer(SpeculativeConfig(2, 3, 2))
+    seq = Sequence(0, passage + [0, 6, 7, 1], max_tokens=64)     # the copy has reached "6 7 1": one occurrence
+    assert proposer.limits([seq]) == {0: 2}
+    assert proposer.propose([seq], [2], []) == [[2, 3]]
+    seq.token_ids += [2, 3, 4]                     # both accepted, and the next token: "2 3 4" occurs twice
+    proposer.limits([seq])
+    assert proposer.propose([seq], [2], []) == [[5, 8]]
+    fresh = Sequence(1, list(seq.token_ids), max_tokens=64)       # nothing followed yet: the earliest
+    proposer.limits([fresh])
+    assert proposer.propose([fresh], [2], []) == [[5, 6]]
 
 
 def test_speculative_config_is_checked_as_vllm_reads_it(tiny_model_dir):

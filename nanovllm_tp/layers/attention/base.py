@@ -83,7 +83,8 @@ class AttentionBackend:
         """q [tokens, heads, dim], this step's k/v [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         if kv_scales is not None and not self.reads_quantized:
             k_cache, v_cache, table = dense_cache(k_cache, v_cache, kv_scales, ctx.block_tables, q.dtype)
-            ctx, kv_scales = dataclasses.replace(ctx, block_tables=table), None
+            # as_decode (if any) held the paged table's rows: made again from the dense one
+            ctx, kv_scales = dataclasses.replace(ctx, block_tables=table, as_decode=None), None
         if ctx.is_prefill:
             return self.prefill(q, k, v, k_cache, v_cache, ctx, scale, window, softcap, kv_scales)
         return self.decode(q, k_cache, v_cache, ctx, scale, window, softcap, kv_scales)

@@ -21,27 +21,43 @@ class TorchBackend(AttentionBackend):
     kv_dtypes = ALL_KV_DTYPES
     reads_quantized = True
 
+    def prepare(self, ctx: Context) -> None:
+        """A prefill step's rows of a few tokens over cached KV (a mixed step's decode rows, a speculative row's
+        proposals), each token as a decode row over the KV up to its own position: worked out once per step,
+        not once per layer."""
+        if not ctx.is_prefill or ctx.q_lens_cpu is None:
+            return
+        short, rows, tokens, lens, start = [], [], [], [], 0
+        for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
+            if q_len <= AS_DECODE and q_len < kv_len:
+                short.append(row)
+                rows += [row] * q_len
+                tokens += range(start, start + q_len)
+                lens += range(kv_len - q_len + 1, kv_len + 1)
+            start += q_len
+        if not short:
+            ctx.as_decode = ()
+            return
+        device = ctx.block_tables.device
+        # index None: the short rows are every token of the step, in order
+        index = None if len(tokens) == start else torch.tensor(tokens, device=device)
+        decode_ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                             block_tables=ctx.block_tables[torch.tensor(rows, device=device)],
+                             context_lens_cpu=lens)
+        ctx.as_decode = (short, index, decode_ctx)
+
     def prefill(self, q, k, v, k_cache, v_cache, ctx, scale, window=0, softcap=0.0, kv_scales=None):
+        if ctx.as_decode is None:
+            self.prepare(ctx)          # a context made without the runner's prepare (the draft's, tests)
+        short, index, decode_ctx = ctx.as_decode or ((), None, None)
+        if short and index is None:    # a speculative step: every row is a few tokens over cached KV
+            return self.decode(q, k_cache, v_cache, decode_ctx, scale, window, softcap, kv_scales)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1] if k_cache.numel() else 0
         starts = [0]
         for q_len in ctx.q_lens_cpu:
             starts.append(starts[-1] + q_len)
-        short = [row for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu))
-                 if q_len <= AS_DECODE and q_len < kv_len]
         if short:
-            # rows of a few tokens over cached KV (a mixed step's decode rows, a speculative row's proposals):
-            # each token attends as a decode row over the KV up to its own position
-            rows, tokens, lens = [], [], []
-            for row in short:
-                q_len, kv_len = ctx.q_lens_cpu[row], ctx.context_lens_cpu[row]
-                rows += [row] * q_len
-                tokens += range(starts[row], starts[row] + q_len)
-                lens += range(kv_len - q_len + 1, kv_len + 1)
-            index = torch.tensor(tokens, device=q.device)
-            decode_ctx = Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device=q.device),
-                                 block_tables=ctx.block_tables[torch.tensor(rows, device=q.device)],
-                                 context_lens_cpu=lens)
             out[index] = self.decode(q[index], k_cache, v_cache, decode_ctx, scale, window, softcap, kv_scales)
         done = set(short)
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):

@@ -49,7 +49,9 @@ class ModelRunner:
         if config.enable_lora:
             from nanovllm_tp.lora.layers import LoRAModel
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
-        pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config))
+        # speculation: verify rows must compute as plain decoding's one row does (kernel_choice.choose)
+        pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config),
+                         row_invariant=config.speculative_config is not None)
         self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

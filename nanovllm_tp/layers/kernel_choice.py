@@ -44,6 +44,7 @@ _BUCKET_OF = bytes(next(i for i, top in enumerate(TIMED_ROWS) if rows <= top) fo
 ROUNDS, ROUND_SECONDS, MIN_CALLS = 5, 0.0006, 1   # per (shape, bucket, candidate): >= 3 ms, >= 5 calls
 COPY_BYTES, MAX_COPIES = 64 << 20, 64       # distinct packed copies timed: up to this many bytes (the model's own)
 BUCKET_SECONDS = 0.1      # past this, a bucket's timing stops after two rounds
+INVARIANT = "c"            # the kernel whose every row is the same sum at any row count (csrc/linear.c)
 MARGIN = 0.10              # what a second candidate must win a bucket by to be kept beside the first
 
 
@@ -208,9 +209,12 @@ def winners_of(micros: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(f if micros[f][b] < micros[main][b] * (1 - MARGIN) else main for b, f in zip(buckets, fastest))
 
 
-def choose(weights: list[torch.Tensor]) -> dict[int, ChosenWeight | None]:
+def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int, ChosenWeight | None]:
     """For each dense weight (one rank's linear layers and LM head), by id: its ChosenWeight, or None where no
-    candidate runs it (F.linear). Tables read from the cache, or measured and added to it."""
+    candidate runs it (F.linear). Tables read from the cache, or measured and added to it. With row_invariant
+    (speculative decoding) a weight the C kernel runs takes it in every bucket without timing: it computes each
+    row alike at any row count, so a verify step's 1 + k rows get the logits that plain decoding's one row gets
+    (oneDNN's bf16 sums do not: its rounding flips near ties between the buckets)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
@@ -227,7 +231,8 @@ def choose(weights: list[torch.Tensor]) -> dict[int, ChosenWeight | None]:
             tables[dtype][1] = read_table(tables[dtype][0])
         path, shapes, _ = tables[dtype]
         names = [c.name for c in cands]
-        choice = None if len(cands) > 1 else ShapeChoice(shape, dname, (names[0],) * len(BUCKETS), {})
+        only = INVARIANT if row_invariant and INVARIANT in names else names[0] if len(cands) == 1 else None
+        choice = None if only is None else ShapeChoice(shape, dname, (only,) * len(BUCKETS), {})
         if choice is None:
             choice = _cached(shapes.get(f"{shape[0]}x{shape[1]}"), names, shape, dname)
         if choice is None:

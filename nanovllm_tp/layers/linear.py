@@ -147,7 +147,7 @@ def pack_weight(w: torch.Tensor, mode: str):
     return None
 
 
-def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
+def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False, row_invariant: bool = False) -> int:
     """Pack the weight of every layer that has a `packed` slot (linear layers, the LM head, the embedding):
     block-quantized weights for csrc/linear_q.c (or its torch reference: `quant.pack_blocks`), dense ones where
     `pack_weight` has a form for them (not the embedding's, looked up as it is), or with int8 quantized to int8
@@ -158,7 +158,7 @@ def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False) -> int:
     dense = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "packed") and m.packs_dense
              and getattr(m.weight, "blocks", None) is None and not (int8 and m.weight.shape[1] % quant.BLOCK == 0)}
     # auto: every dense weight's kernels chosen together, each shape timed on its layers' own weights
-    chosen = kernel_choice.choose([w for w in dense.values() if w.is_cpu]) if mode == "auto" else {}
+    chosen = kernel_choice.choose([w for w in dense.values() if w.is_cpu], row_invariant) if mode == "auto" else {}
     for m in model.modules():
         if not hasattr(m, "packed"):
             continue

@@ -107,6 +107,24 @@ def test_a_step_runs_its_buckets_winner_on_the_real_kernels(tmp_path, monkeypatc
     assert all(set(r["us"]) == {"c", "onednn"} for r in rows)
 
 
+@needs_both
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculation_runs_the_c_kernel_whose_rows_do_not_depend_on_the_row_count(tmp_path, monkeypatch, dtype):
+    """row_invariant (speculative decoding): no timing, no table written, the C kernel in every bucket; and its
+    rows are bit for bit the same at 1, 5 (a verify step of k = 4) and 40 rows, so a verify row's logits are the
+    one-row step's."""
+    if dtype not in cpu_kernels.load().linear_dtypes:
+        pytest.skip("csrc/linear.c has no bf16 kernel on this CPU")
+    cache = kernel_cache(tmp_path, monkeypatch)
+    w = torch.randn(72, 128).to(dtype)
+    chosen = choose([w], row_invariant=True)[id(w)]
+    assert chosen.choice.winners == ("c",) * len(BUCKETS) and not chosen.choice.micros
+    assert not list(cache.glob("kernel-choice-*.json"))
+    x = torch.randn(40, 128).to(dtype)
+    alone = torch.cat([chosen(x[i:i + 1], None) for i in range(40)])
+    assert torch.equal(chosen(x[:5], None), alone[:5]) and torch.equal(chosen(x, None), alone)
+
+
 def test_a_weight_no_candidate_runs_keeps_f_linear(tmp_path, monkeypatch):
     kernel_cache(tmp_path, monkeypatch)
     w = torch.randn(8, 6, dtype=torch.float16)

@@ -69,7 +69,8 @@ def test_prefill_rows_of_several_tokens(lens, both_paths):
     cu = np.cumsum([0, *lens]).astype(np.int32)
     batch.set(np.array(slots, np.int32), cu)
     assert batch.runs == [(1, 0, int(cu[2])), (0, int(cu[3]), int(cu[4]))]
-    assert (batch.slots is None) == (lens[0] == 30)          # long runs: matmuls, not the per-token kernel
+    groups = batch.groups                                     # the kernel's form: tokens by slot
+    assert groups.slots.tolist() == [0, 1] and groups.starts.tolist() == [0, lens[3], lens[3] + lens[0] + lens[1]]
     x, y = torch.randn(int(cu[-1]), 32, generator=gen), torch.randn(int(cu[-1]), 24, generator=gen)
     token_slots = [s for s, n in zip(slots, lens) for _ in range(n)]
     want = expected(layer, made, x, y, token_slots)

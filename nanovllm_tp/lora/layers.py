@@ -169,6 +169,15 @@ class LoRAModel:
                 self.where[f"{prefix}.{piece}"] = (layer, part)
         self.layers = list({id(layer): layer for layer, _ in self.where.values()}.values())
 
+    def slot_bytes(self) -> list[int]:
+        """Per slot, the bytes of its adapter that a step with its rows reads on this rank (A's and B's rank
+        rows over the inputs and each part's outputs)."""
+        total = torch.zeros(self.layers[0].ranks.shape[0], dtype=torch.int64) if self.layers else torch.zeros(0)
+        for layer in self.layers:
+            widths = layer.A.shape[2] + layer.part_rows.diff()
+            total += (layer.ranks * widths).sum(1) * layer.A.element_size()
+        return total.tolist()
+
     def targets(self) -> dict[str, tuple[int, int]]:
         """HF module name -> (in_features, out_features) whole: what read_adapter checks an adapter against."""
         return {name: layer.full_shape(part) for name, (layer, part) in self.where.items()}

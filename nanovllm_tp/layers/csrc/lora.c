@@ -27,7 +27,7 @@
 #define TB 8              /* tokens of one group per shrink task */
 #define UNIT 64           /* outputs per expand unit (threads split the units) */
 #define PREFETCH 8        /* shrink: chunks of 16 inputs ahead */
-#define PREFETCH_UNITS 4  /* expand: units ahead */
+#define PREFETCH_UNITS 2  /* expand: units ahead (into L2) */
 
 INLINE float ld(const void *p, int64_t i, const int bf16)
 {
@@ -175,7 +175,7 @@ INLINE void expand_tokens(const Lora *L, const void *b, int rank, int64_t o, int
     if (ahead < end)
         for (int w = 0; w < rank; w++)
             for (int64_t i = 0; i < UNIT; i += wb ? 32 : 16)
-                _mm_prefetch(at(b, w * L->out + ahead + i, wb), _MM_HINT_T0);
+                _mm_prefetch(at(b, w * L->out + ahead + i, wb), _MM_HINT_T1);
     static const __mmask16 full[UNIT / 16] = {0xffff, 0xffff, 0xffff, 0xffff};
     if (n == UNIT) {
         expand_unit(L, b, rank, o, tok, nt, h, full, xb, wb);
@@ -236,21 +236,21 @@ INLINE void lora_body(const Lora *L, const int64_t *blocks, const int xb, const 
                     shrink_tokens(L, at(L->A, (s * W + p * L->R) * L->in, wb), (int)rank, L->order + first,
                                   left < TB ? (int)left : TB, L->h + first * W + p * L->R, xb, wb);
             }
-        #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            int p = 0;
-            int64_t k = u;
-            while (k >= units_of(L, p)) k -= units_of(L, p++);
-            const int64_t o = L->part_rows[p] + k * UNIT, left = L->part_rows[p + 1] - o;
-            for (int64_t g = 0; g < L->groups; g++) {
-                const int64_t s = L->group_slot[g], rank = L->ranks[s * L->parts + p];
+        /* adapter by adapter (its rows prefetched ahead within it); a unit's outputs stay with one thread */
+        for (int64_t g = 0; g < L->groups; g++) {
+            const int64_t s = L->group_slot[g], first = L->starts[g];
+            #pragma omp for schedule(static) nowait
+            for (int64_t u = 0; u < units; u++) {
+                int p = 0;
+                int64_t k = u;
+                while (k >= units_of(L, p)) k -= units_of(L, p++);
+                const int64_t rank = L->ranks[s * L->parts + p];
                 if (!rank)
                     continue;
-                const void *b = at(L->B, (s * W + p * L->R) * L->out, wb);
-                const int64_t first = L->starts[g];
-                expand_tokens(L, b, (int)rank, o, left < UNIT ? left : UNIT, L->order + first,
-                              (int)(L->starts[g + 1] - first), L->h + first * W + p * L->R, xb, wb,
-                              L->part_rows[p + 1]);
+                const int64_t o = L->part_rows[p] + k * UNIT, left = L->part_rows[p + 1] - o;
+                expand_tokens(L, at(L->B, (s * W + p * L->R) * L->out, wb), (int)rank, o, left < UNIT ? left : UNIT,
+                              L->order + first, (int)(L->starts[g + 1] - first), L->h + first * W + p * L->R, xb,
+                              wb, L->part_rows[p + 1]);
             }
         }
     }

@@ -11,9 +11,10 @@ the base layer's all-reduce. So y += (x A_s^T) B_s^T for the slot s of each toke
 `LoRABatch` is the step's mapping of tokens to slots, shared by every LoRA layer: on CPU with the kernels on
 (fp32 or bf16 activations) its `SlotGroups`, the adapted tokens ordered by slot, for csrc/lora.c: one call per
 layer that reads each adapter in use once whatever the rows sharing it (decode rows, speculative verify rows,
-prompt chunks), so a step costs about one pass over those adapters; elsewhere contiguous runs of one slot, a
-matmul pair each. The slot tables hold the adapters in `lora_dtype` (auto: the model's dtype); bf16 tables under
-fp32 activations halve the bytes a step reads, every sum still in fp32.
+short prompt chunks), so a step costs about one pass over those adapters; a slot with many tokens in the step
+(a long prompt chunk), and every slot elsewhere, as contiguous runs of one slot, a matmul pair each. The slot
+tables hold the adapters in `lora_dtype` (auto: the model's dtype); bf16 tables under fp32 activations halve the
+bytes a step reads, every sum still in fp32.
 """
 import itertools
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from nanovllm_tp.lora.peft_dir import load_tensors
 _PACKED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
            "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
            "o_proj": (("o_proj", None),), "down_proj": (("down_proj", None),)}
+# a slot with more tokens than this in a step (a long prompt chunk) runs as torch matmuls: past it they are faster
+# than csrc/lora.c at SmolLM2's shapes (equal at 16 tokens, 0.6x the kernel's time at 256)
+KERNEL_TOKENS_PER_SLOT = 16
 
 
 @dataclass(slots=True)
@@ -53,21 +57,22 @@ class SlotGroups:
 
 
 class LoRABatch:
-    """The step's tokens by slot: `runs` (slot, start, end), and where the C kernel runs (`kernel`: fp32 or bf16
-    on CPU with the kernels on) `groups`, the SlotGroups; nothing when no row has an adapter."""
-    __slots__ = ("runs", "groups", "kernel")
+    """The step's tokens by slot: `runs` (slot, start, end), every run of one slot; where the C kernel runs
+    (`kernel`: fp32 or bf16 on CPU with the kernels on) `groups`, the SlotGroups of the slots with at most
+    KERNEL_TOKENS_PER_SLOT tokens, and `heavy`, the runs of the others (long prompt chunks: a matmul pair each is
+    faster there); nothing when no row has an adapter."""
+    __slots__ = ("runs", "groups", "heavy", "kernel")
 
     def __init__(self, kernel: bool):
         self.runs: list[tuple[int, int, int]] = []
+        self.heavy: list[tuple[int, int, int]] = []
         self.groups: SlotGroups | None = None
         self.kernel = kernel
 
     def set(self, lora_slot, cu_seqlens_q) -> None:
-        self.runs, self.groups = [], None
+        self.runs, self.heavy, self.groups = [], [], None
         if lora_slot is None:
             return
-        if self.kernel:
-            self.groups = SlotGroups.of(np.repeat(np.asarray(lora_slot, np.int64), np.diff(cu_seqlens_q)))
         slots, cu = lora_slot.tolist(), cu_seqlens_q.tolist()
         runs = []
         for row, slot in enumerate(slots):
@@ -76,6 +81,14 @@ class LoRABatch:
             else:
                 runs.append([slot, cu[row], cu[row + 1]])
         self.runs = [tuple(r) for r in runs if r[0] >= 0]
+        if self.kernel:
+            token_slots = np.repeat(np.asarray(lora_slot, np.int64), np.diff(cu_seqlens_q))
+            counts = np.bincount(token_slots[token_slots >= 0])
+            heavy = np.flatnonzero(counts > KERNEL_TOKENS_PER_SLOT)
+            if len(heavy):
+                self.heavy = [r for r in self.runs if r[0] in set(heavy.tolist())]
+                token_slots = np.where(np.isin(token_slots, heavy), -1, token_slots)
+            self.groups = SlotGroups.of(token_slots)
 
 
 class LoRALayer:
@@ -135,13 +148,13 @@ class LoRALayer:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this rank's x @ W^T, before any reduce) plus each row's adapter delta."""
-        batch = self.batch
+        batch, runs = self.batch, self.batch.runs
         if batch.groups is not None and x.dtype == y.dtype:
             kernels = cpu_kernels.active()
             if kernels is not None:
                 kernels.lora_gathered(x, y, self.A, self.B, batch.groups, self.ranks, self.part_rows, self.rank)
-                return y
-        for slot, start, end in batch.runs:
+                runs = batch.heavy
+        for slot, start, end in runs:
             a, b = self.A[slot], self.B[slot]
             if a.dtype == y.dtype:
                 y[start:end].addmm_(x[start:end] @ a.T, b)

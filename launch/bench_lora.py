@@ -8,8 +8,8 @@ are made with peft (launch/make_lora) in a temporary directory, request i runnin
 the engine runs with enable_lora and max_loras = --num-adapters, so all are resident after the warm-up (which also
 fills the prefix cache for both sides). --lora-dtype bfloat16 holds them in bf16 under a float32 model. Each
 repeat generates --max-tokens tokens (ignore_eos) for the same prompts twice, once each request with its adapter
-and once on the base model, alternating which goes first. Throughput = generated tokens / wall time; ratio = LoRA / base,
-medians of the repeats.
+and once on the base model, alternating which goes first. Throughput = generated tokens / wall time; ratio =
+LoRA / base, medians of the repeats.
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@
  *
  * Two passes. Shrink: h[i] = A x for the i-th grouped token, all rank rows of a part in one pass over x (x's chunk
  * of 16 in a register, one accumulator per rank row, one transpose-reduce of the 16 accumulators at the end).
- * Expand: y += h B over chunks of 16 outputs, the chunk's rank rows of B held in registers for every token of the
- * group. Threads split the shrink over (group, part, token) and the expand over output chunks, so a step of one
+ * Expand: y += h B over units of 64 outputs, adapter by adapter: a token's sums in registers, the unit's rank rows
+ * of B read from memory once (the unit two ahead prefetched into L2) and from cache for the group's other tokens.
+ * Threads split the shrink over (group, part, blocks of TB tokens) and the expand over units, so a step of one
  * row still spreads. Without AVX-512 the same two passes run in plain C (the sums in the same precision).
  */
 #include <stdint.h>

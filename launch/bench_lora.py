@@ -3,12 +3,13 @@ in one engine, interleaved in the same run.
 
     python -m nanovllm_tp.launch.bench_lora --model SmolLM2.gguf --num-requests 8 --lora-rank 16 --repeats 5
 
---num-requests adapters of rank --lora-rank on every target (q/k/v/o/gate/up/down) are made with peft
-(launch/make_lora) in a temporary directory; the engine runs with enable_lora and max_loras = --num-requests, so
-all are resident after the warm-up (which also fills the prefix cache for both sides). Each repeat generates
---max-tokens tokens (ignore_eos) for the same prompts twice, once each request with its adapter and once on the
-base model, alternating which goes first. Throughput = generated tokens / wall time; ratio = LoRA / base,
-medians of the repeats.
+--num-adapters adapters (default: one per request) of rank --lora-rank on every target (q/k/v/o/gate/up/down)
+are made with peft (launch/make_lora) in a temporary directory, request i running adapter i mod --num-adapters;
+the engine runs with enable_lora and max_loras = --num-adapters, so all are resident after the warm-up (which also
+fills the prefix cache for both sides). --lora-dtype bfloat16 holds them in bf16 under a float32 model. Each
+repeat generates --max-tokens tokens (ignore_eos) for the same prompts twice, once each request with its adapter
+and once on the base model, alternating which goes first. Throughput = generated tokens / wall time; ratio =
+LoRA / base, medians of the repeats.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     g = bc.add_paired_workload_args(parser, max_tokens=64)
-    g.add_argument("--num-requests", type=int, default=8, help="requests, each with an adapter of its own")
+    g.add_argument("--num-requests", type=int, default=8, help="requests in the batch")
+    g.add_argument("--num-adapters", type=int, help="distinct adapters over the requests (default: one each)")
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--lora-rank", type=int, default=16)
     bc.add_output_args(parser)
@@ -61,19 +63,23 @@ def timed(llm, prompts, params, loras) -> tuple[float, int, int]:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.num_requests < 1 or args.lora_rank < 1:
-        raise SystemExit("--repeats, --num-requests and --lora-rank must be >= 1")
+    args.num_adapters = args.num_adapters or args.num_requests
+    if min(args.repeats, args.num_requests, args.num_adapters, args.lora_rank) < 1:
+        raise SystemExit("--repeats, --num-requests, --num-adapters and --lora-rank must be >= 1")
+    if args.num_adapters > args.num_requests:
+        raise SystemExit(f"--num-adapters {args.num_adapters} exceeds --num-requests {args.num_requests}")
     bc.apply_threads(args)
     args.model_source = args.model or f"preset {args.preset}"
     args.model = bc.resolve_model(args)
     from nanovllm_tp import LLM, LoRARequest, SamplingParams
-    kwargs = {**engine_kwargs(args), "enable_lora": True, "max_loras": max(args.max_loras, args.num_requests),
+    kwargs = {**engine_kwargs(args), "enable_lora": True, "max_loras": max(args.max_loras, args.num_adapters),
               "max_lora_rank": max(args.max_lora_rank, args.lora_rank)}
     env = bc.environment()
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        paths = make_adapters(args.model, args.num_requests, args.lora_rank, tmp)
-        loras = [LoRARequest(f"lora-{i}", i + 1, p) for i, p in enumerate(paths)]
+        paths = make_adapters(args.model, args.num_adapters, args.lora_rank, tmp)
+        loras = [LoRARequest(f"lora-{i % len(paths)}", i % len(paths) + 1, paths[i % len(paths)])
+                 for i in range(args.num_requests)]
         llm = LLM(**kwargs)
         try:
             vocab = llm.config.model_config.vocab_size
@@ -94,20 +100,25 @@ def main(argv=None) -> dict:
                 bc.log(args, f"[{r + 1}/{args.repeats}] LoRA {bc.fmt(runs[-1]['lora_tok_s'])} tok/s, base "
                              f"{bc.fmt(runs[-1]['base_tok_s'])} tok/s, ratio {runs[-1]['ratio']:.3f}")
             linear = llm.stats()["linear"]
+            adapter_bytes = sum(llm.engine.runner.lora.slot_bytes())     # rank 0's share, all resident
         finally:
             llm.close()
     figures = {key: bc.median(x[key] for x in runs) for key in runs[0]}
-    figures.update(requests=args.num_requests, rank=args.lora_rank, linear=linear)
+    figures.update(requests=args.num_requests, adapters=args.num_adapters, rank=args.lora_rank, linear=linear,
+                   adapter_mb_per_step=adapter_bytes / 1e6)
     result = {"name": NAME, "config": bc.config_dict(args), "environment": bc.finish_environment(env),
               "figures": figures, "runs": runs}
     bc.save_result(args, bc.pathlib.Path(args.out) if args.out else bc.default_out_path(NAME), result,
                    lambda result: None)
     f = figures
     print(bc.format_table(
-        ["requests", "rank", "tokens", "LoRA tok/s", "base tok/s", "LoRA/base", "step ms LoRA", "step ms base"],
-        [[f["requests"], f["rank"], f["tokens"], bc.fmt(f["lora_tok_s"]), bc.fmt(f["base_tok_s"]),
-          f"{f['ratio']:.3f}", bc.fmt(f["lora_step_ms"], 2), bc.fmt(f["base_step_ms"], 2)]],
-        title=f"every request its own adapter vs the base model, medians of {args.repeats} ({f['linear']})"),
+        ["requests", "adapters", "rank", "adapter MB/step", "tokens", "LoRA tok/s", "base tok/s", "LoRA/base",
+         "step ms LoRA", "step ms base"],
+        [[f["requests"], f["adapters"], f["rank"], bc.fmt(f["adapter_mb_per_step"]), f["tokens"],
+          bc.fmt(f["lora_tok_s"]), bc.fmt(f["base_tok_s"]), f"{f['ratio']:.3f}", bc.fmt(f["lora_step_ms"], 2),
+          bc.fmt(f["base_step_ms"], 2)]],
+        title=f"requests with adapters (lora_dtype {args.lora_dtype}) vs the base model, medians of "
+              f"{args.repeats} ({f['linear']})"),
         flush=True)
     return result
 

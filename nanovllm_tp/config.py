@@ -324,6 +324,10 @@ class EngineConfig:
                                   "whose adapter finds every slot held by running requests waits", minimum=1)
     max_lora_rank: int = knob(16, help="with enable_lora: the largest adapter rank accepted (it sizes the slots)",
                               minimum=1)
+    lora_dtype: str = knob("auto", help="with enable_lora: the dtype adapters are held and read in (vLLM's knob); "
+                                        "auto: the model's; bfloat16 under a float32 or quantized model halves the "
+                                        "bytes a step reads (sums still in float32), not bit-exact against peft",
+                           choices=("auto", "bfloat16", "float32"))
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -388,7 +392,7 @@ class EngineConfig:
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
-            for name in ("max_loras", "max_lora_rank"):
+            for name in LORA_DEFAULTS:
                 if getattr(self, name) != LORA_DEFAULTS[name]:
                     raise ValueError(f"{name}={getattr(self, name)} needs enable_lora=True")
             return
@@ -410,7 +414,8 @@ class EngineConfig:
         self.trace_path = path
 
 
-LORA_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in ("max_loras", "max_lora_rank")}
+LORA_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)
+                 if f.name in ("max_loras", "max_lora_rank", "lora_dtype")}
 
 
 def add_engine_args(parser) -> None:

@@ -48,7 +48,7 @@ class ModelRunner:
         self.lora = None     # lora.layers.LoRAModel with enable_lora (before packing: it reads the weights' shapes)
         if config.enable_lora:
             from nanovllm_tp.lora.layers import LoRAModel
-            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.lora_dtype)
         # speculation: verify rows must compute as plain decoding's one row does (kernel_choice.choose)
         pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config),
                          row_invariant=config.speculative_config is not None)

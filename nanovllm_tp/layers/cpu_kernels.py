@@ -59,8 +59,8 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "decoder_attention": (_int, [_ptr, _ptr, _ptr, _ptr]),
     "decoder_mlp": (_int, [_ptr, _ptr, _ptr, _ptr]),
     "decoder_layers": (_int, [_ptr, _int, _ptr, _ptr, _ptr]),
-    "lora_gathered": (None, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _i64,
-                             _int]),
+    "lora_gathered": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                             _int, _i64, _int, _int]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says which: 1 for bf16
 KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}    # paged_decode's kv: quantized caches
@@ -262,14 +262,19 @@ class CpuKernels:
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
 
-    def lora_gathered(self, x, y, A, B, slot, ranks, part_rows, rank: int) -> None:
-        """y[t] += B[slot[t]] (A[slot[t]] x[t]) in place for every token whose slot is not -1 (x, y, A, B all fp32
-        or all bf16; the layouts are csrc/lora.c's: `ranks` [slots, parts] int64, `part_rows` [parts + 1] int64,
-        `rank` the columns of a part)."""
+    def lora_gathered(self, x, y, A, B, groups, ranks, part_rows, rank: int) -> None:
+        """y[t] += B[s] (A[s] x[t]) in place for the tokens t of each slot s of `groups` (lora.layers.SlotGroups:
+        tokens ordered by slot, each slot's first index in that order, the slots). x and y share a dtype, A and B
+        another (each fp32 or bf16); the layouts are csrc/lora.c's: `ranks` [slots, parts] int64, `part_rows`
+        [parts + 1] int64, `rank` the rows of a part."""
         x = _rows_contiguous(x)
-        self._lora_gathered(x.data_ptr(), y.data_ptr(), A.data_ptr(), B.data_ptr(), slot.data_ptr(),
-                            ranks.data_ptr(), part_rows.data_ptr(), x.shape[0], x.shape[1], y.shape[1], x.stride(0),
-                            y.stride(0), ranks.shape[1], rank, _bf16(x))
+        if y.stride(-1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
+            raise ValueError("lora_gathered: y's rows and the slot tables must be contiguous")
+        if self._lora_gathered(x.data_ptr(), y.data_ptr(), A.data_ptr(), B.data_ptr(), groups.order.data_ptr(),
+                               groups.starts.data_ptr(), groups.slots.data_ptr(), len(groups.slots),
+                               ranks.data_ptr(), part_rows.data_ptr(), x.shape[1], y.shape[1], x.stride(0),
+                               y.stride(0), ranks.shape[1], rank, _bf16(x), _bf16(A)):
+            raise MemoryError("the LoRA kernel could not allocate its scratch")
 
     def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):
         """For each entry, row row_of[e] of x ([rows, vocab] fp32): the logprob and rank of column chosen[e], and

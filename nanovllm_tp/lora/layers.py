@@ -8,14 +8,16 @@ a column-parallel layer keeps A whole and the rows of B its own weight keeps (it
 a row-parallel layer keeps the columns of A its weight keeps and B whole, and its partial sums are reduced by
 the base layer's all-reduce. So y += (x A_s^T) B_s^T for the slot s of each token's row, before that reduce.
 
-`LoRABatch` is the step's mapping of tokens to slots, shared by every LoRA layer: contiguous runs of one slot, a
-matmul pair each (torch: long prompt chunks, other devices), and on CPU in fp32 or bf16 for steps of few tokens
-a run (decode, speculative verify, a prompt's last token after a prefix-cache hit) each token's slot for
-csrc/lora.c, one call per layer that reads only the rank rows and columns of each token's adapter. Measured
-at SmolLM2's shapes, 30 layers, 8 rows of 8 rank-16 adapters, one thread: 18 ms a step in C against 107 ms for
-the runs and 284 ms for a gathered torch form (index_select of the slot tables, bmm pair), since dropped.
+`LoRABatch` is the step's mapping of tokens to slots, shared by every LoRA layer: on CPU with the kernels on
+(fp32 or bf16 activations) its `SlotGroups`, the adapted tokens ordered by slot, for csrc/lora.c: one call per
+layer that reads each adapter in use once whatever the rows sharing it (decode rows, speculative verify rows,
+short prompt chunks), so a step costs about one pass over those adapters; a slot with many tokens in the step
+(a long prompt chunk), and every slot elsewhere, as contiguous runs of one slot, a matmul pair each. The slot
+tables hold the adapters in `lora_dtype` (auto: the model's dtype); bf16 tables under fp32 activations halve the
+bytes a step reads, every sum still in fp32.
 """
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,22 +31,46 @@ from nanovllm_tp.lora.peft_dir import load_tensors
 _PACKED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
            "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
            "o_proj": (("o_proj", None),), "down_proj": (("down_proj", None),)}
-KERNEL_TOKENS_PER_RUN = 8     # C kernel up to this many tokens a run: it reads a token's adapter once per token
+# a slot with more tokens than this in a step (a long prompt chunk) runs as torch matmuls: past it they are faster
+# than csrc/lora.c at SmolLM2's shapes (equal at 16 tokens, 0.6x the kernel's time at 256)
+KERNEL_TOKENS_PER_SLOT = 16
+
+
+@dataclass(slots=True)
+class SlotGroups:
+    """A step's adapted tokens grouped by slot, as csrc/lora.c takes them (int64 tensors): the tokens in slot
+    order (`order`), where each slot's tokens begin in it (`starts`, one more than the slots), the slots."""
+    order: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, token_slots: np.ndarray) -> "SlotGroups":
+        """token_slots: each token's slot, -1 for the base model's tokens (left out)."""
+        adapted = np.flatnonzero(token_slots >= 0)
+        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+        ordered = token_slots[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(ordered)) + 1, [len(order)])) if len(order) else \
+            np.zeros(1, np.int64)
+        return cls(torch.from_numpy(order.astype(np.int64)), torch.from_numpy(starts.astype(np.int64)),
+                   torch.from_numpy(ordered[starts[:-1]].astype(np.int64)))
 
 
 class LoRABatch:
-    """The step's tokens by slot: `runs` (slot, start, end), and for decode steps where the C kernel may run
-    (`kernel`: fp32 on CPU with the kernels on) `slots`, each token's slot (-1: base); nothing when no row has an
-    adapter."""
-    __slots__ = ("runs", "slots", "kernel")
+    """The step's tokens by slot: `runs` (slot, start, end), every run of one slot; where the C kernel runs
+    (`kernel`: fp32 or bf16 on CPU with the kernels on) `groups`, the SlotGroups of the slots with at most
+    KERNEL_TOKENS_PER_SLOT tokens, and `heavy`, the runs of the others (long prompt chunks: a matmul pair each is
+    faster there); nothing when no row has an adapter."""
+    __slots__ = ("runs", "groups", "heavy", "kernel")
 
     def __init__(self, kernel: bool):
         self.runs: list[tuple[int, int, int]] = []
-        self.slots = None
+        self.heavy: list[tuple[int, int, int]] = []
+        self.groups: SlotGroups | None = None
         self.kernel = kernel
 
     def set(self, lora_slot, cu_seqlens_q) -> None:
-        self.runs, self.slots = [], None
+        self.runs, self.heavy, self.groups = [], [], None
         if lora_slot is None:
             return
         slots, cu = lora_slot.tolist(), cu_seqlens_q.tolist()
@@ -54,22 +80,30 @@ class LoRABatch:
                 runs[-1][2] = cu[row + 1]
             else:
                 runs.append([slot, cu[row], cu[row + 1]])
-        if self.kernel and cu[-1] <= KERNEL_TOKENS_PER_RUN * len(runs):
-            self.slots = torch.from_numpy(np.repeat(np.asarray(lora_slot, np.int64), np.diff(cu_seqlens_q)))
         self.runs = [tuple(r) for r in runs if r[0] >= 0]
+        if self.kernel:
+            token_slots = np.repeat(np.asarray(lora_slot, np.int64), np.diff(cu_seqlens_q))
+            counts = np.bincount(token_slots[token_slots >= 0])
+            heavy = np.flatnonzero(counts > KERNEL_TOKENS_PER_SLOT)
+            if len(heavy):
+                self.heavy = [r for r in self.runs if r[0] in set(heavy.tolist())]
+                token_slots = np.where(np.isin(token_slots, heavy), -1, token_slots)
+            self.groups = SlotGroups.of(token_slots)
 
 
 class LoRALayer:
     __slots__ = ("base", "parts", "batch", "row_parallel", "rank", "A", "B", "ranks", "part_rows")
 
-    def __init__(self, base: LinearBase, parts, batch: LoRABatch, num_slots: int, max_rank: int):
+    def __init__(self, base: LinearBase, parts, batch: LoRABatch, num_slots: int, max_rank: int, dtype=None):
+        """dtype: the slot tables' (None: the base weight's)."""
         out, fan_in = base.weight.shape
         w = base.weight
+        dtype = dtype or w.dtype
         self.base, self.parts, self.batch, self.rank = base, parts, batch, max_rank
         self.row_parallel = isinstance(base, RowParallelLinear)
         width = len(parts) * max_rank
-        self.A = torch.zeros(num_slots, width, fan_in, dtype=w.dtype, device=w.device)
-        self.B = torch.zeros(num_slots, width, out, dtype=w.dtype, device=w.device)
+        self.A = torch.zeros(num_slots, width, fan_in, dtype=dtype, device=w.device)
+        self.B = torch.zeros(num_slots, width, out, dtype=dtype, device=w.device)
         self.ranks = torch.zeros(num_slots, len(parts), dtype=torch.int64)   # each slot's rank per part (C)
         if isinstance(base, QKVParallelLinear):
             sizes = [base.num_heads * base.head_dim] + [base.num_kv_heads * base.head_dim] * 2
@@ -114,32 +148,48 @@ class LoRALayer:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (this rank's x @ W^T, before any reduce) plus each row's adapter delta."""
-        batch = self.batch
-        if batch.slots is not None:
+        batch, runs = self.batch, self.batch.runs
+        if batch.groups is not None and x.dtype == y.dtype:
             kernels = cpu_kernels.active()
-            if kernels is not None and x.dtype == y.dtype == self.A.dtype and y.stride(-1) == 1:
-                kernels.lora_gathered(x, y, self.A, self.B, batch.slots, self.ranks, self.part_rows, self.rank)
-                return y
-        for slot, start, end in batch.runs:
-            y[start:end].addmm_(x[start:end] @ self.A[slot].T, self.B[slot])
+            if kernels is not None:
+                kernels.lora_gathered(x, y, self.A, self.B, batch.groups, self.ranks, self.part_rows, self.rank)
+                runs = batch.heavy
+        for slot, start, end in runs:
+            a, b = self.A[slot], self.B[slot]
+            if a.dtype == y.dtype:
+                y[start:end].addmm_(x[start:end] @ a.T, b)
+            else:       # lora_dtype apart from the model's: the sums in fp32, y rounded once
+                rows = y[start:end]
+                rows.copy_(torch.addmm(rows.float(), x[start:end].float() @ a.float().T, b.float()))
         return y
 
 
 class LoRAModel:
     """A model's LoRA layers on this rank, and the HF names of the modules they adapt."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, lora_dtype: str = "auto"):
         w = next(model.parameters())
-        self.batch = LoRABatch(w.dtype in cpu_kernels.DTYPES and w.is_cpu and cpu_kernels.active() is not None)
+        dtype = w.dtype if lora_dtype == "auto" else getattr(torch, lora_dtype)
+        self.batch = LoRABatch(w.dtype in cpu_kernels.DTYPES and dtype in cpu_kernels.DTYPES and w.is_cpu and
+                               cpu_kernels.active() is not None)
         self.where: dict[str, tuple[LoRALayer, int]] = {}        # HF module name -> (layer, part)
         for name, module in model.named_modules():
             prefix, _, ours = name.rpartition(".")
             if ours not in _PACKED or not isinstance(module, LinearBase):
                 continue
-            layer = module.lora = LoRALayer(module, _PACKED[ours], self.batch, max_loras, max_rank)
+            layer = module.lora = LoRALayer(module, _PACKED[ours], self.batch, max_loras, max_rank, dtype)
             for part, (piece, _) in enumerate(layer.parts):
                 self.where[f"{prefix}.{piece}"] = (layer, part)
         self.layers = list({id(layer): layer for layer, _ in self.where.values()}.values())
+
+    def slot_bytes(self) -> list[int]:
+        """Per slot, the bytes of its adapter that a step with its rows reads on this rank (A's and B's rank
+        rows over the inputs and each part's outputs)."""
+        total = torch.zeros(self.layers[0].ranks.shape[0], dtype=torch.int64) if self.layers else torch.zeros(0)
+        for layer in self.layers:
+            widths = layer.A.shape[2] + layer.part_rows.diff()
+            total += (layer.ranks * widths).sum(1) * layer.A.element_size()
+        return total.tolist()
 
     def targets(self) -> dict[str, tuple[int, int]]:
         """HF module name -> (in_features, out_features) whole: what read_adapter checks an adapter against."""

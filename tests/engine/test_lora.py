@@ -91,6 +91,34 @@ def test_mixed_batch_matches_peft(tiny_model_dir, adapters, reference, prompts):
         assert reference(lora, prompts[0]) != reference(None, prompts[0])
 
 
+def test_bf16_adapters_match_peft_with_adapters_rounded_to_bf16(tiny_model_dir, base_hf, adapters, prompts):
+    """lora_dtype="bfloat16" under the fp32 model: the slot tables hold each adapter rounded to bf16 (B with its
+    scale, a power of two here, folded in) and every sum stays fp32, so the tokens are peft's with lora_A and lora_B
+    rounded to bf16 first (not peft's own fp32 adapters: the rounding may change a token)."""
+    import torch
+    from peft import PeftModel
+    a1, a2, _ = adapters
+    loras = [a1, None, a2, a1]
+
+    def rounded_peft(lora, prompt):
+        if lora is None:
+            return hf_greedy(base_hf, prompt, TOKENS)
+        model = PeftModel.from_pretrained(base_hf, lora.lora_path).eval()
+        try:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_" in name:
+                        param.copy_(param.bfloat16().float())
+            return hf_greedy(model, prompt, TOKENS)
+        finally:
+            model.unload()
+    with LLM(tiny_model_dir, max_loras=2, lora_dtype="bfloat16", **KNOBS) as llm:
+        assert {layer.A.dtype for layer in llm.engine.runner.lora.layers} == {torch.bfloat16}
+        outs = llm.generate(prompts[:4], GREEDY, use_tqdm=False, lora_request=loras)
+    for out, lora, prompt in zip(outs, loras, prompts):
+        assert list(out.outputs[0].token_ids) == rounded_peft(lora, prompt), lora
+
+
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
 def test_more_adapters_than_slots_swap_and_stay_exact(tiny_model_dir, adapters, reference, prompts, pool):
     """Fewer slots than adapters; with a pool of 6 blocks the running rows also preempt each other (a preempted row
@@ -144,6 +172,10 @@ def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_
         tiny_llm.generate(prompts[:1], GREEDY, lora_request=a1)
     with pytest.raises(ValueError, match="max_loras=2 needs enable_lora=True"):
         LLM(tiny_model_dir, max_loras=2)
+    with pytest.raises(ValueError, match="lora_dtype=bfloat16 needs enable_lora=True"):
+        LLM(tiny_model_dir, lora_dtype="bfloat16")
+    with pytest.raises(ValueError, match="lora_dtype must be one of 'auto', 'bfloat16', 'float32', got 'float16'"):
+        LLM(tiny_model_dir, lora_dtype="float16", enable_lora=True)
     with pytest.raises(ValueError, match="max_loras=9 exceeds max_num_seqs=8"):
         LLM(tiny_model_dir, max_loras=9, max_num_seqs=8, enable_lora=True)
     lm_head = make_lora(base_hf, tmp_path / "head", targets=("q_proj", "lm_head"))
@@ -207,12 +239,15 @@ def test_smollm2_adapter_matches_peft(tmp_path):
     assert tuned != base
 
 
-def test_bench_lora_runs_and_reports_figures(tiny_model_dir, tmp_path, capsys):
+def test_bench_lora_runs_and_reports_figures(tiny_model_dir, base_hf, tmp_path, capsys):
     from nanovllm_tp.launch import bench_lora
-    result = bench_lora.main(["--model", tiny_model_dir, "--num-requests", "2", "--max-tokens", "4", "--repeats",
-                              "1", "--lora-rank", "4", "--kv-cache-memory", str(32 << 20),
+    result = bench_lora.main(["--model", tiny_model_dir, "--num-requests", "3", "--num-adapters", "2", "--max-tokens",
+                              "4", "--repeats", "1", "--lora-rank", "4", "--kv-cache-memory", str(32 << 20),
                               "--out", str(tmp_path / "lora.json"), "--quiet"])
     f = result["figures"]
-    assert f["tokens"] == 8 and f["lora_tok_s"] > 0 and f["base_tok_s"] > 0
+    assert f["tokens"] == 12 and f["lora_tok_s"] > 0 and f["base_tok_s"] > 0
     assert f["ratio"] == pytest.approx(f["lora_tok_s"] / f["base_tok_s"])
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    widths = sum(m.in_features + m.out_features for name, m in base_hf.named_modules() if name.endswith(targets))
+    assert f["adapter_mb_per_step"] == pytest.approx(2 * 4 * widths * 4 / 1e6)    # 2 adapters, rank 4, fp32
     assert "LoRA/base" in capsys.readouterr().out

@@ -69,7 +69,11 @@ def test_prefill_rows_of_several_tokens(lens, both_paths):
     cu = np.cumsum([0, *lens]).astype(np.int32)
     batch.set(np.array(slots, np.int32), cu)
     assert batch.runs == [(1, 0, int(cu[2])), (0, int(cu[3]), int(cu[4]))]
-    assert (batch.slots is None) == (lens[0] == 30)          # long runs: matmuls, not the per-token kernel
+    groups = batch.groups                                     # the kernel's form: tokens by slot
+    if lens[0] == 30:                                         # more than 16 tokens a slot: matmuls, not the kernel
+        assert groups.slots.tolist() == [] and batch.heavy == batch.runs
+    else:
+        assert groups.slots.tolist() == [0, 1] and groups.starts.tolist() == [0, lens[3], lens[3] + lens[0] + lens[1]]
     x, y = torch.randn(int(cu[-1]), 32, generator=gen), torch.randn(int(cu[-1]), 24, generator=gen)
     token_slots = [s for s, n in zip(slots, lens) for _ in range(n)]
     want = expected(layer, made, x, y, token_slots)
@@ -100,3 +104,29 @@ def test_bf16_decode_rows_through_the_kernel_and_torch(both_paths):
         return layer.apply(x, y.clone()).float()
     for got in both_paths(run):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=0.5)
+
+
+@pytest.mark.parametrize("lens", [(1, 1, 1, 1), (3, 2, 4, 5), (1, 20, 1, 1)])
+def test_bf16_tables_under_fp32_activations(lens, both_paths):
+    """lora_dtype="bfloat16" with an fp32 model: the kernel and torch's runs both take the rounded tables (A, and
+    B with its scale folded in) with fp32 sums, y written once."""
+    gen = torch.Generator().manual_seed(3)
+    base = QKVParallelLinear(64, 16, 4, 2)
+    batch = LoRABatch(kernel=True)
+    layer = LoRALayer(base, (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")), batch, SLOTS, RANK,
+                      torch.bfloat16)
+    made = adapters(layer, gen)
+    assert layer.A.dtype == layer.B.dtype == torch.bfloat16
+    rounded = {s: {p: (a.bfloat16().float(), (b * 0.5).bfloat16().float() / 0.5) for p, (a, b) in parts.items()}
+               for s, parts in made.items()}
+    slots = [2, 0, -1, 1]
+    cu = np.cumsum([0, *lens]).astype(np.int32)
+    x = torch.randn(int(cu[-1]), 64, generator=gen)
+    y = torch.randn(int(cu[-1]), base.weight.shape[0], generator=gen)
+    want = expected(layer, rounded, x, y, [s for s, n in zip(slots, lens) for _ in range(n)])
+
+    def run():
+        batch.set(np.array(slots, np.int32), cu)
+        return layer.apply(x, y.clone())
+    for got in both_paths(run):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,263 @@
+/* Paged decode attention in AVX-512: decode_attn.c's paged_decode with the same arguments and the same math (fp32
+ * products and sums, the per-token scales of a quantized cache applied to the score and to the probability, an
+ * online softmax), in another order of fp32 additions. head_dim one of 32, 64, 128, 256; else DECODE_NO_SIMD.
+ *
+ * A unit of work is one (row, KV head): the query heads of that KV head (GQA's group) share every K/V vector read,
+ * and threads split the rows x KV heads items. A row's visible tokens go by chunks of up to 16 keys of one block:
+ *   1. the chunk's K and V vectors of this head are widened once into fp32 tiles (bf16 by a shift, int8 by a
+ *      convert, fp8 through its table), the quantized scales beside them;
+ *   2. per query head, 16 partial-product vectors (one per key, head_dim / 16 FMAs each) are reduced by a
+ *      transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
+ *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
+ *   4. V's tile is read once for up to 4 query heads, whose outputs stay in registers for the chunk.
+ * The next block of this head is prefetched while one is used: blocks sit at random places in a large pool.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_attn.h"
+#include "dtypes.h"
+#include "simd.h"
+
+#if defined(__AVX512BW__)
+
+#define CHUNK 16
+#define MAX_GROUP_BLOCK 4      /* query heads whose outputs one pass over V's tile keeps in registers */
+
+enum { KV_F32, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2 };     /* cache formats, compile-time constants below */
+
+/* 16 consecutive values of a cache in `format` from element e, in fp32 */
+INLINE __m512 widen16(const void *p, int64_t e, const int format)
+{
+    if (format == KV_F32) return _mm512_loadu_ps((const float *)p + e);
+    if (format == KV_BF16) return from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)p + e));
+    if (format == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), format == KV_E4M3 ? kv_fp8_e4m3 : kv_fp8_e5m2, 4);
+}
+
+/* e^x lane by lane for x <= 0, within about an ulp: 2^n * e^r with |r| <= ln2 / 2 (Taylor to r^7); below -87
+ * (weights under 1e-38 of the largest) clamped there */
+INLINE __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);       /* ln2 in two parts */
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    static const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int k = 0; k < 7; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[k]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors interleaved and added within 128-bit lanes (16 -> 8 -> 4),
+ * then 128-bit lanes exchanged and added (4 -> 2 -> 1); 45 instructions for what 16 reductions do in ~150 */
+INLINE __m512 sum16(const __m512 *v)
+{
+    __m512 t[8], u[4], y[2];
+    for (int j = 0; j < 8; j++)         /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)         /* per 128-bit lane: the lane's sums of 4 keys */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xee));
+    for (int j = 0; j < 2; j++)         /* 128-bit lanes 0+1 and 2+3 of two vectors */
+        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+INLINE __m512 soft_cap(__m512 s, float cap)      /* cap * tanh(s / cap), lane by lane (Gemma 2's layers) */
+{
+    float lanes[CHUNK];
+    _mm512_storeu_ps(lanes, s);
+    for (int i = 0; i < CHUNK; i++) lanes[i] = cap * tanhf(lanes[i] / cap);
+    return _mm512_loadu_ps(lanes);
+}
+
+/* acc[g] = acc[g] * rescale[g] + sum over the chunk's keys i of p[g][i] * v_i, for gb query heads at once */
+INLINE void accumulate(float *acc, const float *p, const float *rescale, const float *vt, int cnt, const int dim,
+                       const int gb)
+{
+    __m512 a[MAX_GROUP_BLOCK][16];
+    #pragma GCC unroll 4
+    for (int g = 0; g < gb; g++)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * dim + 16 * c),
+                                                                   _mm512_set1_ps(rescale[g]));
+    for (int i = 0; i < cnt; i++) {
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) {
+            const __m512 v = _mm512_loadu_ps(vt + i * dim + 16 * c);
+            #pragma GCC unroll 4
+            for (int g = 0; g < gb; g++) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * CHUNK + i]), v, a[g][c]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int g = 0; g < gb; g++)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) _mm512_storeu_ps(acc + g * dim + 16 * c, a[g][c]);
+}
+
+/* Per thread: K and V tiles, their scales, then per query head of the group: query, output, softmax weights of
+ * the chunk, running max, sum and the chunk's rescale. */
+#define SCRATCH_FLOATS(dim, group) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(group) * (2 * (dim) + CHUNK + 3))
+
+/* One (row, KV head): out's `group` heads from q's, over the row's visible tokens. */
+INLINE void decode_head(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                        const float *v_scale, const int32_t *table, int len, int head, int group, int kv_heads,
+                        const int dim, int block_size, float scale, int window, float softcap, float *scratch,
+                        void *out, const int bf16, const int format)
+{
+    const int quantized = format >= KV_INT8, gmax = dim <= 64 ? 4 : dim == 128 ? 2 : 1;
+    const int64_t token_stride = (int64_t)kv_heads * dim;
+    const int64_t kv_size = format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1, head_bytes = dim * kv_size;
+    const int64_t block_bytes = (int64_t)block_size * token_stride * kv_size;
+    float *kt = scratch, *vt = kt + CHUNK * dim, *ks = vt + CHUNK * dim, *vs = ks + CHUNK;
+    float *qf = vs + CHUNK, *acc = qf + group * dim, *p = acc + group * dim, *m = p + group * CHUNK;
+    float *l = m + group, *rescale = l + group;
+    for (int e = 0; e < group * dim; e++) {
+        qf[e] = load(q, (int64_t)head * group * dim + e, bf16);
+        acc[e] = 0.f;
+    }
+    for (int g = 0; g < group; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.f;
+    }
+    const int blocks = (len + block_size - 1) / block_size;
+    const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
+    for (int b = first / block_size; b < blocks; b++) {
+        const char *kb = (const char *)k_cache + table[b] * block_bytes;
+        const char *vb = (const char *)v_cache + table[b] * block_bytes;
+        const int64_t scale_row = (int64_t)table[b] * block_size * kv_heads + head;
+        const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        if (b + 1 < blocks) {      /* this head's rows of the next block */
+            const char *next_k = (const char *)k_cache + table[b + 1] * block_bytes + head * head_bytes;
+            const char *next_v = (const char *)v_cache + table[b + 1] * block_bytes + head * head_bytes;
+            for (int t = 0; t < block_size; t++)
+                for (int64_t byte = 0; byte < head_bytes; byte += 64) {
+                    __builtin_prefetch(next_k + t * token_stride * kv_size + byte);
+                    __builtin_prefetch(next_v + t * token_stride * kv_size + byte);
+                }
+        }
+        for (int i0 = first > b * block_size ? first - b * block_size : 0; i0 < n; i0 += CHUNK) {
+            const int cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
+            for (int i = 0; i < CHUNK; i++) {          /* 1. the tiles; keys past cnt score 0 and weigh 0 */
+                if (i >= cnt) {
+                    memset(kt + i * dim, 0, sizeof(float) * dim);
+                    ks[i] = vs[i] = 0.f;
+                    continue;
+                }
+                const int64_t e = (int64_t)(i0 + i) * token_stride + (int64_t)head * dim;
+                #pragma GCC unroll 16
+                for (int c = 0; c < dim; c += 16) {
+                    _mm512_storeu_ps(kt + i * dim + c, widen16(kb, e + c, format));
+                    _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
+                }
+                if (quantized) {
+                    ks[i] = k_scale[scale_row + (int64_t)(i0 + i) * kv_heads];
+                    vs[i] = v_scale[scale_row + (int64_t)(i0 + i) * kv_heads];
+                }
+            }
+            const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+            const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(ks))
+                                               : _mm512_set1_ps(scale);
+            for (int g = 0; g < group; g++) {          /* 2, 3. scores and the softmax, per query head */
+                const float *qg = qf + g * dim;
+                __m512 part[CHUNK];
+                #pragma GCC unroll 16
+                for (int i = 0; i < CHUNK; i++) {
+                    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt + i * dim));
+                    #pragma GCC unroll 16
+                    for (int c = 16; c < dim; c += 16)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kt + i * dim + c), dot);
+                    part[i] = dot;
+                }
+                __m512 s = _mm512_mul_ps(sum16(part), key_scale);
+                if (softcap > 0.f) s = soft_cap(s, softcap);
+                const float top = _mm512_mask_reduce_max_ps(valid, s), new_max = top > m[g] ? top : m[g];
+                const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+                rescale[g] = expf(m[g] - new_max);
+                l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(w);
+                m[g] = new_max;
+                _mm512_storeu_ps(p + g * CHUNK, quantized ? _mm512_mul_ps(w, _mm512_loadu_ps(vs)) : w);
+            }
+            for (int g = 0; g < group; g += gmax) {    /* 4. V, shared by up to gmax query heads */
+                const int gb = group - g < gmax ? group - g : gmax;
+                float *a = acc + g * dim;
+                const float *pg = p + g * CHUNK, *rg = rescale + g;
+                if (gb == 4) accumulate(a, pg, rg, vt, cnt, dim, 4);
+                else if (gb == 3) accumulate(a, pg, rg, vt, cnt, dim, 3);
+                else if (gb == 2) accumulate(a, pg, rg, vt, cnt, dim, 2);
+                else accumulate(a, pg, rg, vt, cnt, dim, 1);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = len > 0 ? 1.f / l[g] : 0.f;     /* a row of no tokens attends to nothing: zeros */
+        for (int d = 0; d < dim; d++) store(out, (int64_t)(head * group + g) * dim + d, acc[g * dim + d] * inv, bf16);
+    }
+}
+
+int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                      const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                      void *out, int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window,
+                      float softcap, int bf16, int kv)
+{
+    if (dim != 32 && dim != 64 && dim != 128 && dim != 256) return DECODE_NO_SIMD;
+    const int group = heads / kv_heads, format = kv ? KV_INT8 + kv - 1 : bf16 ? KV_BF16 : KV_F32;
+    const int64_t items = (int64_t)rows * kv_heads, row_elems = (int64_t)heads * dim;
+    int failed = 0;
+    #pragma omp parallel if (items > 1)
+    {
+        float *scratch = malloc(sizeof(float) * SCRATCH_FLOATS(dim, group));
+        /* every thread must reach the worksharing loop, so a thread without scratch only reports it */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scratch) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int r = (int)(item / kv_heads), head = (int)(item % kv_heads);
+            const void *qr = AT(q, r * row_elems, bf16);
+            void *o = AT(out, r * row_elems, bf16);
+            const int32_t *table = tables + (int64_t)r * table_stride;
+#define HEAD(DIM, FORMAT) decode_head(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], head, group, kv_heads, \
+                                      DIM, block_size, scale, window, softcap, scratch, o, bf16, FORMAT)
+#define FORMATS(DIM)                                                                                \
+            switch (format) {                                                                        \
+            case KV_F32: HEAD(DIM, KV_F32); break;                                                   \
+            case KV_BF16: HEAD(DIM, KV_BF16); break;                                                 \
+            case KV_INT8: HEAD(DIM, KV_INT8); break;                                                 \
+            case KV_E4M3: HEAD(DIM, KV_E4M3); break;                                                 \
+            default: HEAD(DIM, KV_E5M2);                                                             \
+            }
+            switch (dim) {
+            case 64: FORMATS(64); break;
+            case 128: FORMATS(128); break;
+            case 32: FORMATS(32); break;
+            default: FORMATS(256);
+            }
+#undef FORMATS
+#undef HEAD
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+#else
+
+int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                      const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                      void *out, int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window,
+                      float softcap, int bf16, int kv)
+{
+    return DECODE_NO_SIMD;
+}
+
+#endif

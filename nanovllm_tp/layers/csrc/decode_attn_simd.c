@@ -122,11 +122,25 @@ INLINE void prefetch_block(const char *k, const char *v, int block_size, int64_t
         }
 }
 
+/* The tiles of cnt keys from element e of blocks kb, vb (one KV head, token stride token_stride), in fp32;
+ * K's rows past cnt zero (they score 0 and weigh 0), V's not read */
+INLINE void fill_tiles(const char *kb, const char *vb, int64_t e, int64_t token_stride, int cnt, const int dim,
+                       const int format, float *kt, float *vt)
+{
+    for (int i = 0; i < cnt; i++, e += token_stride)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim; c += 16) {
+            _mm512_storeu_ps(kt + i * dim + c, widen16(kb, e + c, format));
+            _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
+        }
+    if (cnt < CHUNK) memset(kt + cnt * dim, 0, sizeof(float) * (CHUNK - cnt) * dim);
+}
+
 /* One row's KV heads [h0, h1): out's query heads of those from q's, over the row's visible tokens. */
 INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
                          const float *v_scale, const int32_t *table, int len, int h0, int h1, int group,
                          int kv_heads, const int dim, int block_size, float scale, int window, float softcap,
-                         float *scratch, void *out, const int bf16, const int format)
+                         float *scratch, void *out, int bf16, int format)
 {
     const int quantized = format >= KV_INT8, gmax = dim <= 64 ? 4 : dim == 128 ? 2 : 1, heads = (h1 - h0) * group;
     const int64_t token_stride = (int64_t)kv_heads * dim;
@@ -159,22 +173,17 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
             const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
             for (int head = h0; head < h1; head++) {
                 const int64_t scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads + head;
-                for (int i = 0; i < CHUNK; i++) {          /* 1. the tiles; keys past cnt score 0 and weigh 0 */
-                    if (i >= cnt) {
-                        memset(kt + i * dim, 0, sizeof(float) * dim);
-                        ks[i] = vs[i] = 0.f;
-                        continue;
-                    }
-                    const int64_t e = (int64_t)(i0 + i) * token_stride + (int64_t)head * dim;
-                    #pragma GCC unroll 16
-                    for (int c = 0; c < dim; c += 16) {
-                        _mm512_storeu_ps(kt + i * dim + c, widen16(kb, e + c, format));
-                        _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
-                    }
-                    if (quantized) {
-                        ks[i] = k_scale[scale_row + (int64_t)i * kv_heads];
-                        vs[i] = v_scale[scale_row + (int64_t)i * kv_heads];
-                    }
+                const int64_t e = (int64_t)i0 * token_stride + (int64_t)head * dim;     /* 1. the tiles */
+                switch (format) {
+                case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
+                case KV_BF16: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
+                case KV_INT8: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_INT8, kt, vt); break;
+                case KV_E4M3: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E4M3, kt, vt); break;
+                default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
+                }
+                for (int i = 0; quantized && i < CHUNK; i++) {
+                    ks[i] = i < cnt ? k_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
+                    vs[i] = i < cnt ? v_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
                 }
                 const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(ks))
                                                    : _mm512_set1_ps(scale);
@@ -243,24 +252,15 @@ int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, c
             const void *qr = AT(q, r * row_elems, bf16);
             void *o = AT(out, r * row_elems, bf16);
             const int32_t *table = tables + (int64_t)r * table_stride;
-#define HEAD(DIM, FORMAT) decode_heads(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], h0, h0 + span, group, \
-                                       kv_heads, DIM, block_size, scale, window, softcap, scratch, o, bf16, FORMAT)
-#define FORMATS(DIM)                                                                                \
-            switch (format) {                                                                        \
-            case KV_F32: HEAD(DIM, KV_F32); break;                                                   \
-            case KV_BF16: HEAD(DIM, KV_BF16); break;                                                 \
-            case KV_INT8: HEAD(DIM, KV_INT8); break;                                                 \
-            case KV_E4M3: HEAD(DIM, KV_E4M3); break;                                                 \
-            default: HEAD(DIM, KV_E5M2);                                                             \
+#define HEADS(DIM) decode_heads(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], h0, h0 + span, group, \
+                                kv_heads, DIM, block_size, scale, window, softcap, scratch, o, bf16, format)
+            switch (dim) {      /* head_dim a compile-time constant: the inner loops unroll */
+            case 64: HEADS(64); break;
+            case 128: HEADS(128); break;
+            case 32: HEADS(32); break;
+            default: HEADS(256);
             }
-            switch (dim) {
-            case 64: FORMATS(64); break;
-            case 128: FORMATS(128); break;
-            case 32: FORMATS(32); break;
-            default: FORMATS(256);
-            }
-#undef FORMATS
-#undef HEAD
+#undef HEADS
         }
         free(scratch);
     }

@@ -130,3 +130,23 @@ def test_vector_form_is_built_where_the_cpu_has_avx512():
     if "avx512bw" not in cpu_features.cpu_flags():
         pytest.skip("no AVX-512 here: the portable loop is the only form")
     assert cpu_kernels.load().decode_simd
+
+
+@needs_compiler
+@pytest.mark.parametrize("portable", FORMS, ids=FORM_IDS)
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_widens_as_torch_casts_it(kv, portable):
+    """Rows of one token whose V holds every finite code (subnormals included): the output is V times its scale
+    exactly, so each code's value shows (a scaled store writes no NaN or inf)."""
+    dtype = KV_CACHE_DTYPES[kv]
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[codes.view(dtype).float().isfinite()]
+    codes = torch.cat([codes, torch.zeros(-len(codes) % 32, dtype=torch.uint8)])
+    rows = len(codes) // 32                      # head_dim 32: one row's V is 32 codes, each row its own block
+    v = codes.view(rows, 1, 1, 32).view(dtype).contiguous()
+    k = torch.zeros_like(v)
+    scale = torch.full((rows, 1, 1), 0.5)
+    q = torch.randn(rows, 1, 32, generator=torch.Generator().manual_seed(4))
+    table = torch.arange(rows, dtype=torch.int32)[:, None]
+    out = run(q, k, v, (scale, scale), table, [1] * rows, 1.0, portable)
+    assert torch.equal(out[:, 0], v[:, 0, 0].float() * 0.5)

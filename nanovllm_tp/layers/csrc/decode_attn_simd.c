@@ -6,7 +6,7 @@
  * head (GQA's group) share every K/V vector read. A row's visible tokens go by chunks of up to 16 keys of one block,
  * and per KV head:
  *   1. the chunk's K and V vectors of the head are widened once into fp32 tiles (bf16 by a shift, int8 by a
- *      convert, fp8 through its table), the quantized scales beside them;
+ *      convert, fp8 by its bits), the quantized scales beside them;
  *   2. per query head, 16 partial-product vectors (one per key, head_dim / 16 FMAs each) are reduced by a
  *      transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
  *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
@@ -39,7 +39,19 @@ INLINE __m512 widen16(const void *p, int64_t e, const int format)
     if (format == KV_BF16) return from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e)));
     const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)p + e));
     if (format == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), format == KV_E4M3 ? kv_fp8_e4m3 : kv_fp8_e5m2, 4);
+    /* fp8 by its bits, as kv_fp8_e4m3 / kv_fp8_e5m2 hold it: a normal code's exponent and mantissa moved into
+     * fp32's with the bias changed (e4m3: 7 -> 127, e5m2: 15 -> 127), a subnormal one (exponent 0) as its mantissa
+     * times 2^-9 / 2^-16 (no fp32 subnormal is made, so flush-to-zero cannot touch it), NaN and inf codes 0 */
+    const __m512i b = _mm512_cvtepu8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const int e4m3 = format == KV_E4M3;
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, e4m3 ? 20 : 21),
+                                                               _mm512_set1_epi32((e4m3 ? 120 : 112) << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(e4m3 ? 0x1p-9f : 0x1p-16f));
+    __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(e4m3 ? 8 : 4)), normal, sub);
+    x = _mm512_maskz_mov_ps(e4m3 ? _mm512_cmpneq_epi32_mask(mag, _mm512_set1_epi32(0x7f))
+                                 : _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(0x7c)), x);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
 }
 
 /* e^x lane by lane for x <= 0, within about an ulp: 2^n * e^r with |r| <= ln2 / 2 (Taylor to r^7); below -87

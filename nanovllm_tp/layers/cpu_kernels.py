@@ -89,7 +89,7 @@ def build_library(compiler: str) -> pathlib.Path:
         paths = [str(pathlib.Path(tmp) / src.name) for src in SOURCES]
         built = pathlib.Path(tmp) / target.name
         result = subprocess.run([compiler, *CFLAGS, "-o", str(built), *paths, "-lm"], capture_output=True,
-                                text=True, timeout=120)
+                                text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)     # atomic: ranks building at once each install a whole file

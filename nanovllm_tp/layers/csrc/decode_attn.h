@@ -1,13 +1,9 @@
-/* What decode_attn.c and decode_attn_simd.c share: the fp8 tables and the vector form's entry point. */
+/* decode_attn_simd.c's entry point, which decode_attn.c's paged_decode calls. */
 #ifndef NANOVLLM_TP_DECODE_ATTN_H
 #define NANOVLLM_TP_DECODE_ATTN_H
 #include <stdint.h>
 
 #define DECODE_NO_SIMD (-2)     /* paged_decode_simd's answer when this build or head_dim has no vector form */
-
-/* fp8 e4m3 (torch.float8_e4m3fn) and e5m2 codes in fp32; the NaN and inf codes, which a scaled store never
- * writes, read as 0 */
-extern float kv_fp8_e4m3[256], kv_fp8_e5m2[256];
 
 /* paged_decode's arguments (see decode_attn.c); 0, -1 (no scratch memory) or DECODE_NO_SIMD */
 int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,

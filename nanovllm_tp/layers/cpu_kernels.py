@@ -1,5 +1,5 @@
-"""C kernels for fp32 and bf16 on CPU (csrc/cpu_kernels.c): paged decode attention (over a cache in the model
-dtype or quantized: int8, fp8), RMSNorm with the residual
+"""C kernels for fp32 and bf16 on CPU: paged decode attention (csrc/decode_attn.c, its AVX-512 form in
+decode_attn_simd.c; over a cache in the model dtype or quantized: int8, fp8), csrc/cpu_kernels.c's RMSNorm with the residual
 add fused in, RoPE and SiLU-and-mul; linear layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with
 AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per
 entry from penalties to the drawn token.
@@ -30,13 +30,15 @@ from nanovllm_tp.layers import cpu_features
 log = logging.getLogger("nanovllm_tp")
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
 SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c",
-                                              "decoder.c")]
-HEADERS = [_CSRC / "simd.h"]      # included by the sources: copied beside them and part of the build's key
+                                     "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
+# included by the sources: copied beside them and part of the build's key
+HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int,
-                            _float, _int, _float, _int, _int]),
+                            _float, _int, _float, _int, _int, _int]),
+    "paged_decode_available_simd": (_int, []),
     "kv_store_int8": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
@@ -91,7 +93,7 @@ def build_library(compiler: str) -> pathlib.Path:
         paths = [str(pathlib.Path(tmp) / src.name) for src in SOURCES]
         built = pathlib.Path(tmp) / target.name
         result = subprocess.run([compiler, *CFLAGS, "-o", str(built), *paths, "-lm"], capture_output=True,
-                                text=True, timeout=120)
+                                text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)     # atomic: ranks building at once each install a whole file
@@ -114,6 +116,8 @@ class CpuKernels:
         # what csrc/linear_q.c runs (built with AVX-512 VNNI): ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
         # Q6_K, and int8 (its code 100)
         self.quant_types = (2, 3, 6, 7, 8, 12, 13, 14, 100) if self._linear_q_available() else ()
+        # paged decode's AVX-512 form (head_dim 32, 64, 128 or 256); the portable loop runs otherwise
+        self.decode_simd = bool(self._paged_decode_available_simd())
 
     def pack_linear_weight(self, w: torch.Tensor) -> torch.Tensor:
         """w [n, k] (a dtype in linear_dtypes; k even for bf16) in csrc/linear.c's layout, flat: blocks of 16
@@ -171,10 +175,11 @@ class CpuKernels:
         return out
 
     def paged_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                     softcap: float = 0.0, kv_scales=None) -> torch.Tensor:
+                     softcap: float = 0.0, kv_scales=None, portable: bool = False) -> torch.Tensor:
         """window > 0: each row sees its last `window` tokens only; softcap > 0: scores capped by tanh.
         kv_scales: a quantized cache's (K, V) fp32 scales [num_blocks, block_size, kv_heads] (the caches then
-        int8 or fp8, see kv_quant.py); None: the caches are in q's dtype."""
+        int8 or fp8, see kv_quant.py); None: the caches are in q's dtype. portable: the portable loop even where
+        the AVX-512 form runs (comparisons: tests, launch/bench_attention.py)."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.contiguous()
@@ -193,7 +198,7 @@ class CpuKernels:
                               None if k_scale is None else k_scale.data_ptr(),
                               None if v_scale is None else v_scale.data_ptr(), tables.data_ptr(),
                               tables.stride(0), lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                              block_size, scale, window, softcap, _bf16(q), KV_CODES.get(want, 0)):
+                              block_size, scale, window, softcap, _bf16(q), KV_CODES.get(want, 0), int(portable)):
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
 

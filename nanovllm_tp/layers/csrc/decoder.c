@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_attn.h"
+
 /* the kernels of cpu_kernels.c, linear.c and linear_q.c (one library) */
 int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out, int64_t m, int64_t n, int64_t k,
              int qtype, int bf16);
@@ -21,10 +23,6 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
               int64_t x_stride, int64_t out_stride, int size, float eps, int bf16);
 void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
           int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16);
-int paged_decode(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
-                 const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens, void *out,
-                 int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window, float softcap,
-                 int bf16, int kv);
 void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16);
 
 enum { LINEAR_QUANT = 1, LINEAR_DENSE = 2 };
@@ -90,7 +88,7 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
         memcpy(q + t * qd * es, row, (size_t)(qd * es));
     }
     failed |= paged_decode(q, L->k_cache, L->v_cache, NULL, NULL, s->tables, s->table_stride, s->lens, attn, (int)m,
-                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16, 0);
+                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16, 0, 0);
     failed |= run_linear(&L->o, attn, hidden, m, s->bf16);
     free(h);
     return failed ? -1 : 0;

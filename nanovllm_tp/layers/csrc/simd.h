@@ -1,4 +1,4 @@
-/* AVX-512 helpers shared by the kernels (linear.c, linear_q.c, lora.c). */
+/* AVX-512 helpers shared by the linear kernels (linear.c, linear_q.c, lora.c) and decode attention (decode_attn_simd.c). */
 #ifndef NANOVLLM_TP_SIMD_H
 #define NANOVLLM_TP_SIMD_H
 #if defined(__AVX512BW__)

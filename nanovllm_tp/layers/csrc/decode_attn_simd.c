@@ -1,0 +1,292 @@
+/* Paged decode attention in AVX-512: decode_attn.c's paged_decode with the same arguments and the same math (fp32
+ * products and sums, the per-token scales of a quantized cache applied to the score and to the probability, an
+ * online softmax), in another order of fp32 additions. head_dim one of 32, 64, 128, 256; else DECODE_NO_SIMD.
+ *
+ * A unit of work is a row (or one KV head of a row, where rows are fewer than threads); the query heads of a KV
+ * head (GQA's group) share every K/V vector read. A row's visible tokens go by chunks of up to 16 keys of one block,
+ * and per KV head:
+ *   1. the chunk's K and V vectors of the head are widened once into fp32 tiles (bf16 by a shift, int8 by a
+ *      convert, fp8 by its bits), the quantized scales beside them;
+ *   2. per query head, 16 partial-product vectors (one per key, head_dim / 16 FMAs each) are reduced by a
+ *      transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
+ *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
+ *   4. V's tile is read once for up to 4 query heads, whose outputs stay in registers for the chunk.
+ * The blocks two ahead are prefetched while one is used: blocks sit at random places in a large pool, and at 32
+ * rows of a few hundred tokens the KV bytes a step reads are as many as the weights'.
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_attn.h"
+#include "dtypes.h"
+#include "simd.h"
+
+#if defined(__AVX512BW__)
+
+#define CHUNK 16
+#define MAX_GROUP_BLOCK 4      /* query heads whose outputs one pass over V's tile keeps in registers */
+
+enum { KV_F32, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2 };     /* cache formats, compile-time constants below */
+
+/* 16 consecutive values of a cache in `format` from element e, in fp32 */
+INLINE __m512 widen16(const void *p, int64_t e, const int format)
+{
+    if (format == KV_F32) return _mm512_loadu_ps((const float *)p + e);
+    if (format == KV_BF16) return from_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)p + e));
+    if (format == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    /* fp8 by its bits, as kv_fp8_e4m3 / kv_fp8_e5m2 hold it: a normal code's exponent and mantissa moved into
+     * fp32's with the bias changed (e4m3: 7 -> 127, e5m2: 15 -> 127), a subnormal one (exponent 0) as its mantissa
+     * times 2^-9 / 2^-16 (no fp32 subnormal is made, so flush-to-zero cannot touch it), NaN and inf codes 0 */
+    const __m512i b = _mm512_cvtepu8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const int e4m3 = format == KV_E4M3;
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, e4m3 ? 20 : 21),
+                                                               _mm512_set1_epi32((e4m3 ? 120 : 112) << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(e4m3 ? 0x1p-9f : 0x1p-16f));
+    __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(e4m3 ? 8 : 4)), normal, sub);
+    x = _mm512_maskz_mov_ps(e4m3 ? _mm512_cmpneq_epi32_mask(mag, _mm512_set1_epi32(0x7f))
+                                 : _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(0x7c)), x);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+
+/* e^x lane by lane for x <= 0, within about an ulp: 2^n * e^r with |r| <= ln2 / 2 (Taylor to r^7); below -87
+ * (weights under 1e-38 of the largest) clamped there */
+INLINE __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);       /* ln2 in two parts */
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    static const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int k = 0; k < 7; k++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[k]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors interleaved and added within 128-bit lanes (16 -> 8 -> 4),
+ * then 128-bit lanes exchanged and added (4 -> 2 -> 1); 45 instructions for what 16 reductions do in ~150 */
+INLINE __m512 sum16(const __m512 *v)
+{
+    __m512 t[8], u[4], y[2];
+    for (int j = 0; j < 8; j++)         /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)         /* per 128-bit lane: the lane's sums of 4 keys */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xee));
+    for (int j = 0; j < 2; j++)         /* 128-bit lanes 0+1 and 2+3 of two vectors */
+        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+INLINE __m512 soft_cap(__m512 s, float cap)      /* cap * tanh(s / cap), lane by lane (Gemma 2's layers) */
+{
+    float lanes[CHUNK];
+    _mm512_storeu_ps(lanes, s);
+    for (int i = 0; i < CHUNK; i++) lanes[i] = cap * tanhf(lanes[i] / cap);
+    return _mm512_loadu_ps(lanes);
+}
+
+/* acc[g] = acc[g] * rescale[g] + sum over the chunk's keys i of p[g][i] * v_i, for gb query heads at once */
+INLINE void accumulate(float *acc, const float *p, const float *rescale, const float *vt, int cnt, const int dim,
+                       const int gb)
+{
+    __m512 a[MAX_GROUP_BLOCK][16];
+    #pragma GCC unroll 4
+    for (int g = 0; g < gb; g++)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * dim + 16 * c),
+                                                                   _mm512_set1_ps(rescale[g]));
+    for (int i = 0; i < cnt; i++) {
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) {
+            const __m512 v = _mm512_loadu_ps(vt + i * dim + 16 * c);
+            #pragma GCC unroll 4
+            for (int g = 0; g < gb; g++) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * CHUNK + i]), v, a[g][c]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int g = 0; g < gb; g++)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim / 16; c++) _mm512_storeu_ps(acc + g * dim + 16 * c, a[g][c]);
+}
+
+/* Per thread: K and V tiles, their scales, then per query head of the item: query, output, softmax weights of
+ * the chunk, running max, sum and the chunk's rescale. */
+#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(heads) * (2 * (dim) + CHUNK + 3))
+#define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (1, 2, 4 measured alike) */
+
+/* Rows [0, block_size) of KV heads [h0, h1) of one block, K and V, into the caches: to L2 (into L1 was 25% slower
+ * on an AMD EPYC) */
+INLINE void prefetch_block(const char *k, const char *v, int block_size, int64_t token_bytes, int64_t head_bytes,
+                           int h0, int h1)
+{
+    for (int t = 0; t < block_size; t++)
+        for (int64_t byte = h0 * head_bytes; byte < h1 * head_bytes; byte += 64) {
+            __builtin_prefetch(k + t * token_bytes + byte, 0, 2);
+            __builtin_prefetch(v + t * token_bytes + byte, 0, 2);
+        }
+}
+
+/* The tiles of cnt keys from element e of blocks kb, vb (one KV head, token stride token_stride), in fp32;
+ * K's rows past cnt zero (they score 0 and weigh 0), V's not read */
+INLINE void fill_tiles(const char *kb, const char *vb, int64_t e, int64_t token_stride, int cnt, const int dim,
+                       const int format, float *kt, float *vt)
+{
+    for (int i = 0; i < cnt; i++, e += token_stride)
+        #pragma GCC unroll 16
+        for (int c = 0; c < dim; c += 16) {
+            _mm512_storeu_ps(kt + i * dim + c, widen16(kb, e + c, format));
+            _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
+        }
+    if (cnt < CHUNK) memset(kt + cnt * dim, 0, sizeof(float) * (CHUNK - cnt) * dim);
+}
+
+/* One row's KV heads [h0, h1): out's query heads of those from q's, over the row's visible tokens. */
+INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                         const float *v_scale, const int32_t *table, int len, int h0, int h1, int group,
+                         int kv_heads, const int dim, int block_size, float scale, int window, float softcap,
+                         float *scratch, void *out, int bf16, int format)
+{
+    const int quantized = format >= KV_INT8, gmax = dim <= 64 ? 4 : dim == 128 ? 2 : 1, heads = (h1 - h0) * group;
+    const int64_t token_stride = (int64_t)kv_heads * dim;
+    const int64_t kv_size = format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1, head_bytes = dim * kv_size;
+    const int64_t block_bytes = (int64_t)block_size * token_stride * kv_size;
+    float *kt = scratch, *vt = kt + CHUNK * dim, *ks = vt + CHUNK * dim, *vs = ks + CHUNK;
+    float *qf = vs + CHUNK, *acc = qf + heads * dim, *p = acc + heads * dim, *m = p + heads * CHUNK;
+    float *l = m + heads, *rescale = l + heads;
+    for (int e = 0; e < heads * dim; e++) {
+        qf[e] = load(q, (int64_t)h0 * group * dim + e, bf16);
+        acc[e] = 0.f;
+    }
+    for (int g = 0; g < heads; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.f;
+    }
+    const int blocks = (len + block_size - 1) / block_size;
+    const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
+    for (int b = first / block_size; b < blocks; b++) {
+        const char *kb = (const char *)k_cache + table[b] * block_bytes;
+        const char *vb = (const char *)v_cache + table[b] * block_bytes;
+        const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        for (int ahead = b == first / block_size ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ahead++)
+            if (b + ahead < blocks)
+                prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
+                               (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
+                               token_stride * kv_size, head_bytes, h0, h1);
+        for (int i0 = first > b * block_size ? first - b * block_size : 0; i0 < n; i0 += CHUNK) {
+            const int cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
+            const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+            for (int head = h0; head < h1; head++) {
+                const int64_t scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads + head;
+                const int64_t e = (int64_t)i0 * token_stride + (int64_t)head * dim;     /* 1. the tiles */
+                switch (format) {
+                case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
+                case KV_BF16: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
+                case KV_INT8: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_INT8, kt, vt); break;
+                case KV_E4M3: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E4M3, kt, vt); break;
+                default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
+                }
+                for (int i = 0; quantized && i < CHUNK; i++) {
+                    ks[i] = i < cnt ? k_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
+                    vs[i] = i < cnt ? v_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
+                }
+                const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(ks))
+                                                   : _mm512_set1_ps(scale);
+                const int g0 = (head - h0) * group;
+                for (int g = g0; g < g0 + group; g++) {    /* 2, 3. scores and the softmax, per query head */
+                    const float *qg = qf + g * dim;
+                    __m512 part[CHUNK];
+                    #pragma GCC unroll 16
+                    for (int i = 0; i < CHUNK; i++) {
+                        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt + i * dim));
+                        #pragma GCC unroll 16
+                        for (int c = 16; c < dim; c += 16)
+                            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kt + i * dim + c), dot);
+                        part[i] = dot;
+                    }
+                    __m512 s = _mm512_mul_ps(sum16(part), key_scale);
+                    if (softcap > 0.f) s = soft_cap(s, softcap);
+                    const float top = _mm512_mask_reduce_max_ps(valid, s), new_max = top > m[g] ? top : m[g];
+                    const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+                    rescale[g] = expf(m[g] - new_max);
+                    l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(w);
+                    m[g] = new_max;
+                    _mm512_storeu_ps(p + g * CHUNK, quantized ? _mm512_mul_ps(w, _mm512_loadu_ps(vs)) : w);
+                }
+                for (int g = g0; g < g0 + group; g += gmax) {  /* 4. V, shared by up to gmax query heads */
+                    const int gb = g0 + group - g < gmax ? g0 + group - g : gmax;
+                    float *a = acc + g * dim;
+                    const float *pg = p + g * CHUNK, *rg = rescale + g;
+                    if (gb == 4) accumulate(a, pg, rg, vt, cnt, dim, 4);
+                    else if (gb == 3) accumulate(a, pg, rg, vt, cnt, dim, 3);
+                    else if (gb == 2) accumulate(a, pg, rg, vt, cnt, dim, 2);
+                    else accumulate(a, pg, rg, vt, cnt, dim, 1);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < heads; g++) {
+        const float inv = len > 0 ? 1.f / l[g] : 0.f;     /* a row of no tokens attends to nothing: zeros */
+        for (int d = 0; d < dim; d++) store(out, (int64_t)(h0 * group + g) * dim + d, acc[g * dim + d] * inv, bf16);
+    }
+}
+
+int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                      const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                      void *out, int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window,
+                      float softcap, int bf16, int kv)
+{
+    if (dim != 32 && dim != 64 && dim != 128 && dim != 256) return DECODE_NO_SIMD;
+    const int group = heads / kv_heads, format = kv ? KV_INT8 + kv - 1 : bf16 ? KV_BF16 : KV_F32;
+    /* whole rows (each block read in one sweep), or a KV head each where rows are fewer than threads */
+    const int split = rows < omp_get_max_threads() ? kv_heads : 1, span = kv_heads / split;
+    const int64_t items = (int64_t)rows * split, row_elems = (int64_t)heads * dim;
+    int failed = 0;
+    #pragma omp parallel if (items > 1)
+    {
+        float *scratch = malloc(sizeof(float) * SCRATCH_FLOATS(dim, span * group));
+        /* every thread must reach the worksharing loop, so a thread without scratch only reports it */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scratch) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int r = (int)(item / split), h0 = (int)(item % split) * span;
+            const void *qr = AT(q, r * row_elems, bf16);
+            void *o = AT(out, r * row_elems, bf16);
+            const int32_t *table = tables + (int64_t)r * table_stride;
+#define HEADS(DIM) decode_heads(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], h0, h0 + span, group, \
+                                kv_heads, DIM, block_size, scale, window, softcap, scratch, o, bf16, format)
+            switch (dim) {      /* head_dim a compile-time constant: the inner loops unroll */
+            case 64: HEADS(64); break;
+            case 128: HEADS(128); break;
+            case 32: HEADS(32); break;
+            default: HEADS(256);
+            }
+#undef HEADS
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+#else
+
+int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                      const float *v_scale, const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                      void *out, int rows, int heads, int kv_heads, int dim, int block_size, float scale, int window,
+                      float softcap, int bf16, int kv)
+{
+    return DECODE_NO_SIMD;
+}
+
+#endif

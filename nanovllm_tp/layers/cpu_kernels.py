@@ -32,7 +32,7 @@ _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
 SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c",
                                      "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
 # included by the sources: copied beside them and part of the build's key
-HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h")]
+HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "lora.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
@@ -61,8 +61,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "decoder_attention": (_int, [_ptr, _ptr, _ptr, _ptr]),
     "decoder_mlp": (_int, [_ptr, _ptr, _ptr, _ptr]),
     "decoder_layers": (_int, [_ptr, _int, _ptr, _ptr, _ptr]),
-    "lora_gathered": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                             _int, _i64, _int, _int]),
+    "lora_apply": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says which: 1 for bf16
 KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}    # paged_decode's kv: quantized caches
@@ -267,18 +266,15 @@ class CpuKernels:
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width, _bf16(x))
         return out
 
-    def lora_gathered(self, x, y, A, B, groups, ranks, part_rows, rank: int) -> None:
-        """y[t] += B[s] (A[s] x[t]) in place for the tokens t of each slot s of `groups` (lora.layers.SlotGroups:
-        tokens ordered by slot, each slot's first index in that order, the slots). x and y share a dtype, A and B
-        another (each fp32 or bf16); the layouts are csrc/lora.c's: `ranks` [slots, parts] int64, `part_rows`
-        [parts + 1] int64, `rank` the rows of a part."""
+    def lora_apply(self, tables, groups, x, y) -> None:
+        """y[t] += B[s] (A[s] x[t]) in place for the tokens t of each slot s of `groups`, csrc/lora.h's structs:
+        `tables` a lora.layers.LoRATables (one layer's slot tables, fp32 or bf16), `groups` a lora.layers.SlotGroups
+        (its `desc`). x and y [tokens, features] share a dtype (fp32 or bf16)."""
         x = _rows_contiguous(x)
-        if y.stride(-1) != 1 or not (A.is_contiguous() and B.is_contiguous()):
-            raise ValueError("lora_gathered: y's rows and the slot tables must be contiguous")
-        if self._lora_gathered(x.data_ptr(), y.data_ptr(), A.data_ptr(), B.data_ptr(), groups.order.data_ptr(),
-                               groups.starts.data_ptr(), groups.slots.data_ptr(), len(groups.slots),
-                               ranks.data_ptr(), part_rows.data_ptr(), x.shape[1], y.shape[1], x.stride(0),
-                               y.stride(0), ranks.shape[1], rank, _bf16(x), _bf16(A)):
+        if y.stride(-1) != 1 or x.dtype is not y.dtype:
+            raise ValueError("lora_apply: y's rows must be contiguous, x and y of one dtype")
+        if self._lora_apply(ctypes.byref(tables), ctypes.byref(groups.desc), x.data_ptr(), y.data_ptr(), x.stride(0),
+                            y.stride(0), _bf16(x)):
             raise MemoryError("the LoRA kernel could not allocate its scratch")
 
     def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):

@@ -14,9 +14,13 @@ layer that reads each adapter in use once whatever the rows sharing it (decode r
 short prompt chunks), so a step costs about one pass over those adapters; a slot with many tokens in the step
 (a long prompt chunk), and every slot elsewhere, as contiguous runs of one slot, a matmul pair each. The slot
 tables hold the adapters in `lora_dtype` (auto: the model's dtype); bf16 tables under fp32 activations halve the
-bytes a step reads, every sum still in fp32.
+bytes a step reads, every sum still in fp32. The kernel takes each layer's tables and the step's groups as
+csrc/lora.h's structs (`LoRATables`, built once a layer; `SlotGroups.desc`, once a step), the same ones the
+fused decode layers (models/fused_decode.py) hand to csrc/decoder.c, which adds the deltas with the same call.
 """
+import ctypes
 import itertools
+from ctypes import c_int32, c_int64, c_void_p
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,13 +40,38 @@ _PACKED = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
 KERNEL_TOKENS_PER_SLOT = 16
 
 
+class LoRATables(ctypes.Structure):
+    """csrc/lora.h's lora_tables: one layer's slot tables (the tensors must outlive it)."""
+    _fields_ = [("A", c_void_p), ("B", c_void_p), ("ranks", c_void_p), ("part_rows", c_void_p), ("fan_in", c_int64),
+                ("fan_out", c_int64), ("rank", c_int64), ("parts", c_int32), ("bf16", c_int32)]
+
+    @classmethod
+    def of(cls, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, part_rows: torch.Tensor, rank: int):
+        """A [slots, parts * rank, in], B [slots, parts * rank, out] (fp32 or bf16, contiguous), `ranks` [slots,
+        parts] and `part_rows` [parts + 1] int64 (see csrc/lora.c)."""
+        if not (A.is_contiguous() and B.is_contiguous() and ranks.is_contiguous() and A.dtype is B.dtype):
+            raise ValueError("LoRA slot tables must be contiguous and of one dtype")
+        return cls(A.data_ptr(), B.data_ptr(), ranks.data_ptr(), part_rows.data_ptr(), A.shape[2], B.shape[2], rank,
+                   ranks.shape[1], int(A.dtype is torch.bfloat16))
+
+
+class GroupsDesc(ctypes.Structure):
+    """csrc/lora.h's lora_groups: a SlotGroups' tensors."""
+    _fields_ = [("order", c_void_p), ("starts", c_void_p), ("slots", c_void_p), ("groups", c_int64)]
+
+
 @dataclass(slots=True)
 class SlotGroups:
     """A step's adapted tokens grouped by slot, as csrc/lora.c takes them (int64 tensors): the tokens in slot
-    order (`order`), where each slot's tokens begin in it (`starts`, one more than the slots), the slots."""
+    order (`order`), where each slot's tokens begin in it (`starts`, one more than the slots), the slots; `desc`
+    the struct that points at them."""
     order: torch.Tensor
     starts: torch.Tensor
     slots: torch.Tensor
+    desc: GroupsDesc = None
+
+    def __post_init__(self):
+        self.desc = GroupsDesc(self.order.data_ptr(), self.starts.data_ptr(), self.slots.data_ptr(), len(self.slots))
 
     @classmethod
     def of(cls, token_slots: np.ndarray) -> "SlotGroups":
@@ -92,7 +121,7 @@ class LoRABatch:
 
 
 class LoRALayer:
-    __slots__ = ("base", "parts", "batch", "row_parallel", "rank", "A", "B", "ranks", "part_rows")
+    __slots__ = ("base", "parts", "batch", "row_parallel", "rank", "A", "B", "ranks", "part_rows", "tables")
 
     def __init__(self, base: LinearBase, parts, batch: LoRABatch, num_slots: int, max_rank: int, dtype=None):
         """dtype: the slot tables' (None: the base weight's)."""
@@ -112,6 +141,7 @@ class LoRALayer:
         else:
             sizes = [out]
         self.part_rows = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+        self.tables = LoRATables.of(self.A, self.B, self.ranks, self.part_rows, max_rank)   # loads write in place
 
     def full_shape(self, part: int) -> tuple[int, int]:
         """(in_features, out_features) of one HF module of this layer, whole (as the adapter holds it)."""
@@ -152,7 +182,7 @@ class LoRALayer:
         if batch.groups is not None and x.dtype == y.dtype:
             kernels = cpu_kernels.active()
             if kernels is not None:
-                kernels.lora_gathered(x, y, self.A, self.B, batch.groups, self.ranks, self.part_rows, self.rank)
+                kernels.lora_apply(self.tables, batch.groups, x, y)
                 runs = batch.heavy
         for slot, start, end in runs:
             a, b = self.A[slot], self.B[slot]

@@ -8,13 +8,16 @@ or one per half layer with the all-reduces between (TP). The C code calls the ke
 order, so a decode step's hidden states are the modules' to the bit. Steps whose rows each add a few tokens to a
 cached prefix (speculative verify steps) run too, as one decode row per token (`_token_rows`): their attention is
 then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill attention.
+With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the step's `SlotGroups` in its
+`StepDesc`: decoder.c adds the deltas after the linear with csrc/lora.c's call, the one `LoRALayer.apply` makes.
 
 It runs where every piece of every layer has such a kernel: the plain `DecoderLayer` of blocks.py (SiLU MLP,
 q/k norms or none, any window and logit cap), weights quantized for csrc/linear_q.c or packed for csrc/linear.c
 (under packed_linear=auto, where csrc/linear.c won the step's row-count bucket), no bias on the row-parallel
-layers, no LoRA, a KV cache in the model dtype, the `cpu` attention backend, no layer hooks (`--trace-layers`).
-Anything else (prompts, LoRA, a quantized KV cache, oneDNN-packed weights, other layer kinds) runs through the
-modules.
+layers, a KV cache in the model dtype, the `cpu` attention backend, no layer hooks (`--trace-layers`), and LoRA
+rows only where the step's adapted tokens all go to csrc/lora.c (`LoRABatch.heavy` empty: no slot with more than
+KERNEL_TOKENS_PER_SLOT tokens). Anything else (prompts, a quantized KV cache, oneDNN-packed weights, other layer
+kinds, a step with more than that many tokens of one adapter) runs through the modules.
 """
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
@@ -36,8 +39,8 @@ MAX_ROW_TOKENS = 16      # a step's rows of at most this many tokens each run he
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("kind", c_int32),
-                ("qtype", c_int32)]
+    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("lora", c_void_p), ("n", c_int64), ("k", c_int64),
+                ("kind", c_int32), ("qtype", c_int32)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -51,7 +54,8 @@ class LayerDesc(ctypes.Structure):
 
 class StepDesc(ctypes.Structure):
     _fields_ = [("positions", c_void_p), ("slots", c_void_p), ("tables", c_void_p), ("lens", c_void_p),
-                ("table_stride", c_int64), ("rows", c_int64), ("bf16", c_int32), ("first", c_int32)]
+                ("lora", c_void_p), ("table_stride", c_int64), ("rows", c_int64), ("bf16", c_int32),
+                ("first", c_int32)]
 
 
 def _plain(model: DecoderModel) -> bool:
@@ -69,10 +73,13 @@ class FusedDecode:
 
     def __init__(self, model: DecoderModel):
         self.layers = list(model.layers)
+        # with enable_lora, the LoRABatch every LoRA layer shares: the step's rows by slot
+        self.lora = next((m.lora.batch for m in model.modules() if getattr(m, "lora", None) is not None), None)
         self.tables: dict[tuple, ctypes.Array | None] = {}     # (KV cache, dtype, row bucket) -> LayerDesc array
         self.keep: list[torch.Tensor] = []      # tensors the tables point at that the modules do not hold
         self.steps = 0       # the steps run here
         self.verify_steps = 0     # of which steps of several tokens a row (see _token_rows)
+        self.lora_steps = 0       # of which steps with adapted rows
 
     @classmethod
     def of(cls, model) -> "FusedDecode | None":
@@ -88,6 +95,9 @@ class FusedDecode:
                 or first._forward_hooks or (kernels := cpu_kernels.active()) is None):
             return None
         rows = hidden.shape[0]
+        groups = self._lora_groups()
+        if groups is False:
+            return None
         per_token = self._token_rows(ctx, rows) if ctx.is_prefill else (ctx.block_tables, ctx.context_lens)
         table = self._table(hidden.dtype, bucket(rows)) if per_token is not None else None
         if table is None:
@@ -96,8 +106,9 @@ class FusedDecode:
         residual = torch.empty_like(hidden)
         positions, slots = positions.to(torch.int64).contiguous(), ctx.slot_mapping.to(torch.int64).contiguous()
         tables, lens = per_token[0].to(torch.int32).contiguous(), per_token[1].to(torch.int32).contiguous()
-        step = StepDesc(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.stride(0),
-                        rows, int(hidden.dtype is torch.bfloat16), 1)
+        step = StepDesc(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                        None if groups is None else ctypes.addressof(groups.desc), tables.stride(0), rows,
+                        int(hidden.dtype is torch.bfloat16), 1)
         if tp_size() == 1:
             failed = kernels._decoder_layers(table, len(table), hidden.data_ptr(), residual.data_ptr(),
                                              ctypes.byref(step))
@@ -115,7 +126,16 @@ class FusedDecode:
             raise MemoryError("the fused decoder layers could not allocate their scratch")
         self.steps += 1
         self.verify_steps += ctx.is_prefill
+        self.lora_steps += groups is not None
         return hidden, residual
+
+    def _lora_groups(self):
+        """The step's SlotGroups where it has adapted rows, None where it has none, False where csrc/lora.c would
+        not take them all (its LoRA then runs through the modules: torch's matmuls for a heavy slot)."""
+        batch = self.lora
+        if batch is None or not batch.runs:
+            return None
+        return batch.groups if batch.groups is not None and not batch.heavy else False
 
     @staticmethod
     def _token_rows(ctx, tokens: int):
@@ -164,10 +184,10 @@ class FusedDecode:
                          int(cos_sin.dtype is torch.bfloat16), layer.input_layernorm.weight.shape[0])
 
     def _linear(self, lin, dtype: torch.dtype, row_bucket: int, row_parallel: bool) -> LinearDesc | None:
-        """The layer's matmul as decoder.c runs it, or None: a form it has no kernel for, LoRA, or a row-parallel
-        bias (added after the all-reduce)."""
+        """The layer's matmul (and its LoRA tables) as decoder.c runs it, or None: a form it has no kernel for, or a
+        row-parallel bias (added after the all-reduce)."""
         packed, bias = lin.packed, lin.bias
-        if lin.lora is not None or (row_parallel and bias is not None):
+        if row_parallel and bias is not None:
             return None
         if isinstance(packed, ChosenWeight):
             i = packed.pick[row_bucket]
@@ -184,4 +204,5 @@ class FusedDecode:
             return None
         if bias is not None:
             self.keep.append(bias)
-        return LinearDesc(packed.data.data_ptr(), None if bias is None else bias.data_ptr(), n, k, kind, qtype)
+        lora = None if lin.lora is None else ctypes.addressof(lin.lora.tables)
+        return LinearDesc(packed.data.data_ptr(), None if bias is None else bias.data_ptr(), lora, n, k, kind, qtype)

@@ -1,12 +1,13 @@
 """The fused decode layers (models/fused_decode.py, csrc/decoder.c): greedy tokens against transformers with the
 decode steps run there (its step count says they were), and its results the modules' to the bit (tokens and
 logprobs of rows decoded together, at different lengths: fp32 and bf16, dense and block-quantized and int8
-weights, q/k norms, biases, a sliding window); the steps it leaves to the modules."""
+weights, q/k norms, biases, a sliding window; LoRA rows of several adapters beside base rows); the steps it leaves
+to the modules."""
 import pathlib
 
 import pytest
 
-from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp import LLM, LoRARequest, SamplingParams
 from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from nanovllm_tp.layers import cpu_kernels
@@ -115,3 +116,51 @@ def test_speculative_verify_steps_run_fused_and_match_transformers(tiny_model_di
         llm.close()
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)
+
+
+def lora_model(tmp_path, tiny_model_dir, case: str) -> tuple[str, list]:
+    """The model of a LoRA case and two adapters of it (rank 16 over every target; rank 4 over q, v and down),
+    made by peft."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from nanovllm_tp.launch.make_lora import make_lora
+    model = tiny_gguf(tmp_path, tiny_model_dir, "Q4_1") if case.startswith("gguf") else tiny_model_dir
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf") if case.startswith("gguf") else model,
+                                              dtype=torch.float32)
+    paths = [make_lora(hf, tmp_path / "l1", rank=16, alpha=32, seed=1),
+             make_lora(hf, tmp_path / "l2", rank=4, alpha=8, seed=2, targets=("q_proj", "v_proj", "down_proj"))]
+    return model, [LoRARequest(f"l{i + 1}", i + 1, p) for i, p in enumerate(paths)]
+
+
+LORA_CASES = {   # name -> knobs
+    "fp32": {},
+    "bf16": {"dtype": "bfloat16", "packed_linear": "c"},
+    "fp32-bf16-adapters": {"lora_dtype": "bfloat16"},
+    "gguf-q4_1-bf16-adapters": {"lora_dtype": "bfloat16"},
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_steps_run_fused_and_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir, vocab):
+    """Rows of two adapters (one shared by two rows) and base rows decoded together, fused_decode on and off: the
+    same tokens and logprobs exactly, and the fused engine ran its LoRA decode steps fused."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    if case.startswith("gguf") and 3 not in cpu_kernels.load().quant_types:
+        pytest.skip("Q4_1 weights need csrc/linear_q.c (AVX-512 VNNI)")
+    model, (l1, l2) = lora_model(tmp_path, tiny_model_dir, case)
+    loras = [l1, None, l2, l1]
+    prompts = mixed_prompts(vocab, lengths=LENGTHS, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    results = {}
+    for on in (True, False):
+        with LLM(model, fused_decode=on, enable_lora=True, max_loras=2, max_lora_rank=16, **KV,
+                 **LORA_CASES[case]) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            fused = fused_of(llm)
+            assert (fused.lora_steps >= params.max_tokens - 1) if on else fused is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
+    with LLM(model, enable_lora=True, **KV, **LORA_CASES[case]) as llm:    # the adapters change the tokens
+        base = llm.generate(prompts, params, use_tqdm=False)
+    assert all(b.outputs[0].token_ids != r[0] for b, r, lora in zip(base, results[True], loras) if lora)

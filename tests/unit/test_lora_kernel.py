@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.lora.layers import SlotGroups
+from nanovllm_tp.lora.layers import LoRATables, SlotGroups
 
 PARTS = (40, 24, 24)          # a qkv-like layer: three parts of outputs
 
@@ -50,7 +50,8 @@ def run_case(kernels, seed: int, token_slots, *, act=torch.float32, lora=torch.f
     y = torch.randn(n, sum(PARTS), generator=gen).to(act)
     want = direct(x, y, A, B, token_slots)
     got = y.clone()
-    kernels.lora_gathered(x, got, A, B, SlotGroups.of(np.asarray(token_slots, np.int64)), ranks_t, bounds, R)
+    groups = SlotGroups.of(np.asarray(token_slots, np.int64))
+    kernels.lora_apply(LoRATables.of(A, B, ranks_t, bounds, R), groups, x, got)
     for t, s in enumerate(token_slots):
         if s < 0:
             assert torch.equal(got[t], y[t]), f"token {t} has no adapter but changed"

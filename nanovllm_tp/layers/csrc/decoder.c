@@ -1,5 +1,5 @@
 /* A decode step's decoder layers (every row one new token) in one call: the kernels the layer modules call one by
- * one (rms_norm, the linear layers, rope, paged_decode, silu_mul), called here in the same order on the same
+ * one (rms_norm, the linear layers and their LoRA deltas, rope, paged_decode, silu_mul), called here in the same order on the same
  * operands, so the results are the modules' to the bit. What is left out is what each module call costs around
  * its kernel on one stream: the Python, the ctypes call, the fresh tensors and the views, per piece of every layer.
  *
@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "decode_attn.h"
+#include "lora.h"
 
 /* the kernels of cpu_kernels.c, linear.c and linear_q.c (one library) */
 int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out, int64_t m, int64_t n, int64_t k,
@@ -30,6 +31,7 @@ enum { LINEAR_QUANT = 1, LINEAR_DENSE = 2 };
 typedef struct {
     const void *packed;      /* linear_q's layout (LINEAR_QUANT) or linear.c's, in the activations' dtype */
     const void *bias;        /* NULL, or [n]: fp32 for a quantized weight, the activations' dtype for a dense one */
+    const lora_tables *lora; /* NULL, or the layer's LoRA slot tables: each adapted row's delta added after it */
     int64_t n, k;
     int32_t kind, qtype;
 } linear_desc;
@@ -47,16 +49,22 @@ typedef struct {
 typedef struct {             /* one step's rows */
     const int64_t *positions, *slots;
     const int32_t *tables, *lens;
+    const lora_groups *lora; /* NULL, or the rows with an adapter, grouped by slot */
     int64_t table_stride, rows;
     int32_t bf16, first;     /* first: hidden is the embedding (no residual yet) */
 } step_desc;
 
-static int run_linear(const linear_desc *l, const void *x, void *out, int64_t m, int bf16)
+/* out = x W^T (+ bias), then the LoRA deltas of the step's adapted rows, as LinearBase.forward and
+ * LoRALayer.apply do: x [rows, k] and out [rows, n] contiguous */
+static int run_linear(const linear_desc *l, const void *x, void *out, const step_desc *s)
 {
-    if (l->kind == LINEAR_QUANT) return linear_q(x, l->packed, l->bias, out, m, l->n, l->k, l->qtype, bf16);
-    if (bf16) linear_bf16(x, l->packed, l->bias, out, m, l->n, l->k);
+    const int64_t m = s->rows;
+    int failed = 0;
+    if (l->kind == LINEAR_QUANT) failed = linear_q(x, l->packed, l->bias, out, m, l->n, l->k, l->qtype, s->bf16);
+    else if (s->bf16) linear_bf16(x, l->packed, l->bias, out, m, l->n, l->k);
     else linear_f32(x, l->packed, l->bias, out, m, l->n, l->k);
-    return 0;
+    if (l->lora && s->lora) failed |= lora_apply(l->lora, s->lora, x, out, l->k, l->n, s->bf16);
+    return failed;
 }
 
 /* norm (residual added first unless first), q/k/v, q/k norms, rope, K/V into their slots, paged decode, o: the
@@ -74,7 +82,7 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
     } else {
         rms_norm(hidden, residual, L->input_norm, h, m, 1, H, H, (int)H, L->eps, s->bf16);
     }
-    int failed = run_linear(&L->qkv, h, qkv, m, s->bf16);
+    int failed = run_linear(&L->qkv, h, qkv, s);
     if (L->q_norm) {         /* in place: each head of each row its own norm */
         rms_norm(qkv, NULL, L->q_norm, qkv, m, L->heads, nq, nq, L->dim, L->qk_eps, s->bf16);
         rms_norm(qkv + qd * es, NULL, L->k_norm, qkv + qd * es, m, L->kv_heads, nq, nq, L->dim, L->qk_eps, s->bf16);
@@ -89,7 +97,7 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
     }
     failed |= paged_decode(q, L->k_cache, L->v_cache, NULL, NULL, s->tables, s->table_stride, s->lens, attn, (int)m,
                            L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16, 0, 0);
-    failed |= run_linear(&L->o, attn, hidden, m, s->bf16);
+    failed |= run_linear(&L->o, attn, hidden, s);
     free(h);
     return failed ? -1 : 0;
 }
@@ -102,9 +110,9 @@ int decoder_mlp(const layer_desc *L, void *hidden, void *residual, const step_de
     if (!h) return -1;
     char *gate_up = h + m * H * es, *act = gate_up + 2 * m * I * es;
     rms_norm(hidden, residual, L->post_norm, h, m, 1, H, H, (int)H, L->eps, s->bf16);
-    int failed = run_linear(&L->gate_up, h, gate_up, m, s->bf16);
+    int failed = run_linear(&L->gate_up, h, gate_up, s);
     silu_mul(gate_up, act, m, I, s->bf16);
-    failed |= run_linear(&L->down, act, hidden, m, s->bf16);
+    failed |= run_linear(&L->down, act, hidden, s);
     free(h);
     return failed ? -1 : 0;
 }

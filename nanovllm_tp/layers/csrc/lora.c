@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lora.h"
+
 #define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_MIN_MACS (1 << 17)
 #define TB 8              /* tokens of one group per shrink task */
@@ -258,7 +260,7 @@ INLINE void lora_body(const Lora *L, const int64_t *blocks, const int xb, const 
 }
 
 /* returns 1 when the scratch could not be allocated (nothing written), else 0 */
-int lora_gathered(const void *x, void *y, const void *A, const void *B, const int64_t *order, const int64_t *starts,
+static int lora_gathered(const void *x, void *y, const void *A, const void *B, const int64_t *order, const int64_t *starts,
                   const int64_t *group_slot, int64_t groups, const int64_t *ranks, const int64_t *part_rows,
                   int64_t in, int64_t out, int64_t x_stride, int64_t y_stride, int parts, int64_t R, int x_bf16,
                   int w_bf16)
@@ -285,4 +287,11 @@ int lora_gathered(const void *x, void *y, const void *A, const void *B, const in
     free(h);
     free(blocks);
     return 0;
+}
+
+int lora_apply(const lora_tables *t, const lora_groups *g, const void *x, void *y, int64_t x_stride,
+               int64_t y_stride, int x_bf16)
+{
+    return lora_gathered(x, y, t->A, t->B, g->order, g->starts, g->slots, g->groups, t->ranks, t->part_rows, t->in,
+                         t->out, x_stride, y_stride, t->parts, t->R, x_bf16, t->bf16);
 }

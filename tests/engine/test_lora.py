@@ -75,6 +75,8 @@ def test_mixed_batch_matches_peft(tiny_model_dir, adapters, reference, prompts):
     with LLM(tiny_model_dir, max_loras=2, **KNOBS) as llm:
         check_rows(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras), loras, prompts, reference)
         assert llm.engine.scheduler.lora_slots.num_loads == 2
+        fused = llm.engine.runner.model.model.fused      # its decode steps ran through csrc/decoder.c
+        assert fused is None or fused.lora_steps >= TOKENS - 1
         # one LoRARequest for every prompt, and add_request / step
         check_rows(llm.generate(prompts[:2], GREEDY, use_tqdm=False, lora_request=a2), [a2, a2], prompts, reference)
         llm.add_request(prompts[2], GREEDY, request_id="x", lora_request=a1)

@@ -1,10 +1,11 @@
 """The fused decode layers at TP 2 (csrc/decoder.c by half layers, the all-reduces between): greedy tokens against
-transformers, with rank 0's decode steps run fused; and the same tokens and logprobs as the modules at TP 2."""
+transformers, with rank 0's decode steps run fused; and the same tokens and logprobs as the modules at TP 2, LoRA
+rows (their deltas sliced as their base layers, the row-parallel ones reduced with them) beside base rows."""
 import os
 
 import pytest
 
-from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp import LLM, LoRARequest, SamplingParams
 from nanovllm_tp.layers import cpu_kernels
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import segments_of
@@ -14,20 +15,30 @@ KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 
 @pytest.mark.spawn
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels do not build here")
-def test_tp2_fused_layers_match_transformers_and_the_modules(tiny_model_dir, hf_model):
+def test_tp2_fused_layers_match_transformers_and_the_modules(tiny_model_dir, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from nanovllm_tp.launch.make_lora import make_lora
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    loras = [None, LoRARequest("l1", 1, make_lora(hf, tmp_path / "l1", rank=16, alpha=32, seed=1)), None,
+             LoRARequest("l2", 2, make_lora(hf, tmp_path / "l2", rank=8, alpha=16, seed=2))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    prompts = mixed_prompts(hf_model.config.vocab_size, lengths=(1, 40, 130), seed=11)
+    prompts = mixed_prompts(hf.config.vocab_size, lengths=(1, 40, 130, 9), seed=11)
     results = {}
     for on in (True, False):
-        llm = LLM(tiny_model_dir, tensor_parallel_size=2, fused_decode=on, **KV)
+        llm = LLM(tiny_model_dir, tensor_parallel_size=2, fused_decode=on, enable_lora=True, max_lora_rank=16, **KV)
         try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             fused = llm.engine.runner.model.model.fused
-            assert (fused.steps >= params.max_tokens - 1) if on else fused is None
+            assert (fused.lora_steps >= params.max_tokens - 1) if on else fused is None
         finally:
             llm.close()
         results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert results[True] == results[False]
-    for p, (tokens, _) in zip(prompts, results[True]):
-        assert tokens == hf_greedy(hf_model, p, params.max_tokens)
+    for p, (tokens, _), lora in zip(prompts, results[True], loras):
+        if lora is None:
+            assert tokens == hf_greedy(hf, p, params.max_tokens)
+        else:    # the adapters change the tokens (peft's own check: tests/engine/test_lora.py)
+            assert tokens != hf_greedy(hf, p, params.max_tokens)
     assert not segments_of(os.getpid())

@@ -1,6 +1,7 @@
 /* LoRA deltas of a step whose rows run different adapters (nanovllm_tp/lora/layers.py): for each token t whose
  * slot s is not -1, y[t] += B[s] (A[s] x[t]), reading only the rank rows and columns the slot's adapter uses.
- * One call per adapted layer, any number of tokens (decode, speculative verify rows, prompt chunks).
+ * One call per adapted layer, any number of tokens (decode, speculative verify rows, prompt chunks): lora_apply
+ * (lora.h), from LoRALayer.apply and from decoder.c's fused layers alike.
  *
  * The tokens come grouped by slot: order[starts[g] .. starts[g + 1] - 1] are the tokens of group g, whose slot is
  * group_slot[g]. A group's adapter is read from memory once per call whatever its number of tokens, so the call

@@ -164,3 +164,24 @@ def test_lora_steps_run_fused_and_are_the_modules_to_the_bit(case, tmp_path, tin
     with LLM(model, enable_lora=True, **KV, **LORA_CASES[case]) as llm:    # the adapters change the tokens
         base = llm.generate(prompts, params, use_tqdm=False)
     assert all(b.outputs[0].token_ids != r[0] for b, r, lora in zip(base, results[True], loras) if lora)
+
+
+@needs_kernels
+def test_speculative_verify_steps_with_lora_rows_run_fused(tmp_path, tiny_model_dir):
+    """n-gram speculation with LoRA rows beside a base row: verify steps with adapted rows run fused, and the greedy
+    tokens are plain decoding's through the modules (no speculation, fused_decode off)."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    model, (l1, l2) = lora_model(tmp_path, tiny_model_dir, "fp32")
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=16, **KV)
+    loras = [l1, None, l2]
+    with LLM(model, fused_decode=False, **lora) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in ("Hello, world! Hello, world! Hello, world!", "def main():", "a b a b a b")]
+        plain = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    with LLM(model, speculative_config=ngram, **lora) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        fused = fused_of(llm)
+        # every fused step had adapted rows (they run to the end together), verify steps among them
+        assert fused.verify_steps > 0 and fused.lora_steps == fused.steps and llm.stats()["num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -1,7 +1,7 @@
-"""quantization="int8" (vLLM's W8A8 on CPU): a dense checkpoint's linear layers and LM head quantized at load to
-int8 per output channel, activations quantized per token. The engine's greedy tokens against transformers with
-the same int8 weights and per-row rounded inputs (tests/quant_reference.py), TP 1 and 2, through csrc/linear_q.c
-and through the torch reference; the embedding stays dense."""
+"""quantization="int8": a dense checkpoint's linear layers and LM head quantized at load to int8 per output channel
+(as vLLM's W8A8 on CPU), activations quantized per block of 128 inputs. The engine's greedy tokens against
+transformers with the same int8 weights and inputs rounded per block (tests/quant_reference.py), TP 1 and 2,
+through csrc/linear_q.c and through the torch reference; the embedding stays dense."""
 import pytest
 import torch
 

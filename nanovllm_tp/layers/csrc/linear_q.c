@@ -283,7 +283,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         for (int64_t a = 0, b0 = 0; b0 < nb; a++, b0 += I8_SPAN) {
             const int64_t b1 = b0 + I8_SPAN < nb ? b0 + I8_SPAN : nb;
             __m512i dot[ROWS][2];          /* from -128 * sum(q): the stored u = q + 128 summed exactly */
-            for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(-xc[r * nb + a]);
+            for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(r < rows ? -xc[r * nb + a] : 0);
             for (int64_t b = b0; b < b1; b++)
                 #pragma GCC unroll 8
                 for (int g = 0; g < 8; g++)

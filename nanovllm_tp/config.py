@@ -296,7 +296,7 @@ class EngineConfig:
                                           "and Q6_K tensors stay quantized on CPU, run by AVX-512 VNNI kernels; dequantized at load where those "
                                           "cannot run, with a log line), none (dequantize at load), int8 (CPU: "
                                           "quantize a bf16/fp32 checkpoint's linear layers at load, int8 per "
-                                          "output channel, activations per token)",
+                                          "output channel, activations per block of 128 inputs)",
                              choices=("auto", "none", "int8"))
     shm_allreduce: bool = knob(help="all-reduce through shared memory between same-node CPU ranks (off: gloo); "
                                     "default from $NANOVLLM_TP_SHM_ALLREDUCE",

@@ -9,10 +9,12 @@ then differ by the order of the rounding's own error (about 0.1 on the tiny rand
 tokens are compared up to the reference's first step whose two best logits are closer than GAP, and the engine's
 logprobs of the reference's tokens (teacher-forced) everywhere. Only a computation in transformers' own order (the
 torch reference at TP 1) equals it token for token throughout."""
+import functools
+
 import torch
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.layers.quant import int8_blocks, round_activations
+from nanovllm_tp.layers.quant import INT8_BLOCK, int8_blocks, round_activations
 from tests.helpers import hf_greedy, mixed_prompts
 
 TOKENS = 8
@@ -30,15 +32,18 @@ def rounded_reference(ref):
 
 
 def int8_reference(ref, tp: int):
-    """ref with every linear layer's weight quantized to int8 per output channel and its input rounded per row, as
-    each of tp ranks does: a row-parallel layer's rank quantizes its slice of inputs (weights and activations)."""
+    """ref with every linear layer's weight quantized to int8 per output channel and its input rounded per block
+    of INT8_BLOCK, as each of tp ranks does: a row-parallel layer's rank quantizes its slice of inputs (weights and
+    activations; a slice's last block is what is left of it)."""
+    def round_slices(module, args, parts: int):
+        return (torch.cat([round_activations(c, INT8_BLOCK) for c in args[0].chunk(parts, dim=-1)], dim=-1),)
+
     for name, m in ref.named_modules():
         if isinstance(m, torch.nn.Linear):
             parts = tp if name.endswith(ROW_PARALLEL) else 1
             w = torch.cat([int8_blocks(c).dequantize() for c in m.weight.data.chunk(parts, dim=1)], dim=1)
             m.weight = torch.nn.Parameter(w, requires_grad=False)      # its own: a tied embedding stays dense
-            block = m.in_features // parts
-            m.register_forward_pre_hook(lambda module, args, block=block: (round_activations(args[0], block),))
+            m.register_forward_pre_hook(functools.partial(round_slices, parts=parts))
     return ref
 
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import matmul
-from nanovllm_tp.layers.quant import (INT8, QuantBlocks, QuantReference, QuantWeight, int8_blocks, pack_blocks,
-                                      quant_embedding, round_activations)
+from nanovllm_tp.layers.quant import (INT8, INT8_BLOCK, QuantBlocks, QuantReference, QuantWeight, act_block,
+                                      int8_blocks, pack_blocks, quant_embedding, round_activations)
 from tests.helpers import GGUF, smollm2
 from tests.quant_reference import assert_follows_reference, rounded_reference
 
@@ -65,7 +65,7 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
     bias = torch.randn(n, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        rounded = round_activations(xd, k if name == "int8" else 32).double()     # int8: one scale per row
+        rounded = round_activations(xd, act_block(blocks.qtype)).double()     # int8: 128 per scale, a tail
         for b in (None, bias.to(dtype)):
             want = F.linear(rounded, w, None if b is None else b.double())
             bound = (rounded.abs() @ size.T) * (k // 32 + 4) * 2.0 ** -24
@@ -82,19 +82,31 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
                 torch.set_num_threads(threads)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_rounds_activations_as_the_reference(dtype):
-    """Through a Q8_0 identity (d = 1, q = 1 on the diagonal) each output is one rounded activation: the kernel's
-    rounding is round_activations' to the bit, ties included (bf16 inputs land on them often)."""
-    k = 576
+def identity(k: int, name: str) -> QuantBlocks:
+    """The k x k identity as Q8_0 (d = 1, q = 1 on the diagonal) or int8 (scale 1)."""
+    if name == "int8":
+        raw = np.zeros((k, 4 + k), np.uint8)
+        raw[:, :4] = np.frombuffer(np.float32(1.0).tobytes(), np.uint8)
+        raw[np.arange(k), 4 + np.arange(k)] = 1
+        return QuantBlocks(torch.from_numpy(raw), INT8, k)
     raw = np.zeros((k, k // 32, 34), np.uint8)
     raw[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     raw[np.arange(k), np.arange(k) // 32, 2 + np.arange(k) % 32] = 1
-    packed = pack_blocks(QuantBlocks(torch.from_numpy(raw.reshape(k, -1)), 8, k))
+    return QuantBlocks(torch.from_numpy(raw.reshape(k, -1)), 8, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, k", [("Q8_0", 576), ("int8", 576), ("int8", 288), ("int8", 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rounds_activations_as_the_reference(name, k, dtype):
+    """Through an identity weight each output is one rounded activation: the kernel's rounding is
+    round_activations' to the bit, ties included (bf16 inputs land on them often), per block of 32 (Q8_0) or
+    per block of 128 with a shorter last one (int8: 576 = 4 x 128 + 64, a TP rank's 288 = 2 x 128 + 32, 96)."""
+    blocks = identity(k, name)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[:, ::37] *= 50.0
-    assert torch.equal(matmul(x.float(), torch.empty(0, k), packed), round_activations(x))
+    want = round_activations(x, act_block(blocks.qtype))
+    assert torch.equal(matmul(x.float(), torch.empty(0, k), pack_blocks(blocks)), want)
 
 
 def test_int8_weights_round_per_output_channel():
@@ -112,6 +124,20 @@ def test_activations_round_per_block_of_32():
     # d = 1 for the first block: half-way values go to the even neighbour; an all-zero block stays zero
     assert got[0, :4].tolist() == [127.0, 64.0, -0.0, 2.0] and not got[0, 4:].any()
     assert round_activations(x.bfloat16()).dtype is torch.float32
+
+
+def test_int8_activations_round_per_block_of_128_and_a_tail():
+    """int8's blocks: 128 inputs share a scale (a large value coarsens its block only), and the last block of a
+    row is what is left (here 32 inputs with a scale of their own)."""
+    assert act_block(INT8) == INT8_BLOCK == 128 and act_block(8) == 32
+    x = torch.full((1, 288), 1.0)
+    x[0, 0] = 254.0          # block 0's scale: 2, so its ones (half-way) round to the even 0
+    x[0, 128] = 127.0        # block 1's: 1, ones stay
+    x[0, 256:] = 0.3         # the tail's own scale: 0.3 / 127
+    got = round_activations(x, INT8_BLOCK)[0]
+    assert got[0] == 254.0 and not got[1:128].any()
+    assert got[128] == 127.0 and (got[129:256] == 1.0).all()
+    torch.testing.assert_close(got[256:], torch.full((32,), 0.3), rtol=1e-6, atol=0)
 
 
 @needs_kernels

@@ -235,7 +235,8 @@ SMOL_CASES = [
         "districts": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}},
         "required": ["city", "population", "districts"]}),
     ("Give two points and a color as JSON.", {"$defs": {"pt": {"type": "object", "properties": {
-        "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}}, "type": "object",
+        "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"],
+        "additionalProperties": False}}, "type": "object",     # open points let the model nest without end
         "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"},
                        "color": {"enum": ["red", "green", "blue"]}}, "required": ["a", "b", "color"]}),
     ("Rate the movie Alien as JSON.", {"type": "object", "properties": {

@@ -19,17 +19,23 @@
  *     y += mw * (dx * sum(q))                       the types with a min
  * (Q6_K: each half of 16 its own dot, sum and d, off = 32) in fp32: the same numbers as dequantizing both operands
  * (layers/quant.py's torch reference does that), summed in another order. I8 (int8 per output channel,
- * layers/quant.py's quantization="int8") stores q + 128 like Q8_0
- * and one fp32 scale per output; its activations take one scale per row, and each output is one integer dot
- * product over all of k, scaled once: (sw * dx) * (dot - 128 * sum(q)). One kernel serves decode (bound by reading
- * the weights) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without AVX-512 VNNI at
- * compile time linear_q_available() says 0 and the weights are dequantized at load instead.
+ * layers/quant.py's quantization="int8") stores q + 128 like Q8_0 and one fp32 scale per output; its activations
+ * take one scale per span of I8_SPAN blocks (128 inputs; the last span what is left of k), and each output sums
+ * one integer dot product per span, scaled by the span's dx, times its own scale at the end:
+ * y = sw * sum over spans of dx * (dot - 128 * sum(q)). (On SmolLM2 one scale per row cost 3.96% of perplexity,
+ * spans of 128 1.03% with a quarter of the int32 -> fp32 steps of blocks of 32, which cost 0.44%.) One
+ * kernel serves decode (bound by reading the weights) and prefill (chunks of ROWS rows reuse a unit's weights from
+ * cache). Without AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load
+ * instead.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define QK 32
+#ifndef I8_SPAN
+#define I8_SPAN 4         /* I8's activations: one scale per span of 4 blocks of 32 (128 inputs) */
+#endif
 #define UNIT 32
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,     /* ggml type ids */
        I8 = 100 };                        /* int8 per output channel: rows of [fp32 scale][k int8] (layers/quant.py) */
@@ -209,48 +215,42 @@ INLINE float scale_of(float amax, float *inverse)
     return d;
 }
 
-/* One row of k activations (fp32, or bf16) into int8 q, scaled per block of 32 (dx, off * sum(q), dx * sum(q)
- * per block; with hi (Q6_K's two halves of 16): c = off * sum of the first half, hi = off * sum of the second)
- * or, with whole, by one scale for the row (I8: the three at index 0). */
+/* One row of k activations (fp32, or bf16) into int8 q, one scale per span of `span` blocks of 32 (the last span
+ * what is left): dx, off * sum(q), dx * sum(q) per span (span 1: per block; with hi (Q6_K's two halves of 16):
+ * c = off * sum of the first half, hi = off * sum of the second). */
 INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int8_t *q, float *dx, int32_t *c,
-                         float *s, int32_t *hi, const int whole)
+                         float *s, int32_t *hi, const int span)
 {
-    __m512 v0, v1, amax = _mm512_setzero_ps();
-    float d = 0.f, id = 0.f;
-    int32_t total = 0;
-    if (whole) {
-        for (int64_t b = 0; b < nb; b++) {
+    __m512 v0, v1;
+    float id = 0.f;
+    for (int64_t a = 0, b0 = 0; b0 < nb; a++, b0 += span) {
+        const int64_t b1 = b0 + span < nb ? b0 + span : nb;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
             load32(x, b, bf16, &v0, &v1);
             amax = _mm512_max_ps(amax, abs_max(v0, v1));
         }
-        d = scale_of(_mm512_reduce_max_ps(amax), &id);
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        load32(x, b, bf16, &v0, &v1);
-        if (!whole) d = scale_of(_mm512_reduce_max_ps(abs_max(v0, v1)), &id);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));   /* nearest even */
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(q1));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        if (whole) {
-            total += sum;
-        } else {
-            dx[b] = d;
-            s[b] = d * (float)sum;
-            if (hi) {
-                const int32_t low = _mm512_reduce_add_epi32(q0);
-                c[b] = off * low;
-                hi[b] = off * (sum - low);
-            } else {
-                c[b] = off * sum;
-            }
+        const float d = scale_of(_mm512_reduce_max_ps(amax), &id);
+        __m512i sum = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+        for (int64_t b = b0; b < b1; b++) {
+            if (span > 1) load32(x, b, bf16, &v0, &v1);      /* span 1: still in registers */
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));   /* nearest even */
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(q1));
+            low = _mm512_add_epi32(low, q0);
+            sum = _mm512_add_epi32(sum, _mm512_add_epi32(q0, q1));
         }
-    }
-    if (whole) {
-        dx[0] = d;
-        c[0] = off * total;
-        s[0] = d * (float)total;
+        const int32_t total = _mm512_reduce_add_epi32(sum);
+        dx[a] = d;
+        s[a] = d * (float)total;
+        if (hi) {
+            const int32_t first = _mm512_reduce_add_epi32(low);
+            c[a] = off * first;
+            hi[a] = off * (total - first);
+        } else {
+            c[a] = off * total;
+        }
     }
 }
 
@@ -279,26 +279,36 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    if (qt == I8) {       /* one integer sum over all of k, scaled once: row scale x output channel's scale */
-        __m512i dot[ROWS][2];
-        for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        for (int64_t b = 0; b < nb; b++)
-            #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++)
-                #pragma GCC unroll 2
-                for (int t = 0; t < 2; t++) {
-                    const __m512i v = _mm512_loadu_si512(wq + b * uq + t * tq + g * 64);
-                    #pragma GCC unroll 4
-                    for (int r = 0; r < R; r++)
-                        if (r < rows)
-                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
-                }
+    if (qt == I8) {       /* per span: its integer sums x its activation scale; at the end x each output's scale */
+        for (int64_t a = 0, b0 = 0; b0 < nb; a++, b0 += I8_SPAN) {
+            const int64_t b1 = b0 + I8_SPAN < nb ? b0 + I8_SPAN : nb;
+            __m512i dot[ROWS][2];          /* from -128 * sum(q): the stored u = q + 128 summed exactly */
+            for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_set1_epi32(r < rows ? -xc[r * nb + a] : 0);
+            for (int64_t b = b0; b < b1; b++)
+                #pragma GCC unroll 8
+                for (int g = 0; g < 8; g++)
+                    #pragma GCC unroll 2
+                    for (int t = 0; t < 2; t++) {
+                        const __m512i v = _mm512_loadu_si512(wq + b * uq + t * tq + g * 64);
+                        #pragma GCC unroll 4
+                        for (int r = 0; r < R; r++)
+                            if (r < rows)
+                                dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
+                    }
+            #pragma GCC unroll 2
+            for (int t = 0; t < 2; t++)
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    if (r < rows)
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_set1_ps(xd[r * nb + a]),
+                                                    acc[r][t]);
+        }
+        #pragma GCC unroll 2
         for (int t = 0; t < 2; t++) {
             const __m512 sw = _mm512_loadu_ps((const float *)ws + 16 * t);
-            for (int r = 0; r < rows; r++) {
-                const __m512i c = _mm512_sub_epi32(dot[r][t], _mm512_set1_epi32(xc[r * nb]));
-                acc[r][t] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(sw, _mm512_set1_ps(xd[r * nb])));
-            }
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                if (r < rows) acc[r][t] = _mm512_mul_ps(acc[r][t], sw);
         }
         nb = 0;          /* no per-block pass */
     }
@@ -381,7 +391,7 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
     const int64_t us = unit_scale_bytes(qtype), groups = (m + GROUP_ROWS - 1) / GROUP_ROWS;
-    const int off = offset_of(qtype), whole = qtype == I8;
+    const int off = offset_of(qtype), per_output = qtype == I8;     /* I8: one fp32 scale per output */
     const int64_t q_bytes = (m * k + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, q_bytes + (m * nb * 16 + 63) / 64 * 64);
     if (!scratch) return -1;
@@ -393,15 +403,17 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
         int8_t *q = xq + r * k;
         float *d = xd + r * nb, *s = xs + r * nb;
         int32_t *c = xc + r * nb, *h = halves(qtype) ? xh + r * nb : NULL;
-        if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, h, whole);
-        else quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, h, whole);
+        if (qtype == I8 && bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, h, I8_SPAN);
+        else if (qtype == I8) quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, h, I8_SPAN);
+        else if (bf16) quantize_row((const uint16_t *)x + r * k, 1, nb, off, q, d, c, s, h, 1);
+        else quantize_row((const float *)x + r * k, 0, nb, off, q, d, c, s, h, 1);
     }
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for collapse(2) schedule(static) if (m * n * k >= PARALLEL_MIN_MACS)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t u = 0; u < units; u++) {
             const int64_t col = u * UNIT, end = (g + 1) * GROUP_ROWS < m ? (g + 1) * GROUP_ROWS : m;
-            const uint8_t *wq = packed + u * nb * uq, *ws = whole ? scales + u * 4 * UNIT : scales + u * nb * us;
+            const uint8_t *wq = packed + u * nb * uq, *ws = per_output ? scales + u * 4 * UNIT : scales + u * nb * us;
             const float *bias_u = bias ? bias + col : NULL;
             for (int64_t r = g * GROUP_ROWS; r < end; r += ROWS) {
                 const int rows = end - r < ROWS ? (int)(end - r) : ROWS;

@@ -235,8 +235,9 @@ SMOL_CASES = [
         "districts": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3}},
         "required": ["city", "population", "districts"]}),
     ("Give two points and a color as JSON.", {"$defs": {"pt": {"type": "object", "properties": {
-        "x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"],
-        "additionalProperties": False}}, "type": "object",     # open points let the model nest without end
+        "x": {"type": "integer", "minimum": -999, "maximum": 999}, "y": {"type": "integer", "minimum": -999,
+        "maximum": 999}}, "required": ["x", "y"], "additionalProperties": False}}, "type": "object",
+        # open points let a sampled row nest objects, or write digits, until max_tokens
         "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"},
                        "color": {"enum": ["red", "green", "blue"]}}, "required": ["a", "b", "color"]}),
     ("Rate the movie Alien as JSON.", {"type": "object", "properties": {
@@ -256,7 +257,8 @@ def test_smollm2_outputs_validate():
         outs = llm.chat([c for c in chats for _ in range(2)], params, use_tqdm=False)
         assert_valid_json(outs, [s for _, s in SMOL_CASES for _ in range(2)])
         expr, obj = llm.chat([[{"role": "user", "content": "Write an arithmetic expression that equals 10."}],
-                              [{"role": "user", "content": "Give a cat's name and age as a JSON object."}]],
+                              [{"role": "user",
+                                "content": "Reply with only a JSON object holding a cat's name and age."}]],
                              [structured(grammar=ARITHMETIC, max_tokens=40), structured(json_object=True,
                                                                                          max_tokens=300)],
                              use_tqdm=False)

@@ -212,9 +212,11 @@ def winners_of(micros: dict[str, list[float]]) -> tuple[str, ...]:
 def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int, ChosenWeight | None]:
     """For each dense weight (one rank's linear layers and LM head), by id: its ChosenWeight, or None where no
     candidate runs it (F.linear). Tables read from the cache, or measured and added to it. With row_invariant
-    (speculative decoding) a weight the C kernel runs takes it in every bucket without timing: it computes each
-    row alike at any row count, so a verify step's 1 + k rows get the logits that plain decoding's one row gets
-    (oneDNN's bf16 sums do not: its rounding flips near ties between the buckets)."""
+    (speculative decoding) a weight the C kernel runs takes it in every decode bucket (up to 64 rows) whatever
+    the table says: it computes each row alike at any row count, so a verify step's 1 + k rows get the logits
+    that plain decoding's one row gets (oneDNN's bf16 sums do not: its rounding flips near ties between the
+    buckets). The prefill bucket keeps the table's winner, as an engine without speculation does, so that both
+    write the same KV for a prompt."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
@@ -231,8 +233,7 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int
             tables[dtype][1] = read_table(tables[dtype][0])
         path, shapes, _ = tables[dtype]
         names = [c.name for c in cands]
-        only = INVARIANT if row_invariant and INVARIANT in names else names[0] if len(cands) == 1 else None
-        choice = None if only is None else ShapeChoice(shape, dname, (only,) * len(BUCKETS), {})
+        choice = None if len(cands) > 1 else ShapeChoice(shape, dname, (names[0],) * len(BUCKETS), {})
         if choice is None:
             choice = _cached(shapes.get(f"{shape[0]}x{shape[1]}"), names, shape, dname)
         if choice is None:
@@ -240,6 +241,9 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int
             if not choice.disturbed:
                 shapes[choice.key] = {"winners": choice.winners, "us": choice.micros}
                 tables[dtype][2] = True
+        if row_invariant and INVARIANT in names:
+            choice = ShapeChoice(shape, dname, (INVARIANT,) * (len(BUCKETS) - 1) + choice.winners[-1:],
+                                 choice.micros, choice.cached, disturbed=choice.disturbed)
         kept = [CANDIDATES[n] for n in choice.kept()]
         pick = bytes(choice.kept().index(n) for n in choice.winners)
         for w in ws:

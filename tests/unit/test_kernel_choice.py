@@ -110,16 +110,19 @@ def test_a_step_runs_its_buckets_winner_on_the_real_kernels(tmp_path, monkeypatc
 @needs_both
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_speculation_runs_the_c_kernel_whose_rows_do_not_depend_on_the_row_count(tmp_path, monkeypatch, dtype):
-    """row_invariant (speculative decoding): no timing, no table written, the C kernel in every bucket; and its
-    rows are bit for bit the same at 1, 5 (a verify step of k = 4) and 40 rows, so a verify row's logits are the
-    one-row step's."""
+    """row_invariant (speculative decoding): the C kernel in every decode bucket, the table's winner (what an engine
+    without speculation runs) for a prefill; and the C kernel's rows are bit for bit the same at 1, 5 (a verify
+    step of k = 4) and 40 rows, so a verify row's logits are the one-row step's."""
     if dtype not in cpu_kernels.load().linear_dtypes:
         pytest.skip("csrc/linear.c has no bf16 kernel on this CPU")
     cache = kernel_cache(tmp_path, monkeypatch)
     w = torch.randn(72, 128).to(dtype)
+    choose([w])
+    alternate_kernel_tables(cache)          # the table: c, onednn, c, ... by bucket
+    plain = choose([w])[id(w)].choice.winners
     chosen = choose([w], row_invariant=True)[id(w)]
-    assert chosen.choice.winners == ("c",) * len(BUCKETS) and not chosen.choice.micros
-    assert not list(cache.glob("kernel-choice-*.json"))
+    assert chosen.choice.winners == ("c",) * (len(BUCKETS) - 1) + (plain[-1],) and plain[1] == "onednn"
+    assert kernel_choice.read_table(kernel_choice.cache_path(dtype))["72x128"]["winners"] == list(plain)
     x = torch.randn(40, 128).to(dtype)
     alone = torch.cat([chosen(x[i:i + 1], None) for i in range(40)])
     assert torch.equal(chosen(x[:5], None), alone[:5]) and torch.equal(chosen(x, None), alone)

@@ -123,12 +123,7 @@ def main(argv=None) -> dict:
              f"vector form {'built' if kernels.decode_simd else 'absent (portable twice)'}; median of {args.repeats}")
     table = bc.format_table(["kv", "portable ms/layer", "GB/s", "vector ms/layer", "GB/s", "vector speedup",
                              f"vector vs {args.kv[0]}"], rows, title)
-    result = {"name": NAME, "config": bc.config_dict(args), "environment": bc.finish_environment(env),
-              "figures": figures, "table": table}
-    out = bc.write_json(args.out or bc.default_out_path(NAME), result)
-    bc.log(args, f"wrote {out}")
-    print(table, flush=True)
-    return result
+    return bc.finish(args, NAME, env, table, figures=figures)
 
 
 if __name__ == "__main__":

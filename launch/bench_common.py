@@ -19,7 +19,7 @@ from nanovllm_tp.launch.bench_workload import MAX_TOKEN_ID, Workload, make_workl
 __all__ = ["environment", "finish_environment", "default_out_path", "fmt", "format_table", "log", "median",
            "percentile", "plot_path", "save_plot", "save_result", "summarize", "write_json", "MAX_TOKEN_ID",
            "Workload", "make_workload", "warmup_prompts", "add_workload_args", "add_paired_workload_args",
-           "apply_threads", "add_output_args", "out_path", "resolve_model", "model_vocab_size", "config_dict",
+           "apply_threads", "add_output_args", "out_path", "finish", "resolve_model", "model_vocab_size", "config_dict",
            "quiet_transformers"]
 
 
@@ -72,6 +72,17 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def out_path(args, name: str) -> pathlib.Path:
     """Where the JSON result goes: --out, else results/<name>-<timestamp>.json."""
     return pathlib.Path(args.out) if args.out else default_out_path(name)
+
+
+def finish(args, name: str, env: dict, table: str, **fields) -> dict:
+    """The result of a table-printing benchmark: name, config, environment, fields and the table, written as JSON
+    (out_path), then the table on stdout."""
+    result = {"name": name, "config": config_dict(args), "environment": finish_environment(env), **fields,
+              "table": table}
+    out = write_json(out_path(args, name), result)
+    log(args, f"wrote {out}")
+    print(table, flush=True)
+    return result
 
 
 def resolve_model(args) -> str:

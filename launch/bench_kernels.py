@@ -100,13 +100,8 @@ def main(argv=None) -> dict:
     if krows:
         table += "\n\n" + bc.format_table(headers, krows, f"auto's kernels per bucket ({report['summary']}; "
                                                            f"amx {report['amx']}, cached {report['cached']})")
-    result = {"name": NAME, "config": bc.config_dict(args), "environment": bc.finish_environment(env),
-              "workloads": {"batch": batch.describe(), "one": one.describe()}, "figures": figures,
-              "linear_kernels": report, "table": table}
-    out = bc.write_json(args.out or bc.default_out_path(NAME), result)
-    bc.log(args, f"wrote {out}")
-    print(table, flush=True)
-    return result
+    return bc.finish(args, NAME, env, table, workloads={"batch": batch.describe(), "one": one.describe()},
+                     figures=figures, linear_kernels=report)
 
 
 if __name__ == "__main__":

@@ -164,12 +164,7 @@ def main(argv=None) -> dict:
              f"{args.batch_prompt_len}/{args.batch_tokens}; ratio = {names[0]} / this")
     table = bc.format_table(["engine", "1-stream decode tok/s", "ratio", f"{args.batch}x total tok/s", "ratio",
                              f"{args.batch}x output tok/s", "ratio"], rows, title)
-    result = {"name": NAME, "config": bc.config_dict(args), "environment": bc.finish_environment(env),
-              "figures": figures, "table": table}
-    out = bc.write_json(args.out or bc.default_out_path(NAME), result)
-    bc.log(args, f"wrote {out}")
-    print(table, flush=True)
-    return result
+    return bc.finish(args, NAME, env, table, figures=figures)
 
 
 if __name__ == "__main__":

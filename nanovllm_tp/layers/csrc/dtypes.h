@@ -1,4 +1,4 @@
-/* The float types every kernel in cpu_kernels.c and decode_attn*.c takes: fp32 or, with bf16 != 0, bf16 (the
+/* The float types every kernel in cpu_kernels.c, decode_attn*.c and lora.c takes: fp32 or, with bf16 != 0, bf16 (the
  * top half of an fp32), computed in fp32. The generic bodies are always inlined with bf16 a constant, so each dtype
  * gets its own vectorised loop; bf16 is widened by a shift and rounded to nearest even on the way back.
  */

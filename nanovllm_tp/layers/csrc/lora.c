@@ -24,36 +24,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
 #include "lora.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_MIN_MACS (1 << 17)
 #define TB 8              /* tokens of one group per shrink task */
 #define UNIT 64           /* outputs per expand unit (threads split the units) */
 #define PREFETCH 8        /* shrink: chunks of 16 inputs ahead */
 #define PREFETCH_UNITS 2  /* expand: units ahead (into L2) */
-
-INLINE float ld(const void *p, int64_t i, const int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE void st(void *p, int64_t i, float f, const int bf16)
-{
-    if (!bf16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
 
 INLINE const void *at(const void *p, int64_t i, const int bf16) { return (const char *)p + (bf16 ? 2 : 4) * i; }
 
@@ -199,7 +177,7 @@ INLINE void shrink_tokens(const Lora *L, const void *a, int rank, const int64_t 
         for (int w = 0; w < rank; w++) {
             float sum = 0.0f;
             for (int64_t i = 0; i < L->in; i++)
-                sum += ld(a, w * L->in + i, wb) * ld(L->x, tok[t] * L->x_stride + i, xb);
+                sum += load(a, w * L->in + i, wb) * load(L->x, tok[t] * L->x_stride + i, xb);
             h[t * W + w] = sum;
         }
 }
@@ -211,10 +189,10 @@ INLINE void expand_tokens(const Lora *L, const void *b, int rank, int64_t o, int
     (void)end;
     for (int t = 0; t < nt; t++)
         for (int64_t j = o; j < o + n; j++) {
-            float acc = ld(L->y, tok[t] * L->y_stride + j, xb);
+            float acc = load(L->y, tok[t] * L->y_stride + j, xb);
             for (int w = 0; w < rank; w++)
-                acc += h[t * W + w] * ld(b, w * L->out + j, wb);
-            st(L->y, tok[t] * L->y_stride + j, acc, xb);
+                acc += h[t * W + w] * load(b, w * L->out + j, wb);
+            store(L->y, tok[t] * L->y_stride + j, acc, xb);
         }
 }
 #endif

@@ -32,7 +32,7 @@ _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
 SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c",
                                      "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
 # included by the sources: copied beside them and part of the build's key
-HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "lora.h")]
+HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "layer_kernels.h", "lora.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file

@@ -16,6 +16,7 @@
 #define PARALLEL_MIN_ELEMENTS 65536    /* below this an elementwise kernel runs on one thread */
 
 #include "dtypes.h"
+#include "layer_kernels.h"
 
 /* ---------------------------------------------------------------- quantized KV store
  * int8 store: x [tokens, heads, dim] (token stride x_stride elements, fp32 or bf16), each (token, head) vector

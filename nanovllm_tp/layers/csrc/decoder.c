@@ -1,7 +1,8 @@
 /* A decode step's decoder layers (every row one new token) in one call: the kernels the layer modules call one by
- * one (rms_norm, the linear layers and their LoRA deltas, rope, paged_decode, silu_mul), called here in the same order on the same
- * operands, so the results are the modules' to the bit. What is left out is what each module call costs around
- * its kernel on one stream: the Python, the ctypes call, the fresh tensors and the views, per piece of every layer.
+ * one (rms_norm, the linear layers and their LoRA deltas, rope, paged_decode, silu_mul; layer_kernels.h), called
+ * here in the same order on the same operands, so the results are the modules' to the bit. What is left out is
+ * what each module call costs around its kernel on one stream: the Python, the ctypes call, the fresh tensors
+ * and the views, per piece of every layer.
  *
  * The layers are described once (layer_desc, filled by nanovllm_tp/models/fused_decode.py from the modules'
  * packed weights and the layer's KV cache); a step passes its rows' positions, KV slots, block tables and lengths.
@@ -12,19 +13,9 @@
 #include <string.h>
 
 #include "decode_attn.h"
+#include "dtypes.h"
+#include "layer_kernels.h"
 #include "lora.h"
-
-/* the kernels of cpu_kernels.c, linear.c and linear_q.c (one library) */
-int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out, int64_t m, int64_t n, int64_t k,
-             int qtype, int bf16);
-void linear_f32(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n, int64_t k);
-void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
-                 int64_t n, int64_t k);
-void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t outer, int64_t inner,
-              int64_t x_stride, int64_t out_stride, int size, float eps, int bf16);
-void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
-          int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16);
-void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16);
 
 enum { LINEAR_QUANT = 1, LINEAR_DENSE = 2 };
 
@@ -71,7 +62,7 @@ static int run_linear(const linear_desc *l, const void *x, void *out, const step
  * o projection's output (before any all-reduce) in hidden. Returns 0, or -1 when scratch cannot be allocated. */
 int decoder_attention(const layer_desc *L, void *hidden, void *residual, const step_desc *s)
 {
-    const int64_t m = s->rows, H = L->hidden, nq = L->qkv.n, es = s->bf16 ? 2 : 4;
+    const int64_t m = s->rows, H = L->hidden, nq = L->qkv.n, es = ELEM_SIZE(s->bf16);
     const int64_t qd = (int64_t)L->heads * L->dim, kvd = (int64_t)L->kv_heads * L->dim;
     char *h = malloc((size_t)(m * (H + nq + 2 * qd) * es));
     if (!h) return -1;
@@ -96,7 +87,8 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
         memcpy(q + t * qd * es, row, (size_t)(qd * es));
     }
     failed |= paged_decode(q, L->k_cache, L->v_cache, NULL, NULL, s->tables, s->table_stride, s->lens, attn, (int)m,
-                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16, 0, 0);
+                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16,
+                           0, 0);
     failed |= run_linear(&L->o, attn, hidden, s);
     free(h);
     return failed ? -1 : 0;
@@ -105,7 +97,7 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
 /* residual += hidden, norm, gate/up, SiLU(gate) * up, down: the down projection's output in hidden. */
 int decoder_mlp(const layer_desc *L, void *hidden, void *residual, const step_desc *s)
 {
-    const int64_t m = s->rows, H = L->hidden, I = L->down.k, es = s->bf16 ? 2 : 4;
+    const int64_t m = s->rows, H = L->hidden, I = L->down.k, es = ELEM_SIZE(s->bf16);
     char *h = malloc((size_t)(m * (H + 3 * I) * es));
     if (!h) return -1;
     char *gate_up = h + m * H * es, *act = gate_up + 2 * m * I * es;

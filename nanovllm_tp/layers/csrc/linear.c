@@ -13,6 +13,8 @@
  */
 #include <stdint.h>
 
+#include "layer_kernels.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "simd.h"
 

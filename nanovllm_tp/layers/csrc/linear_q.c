@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layer_kernels.h"
+
 #define QK 32
 #ifndef I8_SPAN
 #define I8_SPAN 4         /* I8's activations: one scale per span of 4 blocks of 32 (128 inputs) */

@@ -6,7 +6,7 @@ matmuls. `FusedDecode` describes every layer once (its packed weights, norms, ro
 `LayerDesc` records below, the C structs' twins) and hands a step's rows to one C call for all layers (one rank),
 or one per half layer with the all-reduces between (TP). The C code calls the kernels the modules call, in their
 order, so a decode step's hidden states are the modules' to the bit. Steps whose rows each add a few tokens to a
-cached prefix (speculative verify steps) run too, as one decode row per token (`_token_rows`): their attention is
+cached prefix (speculative verify steps) run too, as one decode row per token (the attention backend's `as_decode`): their attention is
 then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill attention.
 With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the step's `SlotGroups` in its
 `StepDesc`: decoder.c adds the deltas after the linear with csrc/lora.c's call, the one `LoRALayer.apply` makes.
@@ -22,7 +22,6 @@ kinds, a step with more than that many tokens of one adapter) runs through the m
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
 
-import numpy as np
 import torch
 
 from nanovllm_tp.context import get_context
@@ -35,7 +34,6 @@ from nanovllm_tp.layers.quant import QuantWeight
 from nanovllm_tp.models.blocks import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP
 
 LINEAR_QUANT, LINEAR_DENSE = 1, 2     # decoder.c's kinds of linear_desc
-MAX_ROW_TOKENS = 16      # a step's rows of at most this many tokens each run here (as a decode row per token)
 
 
 class LinearDesc(ctypes.Structure):
@@ -98,7 +96,7 @@ class FusedDecode:
         groups = self._lora_groups()
         if groups is False:
             return None
-        per_token = self._token_rows(ctx, rows) if ctx.is_prefill else (ctx.block_tables, ctx.context_lens)
+        per_token = self._token_rows(ctx, attn.backend) if ctx.is_prefill else (ctx.block_tables, ctx.context_lens)
         table = self._table(hidden.dtype, bucket(rows)) if per_token is not None else None
         if table is None:
             return None
@@ -138,20 +136,17 @@ class FusedDecode:
         return batch.groups if batch.groups is not None and not batch.heavy else False
 
     @staticmethod
-    def _token_rows(ctx, tokens: int):
-        """A step whose rows each continue their sequence by at most MAX_ROW_TOKENS tokens (speculative verify
-        steps; a short last prompt chunk over a cached prefix) as one decode row per token: (block tables,
-        context lengths) per token, each token seeing its row's KV up to itself (causal). None for other steps
-        (prompts, which go through the modules' prefill attention)."""
-        q_lens, context_lens = ctx.q_lens_cpu, ctx.context_lens_cpu
-        if (q_lens is None or sum(q_lens) != tokens or max(q_lens) > MAX_ROW_TOKENS
-                or any(c <= q for c, q in zip(context_lens, q_lens))):
+    def _token_rows(ctx, backend):
+        """A step whose rows each continue their sequence by a few tokens (speculative verify steps; a short last
+        prompt chunk over a cached prefix) as one decode row per token: the (block tables, context lengths) the
+        attention backend worked out for it (`as_decode`, each token seeing its row's KV up to itself). None for
+        other steps (prompts, which go through the modules' prefill attention)."""
+        if ctx.as_decode is None:
+            backend.prepare(ctx)
+        short, index, decode_ctx = ctx.as_decode or ((), None, None)
+        if not short or index is not None:       # index None: every token of the step is in a short row
             return None
-        q = np.asarray(q_lens, np.int64)
-        row = np.repeat(np.arange(len(q)), q)
-        within = np.arange(tokens) - np.repeat(np.cumsum(q) - q, q)      # each token's index in its row
-        lens = np.asarray(context_lens, np.int64)[row] - (q[row] - 1 - within)
-        return ctx.block_tables[torch.from_numpy(row)], torch.from_numpy(lens)
+        return decode_ctx.block_tables, decode_ctx.context_lens
 
     def _table(self, dtype: torch.dtype, row_bucket: int):
         attn = self.layers[0].self_attn.attn

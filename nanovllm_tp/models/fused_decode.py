@@ -6,8 +6,8 @@ matmuls. `FusedDecode` describes every layer once (its packed weights, norms, ro
 `LayerDesc` records below, the C structs' twins) and hands a step's rows to one C call for all layers (one rank),
 or one per half layer with the all-reduces between (TP). The C code calls the kernels the modules call, in their
 order, so a decode step's hidden states are the modules' to the bit. Steps whose rows each add a few tokens to a
-cached prefix (speculative verify steps) run too, as one decode row per token (the attention backend's `as_decode`): their attention is
-then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill attention.
+cached prefix (speculative verify steps) run too, as one decode row per token (the attention backend's
+`as_decode`): their attention is then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill attention.
 With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the step's `SlotGroups` in its
 `StepDesc`: decoder.c adds the deltas after the linear with csrc/lora.c's call, the one `LoRALayer.apply` makes.
 

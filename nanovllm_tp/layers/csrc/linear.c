@@ -7,7 +7,7 @@
  * A step then reads the weight once, front to back, with no horizontal sums: each load is multiplied by one
  * broadcast pair of x per row and accumulated into 16 fp32 outputs. Work units are pairs of blocks (32 outputs)
  * against groups of rows; inside a unit, chunks of ROWS rows reuse the unit's weight from L1, so one kernel
- * serves decode (one to a few rows: bound by reading the weights, which are prefetched ahead) and prefill (many
+ * serves decode (one to a few rows: bound by reading the weights, prefetched ahead into L2) and prefill (many
  * rows: bound by the multiply-adds). Built into the same library as cpu_kernels.c; without AVX-512 BF16 (or F, for
  * fp32) at compile time the functions report that they are unavailable and the layers use oneDNN instead.
  */
@@ -54,8 +54,8 @@ static inline void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0, co
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         if (prefetch) {
-            _mm_prefetch((const char *)(w0 + (p + PREFETCH) * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + (p + PREFETCH) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w0 + (p + PREFETCH) * 32), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w1 + (p + PREFETCH) * 32), _MM_HINT_T1);
         }
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
         const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 32);
@@ -146,7 +146,7 @@ static inline void f32_chunk(const float *x, int64_t k, const float *w, int nb, 
         #pragma GCC unroll 4
         for (int j = 0; j < F32_BLOCKS; j++) {
             const float *block = w + (j < nb ? j : 0) * k * 16;
-            if (prefetch) _mm_prefetch((const char *)(block + (c + F32_PREFETCH) * 16), _MM_HINT_T0);
+            if (prefetch) _mm_prefetch((const char *)(block + (c + F32_PREFETCH) * 16), _MM_HINT_T1);
             v[j] = _mm512_loadu_ps(block + c * 16);
         }
         #pragma GCC unroll 6

@@ -11,7 +11,7 @@ from nanovllm_tp.config import EngineConfig
 from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
 from nanovllm_tp.layers import cpu_kernels, kernel_choice
-from nanovllm_tp.layers.linear import linear_paths
+from nanovllm_tp.layers.packed_linear import linear_paths
 from nanovllm_tp.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 

@@ -158,7 +158,7 @@ class LLM(RequestInputs, StepLoop, EmbeddingRequests):
         tensor_parallel_size, attention_backend, kv_block_size, num_kv_blocks, kv_cache_dtype (the KV cache's
         storage: the model dtype's name, or int8 / fp8_e4m3 / fp8_e5m2 with an fp32 scale per token and KV head),
         quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths:
-        linear_paths in layers/linear.py), linear_kernels (packed_linear="auto": the kernel per weight shape and
+        packed_linear.linear_paths), linear_kernels (packed_linear="auto": the kernel per weight shape and
         row-count bucket with the timings that chose it, the extra bytes of second layouts: kernel_choice.report;
         else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and

@@ -7,7 +7,7 @@ import os
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm_tp.layers.linear import default_weight_loader
+from nanovllm_tp.layers.weight_loading import default_weight_loader
 
 
 # what a HF directory needs for transformers to build its tokenizer (any one of them)

@@ -16,7 +16,7 @@ import numpy as np
 from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.attention import Attention, AttentionBackend
 from nanovllm_tp.layers.quant import INT8
-from nanovllm_tp.layers.linear import linear_paths, pack_cpu_weights, quantization_of
+from nanovllm_tp.layers.packed_linear import linear_paths, pack_cpu_weights, quantization_of
 from nanovllm_tp.gguf_checkpoint import keep_gguf_blocks
 from nanovllm_tp.loader import load_model
 from nanovllm_tp.models import model_class

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.layers.linear import copy_checked
+from nanovllm_tp.layers.weight_loading import copy_checked
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ activations quantized per block of 128 inputs, where vLLM's take one scale per t
 
 A weight's way: the GGUF reader hands a layer's weight_loader `QuantBlocks` (the rows and columns a rank keeps,
 as the file stores them); `linear.load_rows` keeps them beside the parameter, whose dense storage is never
-written; `linear.pack_cpu_weights` then makes the form the matmul reads (`pack_blocks`):
+written; `packed_linear.pack_cpu_weights` then makes the form the matmul reads (`pack_blocks`):
 
 - `QuantWeight`: csrc/linear_q.c's layout, where the kernels run (AVX-512 VNNI): activations quantized per row
   and block (`act_block`: 32 for the GGUF types, 128 for int8) to int8 on the fly, integer dot products, fp32 sums;

@@ -28,7 +28,7 @@ from nanovllm_tp.context import get_context
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import ChosenWeight, bucket
-from nanovllm_tp.layers.linear import C_KERNEL, BlockedWeight
+from nanovllm_tp.layers.packed_linear import C_KERNEL, BlockedWeight
 from nanovllm_tp.layers.norm_rope_act import RMSNorm, SiluAndMul
 from nanovllm_tp.layers.quant import QuantWeight
 from nanovllm_tp.models.blocks import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP

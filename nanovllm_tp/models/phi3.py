@@ -2,7 +2,7 @@
 the checkpoint (split here into the parts our merged layers load), a partial rotary factor (Phi-4-mini rotates
 3/4 of each head) and a sliding window on every layer when the config sets one. LongRoPE (the 128k-context
 configs) switches its frequencies with the sequence length and is refused by name (rope_type 'longrope')."""
-from nanovllm_tp.layers.linear import RowRange
+from nanovllm_tp.layers.weight_loading import RowRange
 from nanovllm_tp.models.blocks import CausalLM
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from nanovllm_tp.layers.linear import RowRange
+from nanovllm_tp.layers.weight_loading import RowRange
 from nanovllm_tp.models.blocks import GatedMLP
 from nanovllm_tp.models.moe import SparseMoE
 from nanovllm_tp.models.qwen3 import Qwen3ForCausalLM

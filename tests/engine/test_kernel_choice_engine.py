@@ -7,7 +7,7 @@ import torch
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import BUCKETS
-from nanovllm_tp.layers.linear import ONEDNN
+from nanovllm_tp.layers.packed_linear import ONEDNN
 from tests.helpers import alternate_kernel_tables, hf_greedy, kernel_cache, mixed_prompts
 
 needs_both = pytest.mark.skipif(not (cpu_kernels.load() and torch.float32 in cpu_kernels.load().linear_dtypes

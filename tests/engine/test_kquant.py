@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels, quant_kblocks
-from nanovllm_tp.layers.linear import matmul
+from nanovllm_tp.layers.packed_linear import matmul
 from nanovllm_tp.layers.quant import (MixedBlocks, QuantBlocks, QuantParts, QuantWeight, pack_blocks, quant_embedding,
                                       round_activations, same_type, type_name, write_rows)
 from tests.kquant_blocks import random_blocks

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_features, cpu_kernels, kernel_choice
 from nanovllm_tp.layers.kernel_choice import BUCKETS, TIMED_ROWS, ChosenWeight, bucket, choose, winners_of
-from nanovllm_tp.layers.linear import C_KERNEL, ONEDNN
+from nanovllm_tp.layers.packed_linear import C_KERNEL, ONEDNN
 from tests.helpers import alternate_kernel_tables, kernel_cache
 
 needs_both = pytest.mark.skipif(not (cpu_kernels.load() and torch.float32 in cpu_kernels.load().linear_dtypes

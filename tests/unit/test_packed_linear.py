@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import BUCKETS, ChosenWeight, table_of
-from nanovllm_tp.layers.linear import (BlockedWeight, linear_paths, matmul, pack_cpu_weights, pack_weight,
-                                       packable_dtypes)
+from nanovllm_tp.layers.packed_linear import (BlockedWeight, linear_paths, matmul, pack_cpu_weights, pack_weight,
+                                              packable_dtypes)
 
 needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in packable_dtypes("auto"), reason="no oneDNN bf16 on this CPU")
 KERNEL_DTYPES = cpu_kernels.load().linear_dtypes if cpu_kernels.load() else ()

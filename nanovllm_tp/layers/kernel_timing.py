@@ -56,17 +56,17 @@ def measure(cands: list[Candidate], weights: list[torch.Tensor], copy_bytes: int
     w = weights[0]
     count = max(1, min(MAX_COPIES, math.ceil(copy_bytes / max(1, w.nbytes))))
     forms = {c.name: [c.pack(weights[i % len(weights)]) for i in range(count)] for c in cands}
+    shape, dtype = tuple(w.shape), str(w.dtype).removeprefix("torch.")
     for attempt in range(2):
         micros = {c.name: [] for c in cands}
         for rows in TIMED_ROWS:
             for name, ns in _time_bucket(cands, forms, rows, w.shape[1], w.dtype).items():
                 micros[name].append(ns / 1e3)
         if not disturbed(micros, w.nbytes):
-            return ShapeChoice(tuple(w.shape), str(w.dtype).removeprefix("torch."), winners_of(micros), micros)
+            return ShapeChoice(shape, dtype, winners_of(micros), micros)
     log.warning("kernel timings of a %dx%d weight were disturbed twice (other processes on the cores?): it runs "
                 "%s in every bucket, and is measured again at the next load", *w.shape, cands[0].name)
-    return ShapeChoice(tuple(w.shape), str(w.dtype).removeprefix("torch."), (cands[0].name,) * len(BUCKETS), micros,
-                       disturbed=True)
+    return ShapeChoice(shape, dtype, (cands[0].name,) * len(BUCKETS), micros, disturbed=True)
 
 
 def disturbed(micros: dict[str, list[float]], weight_bytes: int) -> bool:

@@ -5,7 +5,8 @@ Linux hands out AMX's tile data (XTILEDATA, 8 KiB of state per thread) only to a
 `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; an AMX instruction run without that permission dies with
 SIGILL even on a CPU that has it. `amx_state` asks once and says what came of it, so a kernel that would use the
 tiles runs only after "granted" and every other answer falls back to the AVX-512 paths. oneDNN asks for itself
-and takes AMX where it is granted; the kernel tuner (kernel_choice.py) times it like any other candidate.
+and takes AMX where it is granted; the kernel tuner (kernel_choice.py, kernel_timing.py) times it like any other
+candidate.
 """
 import ctypes
 import errno

@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale (YaRN's attention factor; 1 otherwise) for one rope setting.
 
-    `scaling` is the config's rope parameters without rope_theta, as ModelConfig checked them (config.ROPE_TYPES);
+    `scaling` is the config's rope parameters without rope_theta, as ModelConfig checked them (model_config.ROPE_TYPES);
     None or rope_type "default" means plain RoPE.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

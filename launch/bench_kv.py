@@ -7,7 +7,8 @@ One engine per --kv-dtypes entry (the first is the baseline), built in this proc
 given, all alive at once. Each repeat runs the workload (random prompt ids, ignore_eos, greedy by default) on every
 engine in turn, in a rotating order, so load from other processes hits them alike; throughput = requested output
 tokens / wall time of one generate(). Reported: medians, each engine's ratio to the baseline's median and the median
-of its per-repeat ratios to the baseline (paired: the two ran in the same repeat), and greedy agreement with the
+of its per-repeat ratios to the baseline (paired: the two ran in the same repeat), the median request's TPOT (time
+per output token after the first: the decode steps without the prompts' prefill), and greedy agreement with the
 baseline on the same prompts (requests whose tokens are all equal; tokens before the first difference, as a share
 of all). --ppl-text FILE: each engine's perplexity on that text too (prompt logprobs).
 """
@@ -98,15 +99,17 @@ def main(argv=None) -> dict:
         figures[kv] = {**s, "ratio": s["tok_s"] / base, "paired_ratio": paired, "agreement": agree,
                        "num_kv_blocks": stats[kv]["num_kv_blocks"], "kv_cache": stats[kv]["kv_cache_dtype"],
                        "perplexity": ppl.get(kv)}
+        tpot = "-" if s["tpot_ms"] is None else f"{s['tpot_ms']:.1f}"
         rows.append([kv, stats[kv]["num_kv_blocks"], bc.fmt(s["tok_s"]), f"{s['tok_s'] / base:.3f}", f"{paired:.3f}",
+                     tpot,
                      f"{agree['identical_requests']}/{agree['requests']}", f"{agree['prefix_share']:.3f}",
                      f"{ppl[kv]:.3f}" if ppl else "-"])
     result = {"config": bc.config_dict(args), "workload": workload.describe(), "figures": figures,
               "environment": bc.finish_environment(bc.environment())}
     out = bc.default_out_path(NAME) if args.out is None else args.out
     result = bc.save_result(args, pathlib.Path(out), result, draw)
-    print(bc.format_table(["kv_cache_dtype", "KV blocks", "tok/s (median)", "ratio", "paired ratio", "identical",
-                           "prefix share", "perplexity"],
+    print(bc.format_table(["kv_cache_dtype", "KV blocks", "tok/s (median)", "ratio", "paired ratio", "TPOT ms",
+                           "identical", "prefix share", "perplexity"],
                           rows, title=f"{workload.num_requests} requests, {args.repeats} repeats, medians"))
     return result
 

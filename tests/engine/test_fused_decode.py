@@ -124,6 +124,24 @@ def test_speculative_verify_steps_run_fused_and_match_transformers(tiny_model_di
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)
 
 
+@needs_kernels
+def test_speculative_verify_steps_with_an_int8_kv_cache_are_the_modules(tiny_model_dir):
+    """int8 KV and n-gram speculation: verify steps run fused (each row's 1 + k tokens stored into the 8-bit cache by
+    decoder.c, then read as decode rows) with the tokens and logprobs of the same engine through the modules."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    results = {}
+    for on in (True, False):
+        with LLM(tiny_model_dir, speculative_config=ngram, kv_cache_dtype="int8", fused_decode=on, **KV) as llm:
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode(t) for t in ("Hello, world! Hello, world! Hello, world!", "def main():")]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            fused = fused_of(llm)
+            assert (fused.verify_steps > 0 and llm.stats()["num_accepted_tokens"] > 0) if on else fused is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
+
+
 def lora_model(tmp_path, tiny_model_dir, case: str) -> tuple[str, list]:
     """The model of a LoRA case and two adapters of it (rank 16 over every target; rank 4 over q, v and down),
     made by peft."""

@@ -29,11 +29,14 @@ def run_engine(llm, workload: bc.Workload, prompts, temperature: float, mixed: b
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     produced = [len(o.outputs[0].token_ids) for o in outputs]
+    tpot = bc.median(o.metrics.tpot for o in outputs if o.metrics is not None)    # None where no request has one
     return {"seconds": seconds, "tok_s": workload.requested_output_tokens / seconds,
-            "lengths_ok": produced == workload.output_lens, "generated_tokens": sum(produced)}
+            "lengths_ok": produced == workload.output_lens, "generated_tokens": sum(produced),
+            "tpot_ms": None if tpot is None else tpot * 1e3}
 
 
 def summarize_runs(runs: list[dict]) -> dict:
     return {"tok_s": bc.median(r["tok_s"] for r in runs), "seconds": bc.median(r["seconds"] for r in runs),
             "tok_s_runs": [round(r["tok_s"], 2) for r in runs], "seconds_runs": [round(r["seconds"], 4) for r in runs],
+            "tpot_ms": bc.median(r.get("tpot_ms") for r in runs),
             "lengths_ok": all(r["lengths_ok"] for r in runs)}

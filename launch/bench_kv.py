@@ -6,9 +6,11 @@
 One engine per --kv-dtypes entry (the first is the baseline), built in this process with the other engine flags as
 given, all alive at once. Each repeat runs the workload (random prompt ids, ignore_eos, greedy by default) on every
 engine in turn, in a rotating order, so load from other processes hits them alike; throughput = requested output
-tokens / wall time of one generate(). Reported: medians, each engine's ratio to the baseline's median, and greedy
-agreement with the baseline on the same prompts (requests whose tokens are all equal; tokens before the first
-difference, as a share of all). --ppl-text FILE: each engine's perplexity on that text too (prompt logprobs).
+tokens / wall time of one generate(). Reported: medians, each engine's ratio to the baseline's median and the median
+of its per-repeat ratios to the baseline (paired: the two ran in the same repeat), the median request's TPOT (time
+per output token after the first: the decode steps without the prompts' prefill), and greedy agreement with the
+baseline on the same prompts (requests whose tokens are all equal; tokens before the first difference, as a share
+of all). --ppl-text FILE: each engine's perplexity on that text too (prompt logprobs).
 """
 from __future__ import annotations
 
@@ -88,23 +90,26 @@ def main(argv=None) -> dict:
     finally:
         for llm in engines.values():
             llm.close()
-    base = summarize_runs(runs[order[0]])["tok_s"]
+    base, base_runs = (summarize_runs(runs[order[0]])[key] for key in ("tok_s", "tok_s_runs"))
     figures, rows = {}, []
     for kv in order:
         s = summarize_runs(runs[kv])
         agree = agreement(tokens[order[0]], tokens[kv])
-        figures[kv] = {**s, "ratio": s["tok_s"] / base, "agreement": agree,
+        paired = bc.median(a / b for a, b in zip(s["tok_s_runs"], base_runs))
+        figures[kv] = {**s, "ratio": s["tok_s"] / base, "paired_ratio": paired, "agreement": agree,
                        "num_kv_blocks": stats[kv]["num_kv_blocks"], "kv_cache": stats[kv]["kv_cache_dtype"],
                        "perplexity": ppl.get(kv)}
-        rows.append([kv, stats[kv]["num_kv_blocks"], bc.fmt(s["tok_s"]), f"{s['tok_s'] / base:.3f}",
+        tpot = "-" if s["tpot_ms"] is None else f"{s['tpot_ms']:.1f}"
+        rows.append([kv, stats[kv]["num_kv_blocks"], bc.fmt(s["tok_s"]), f"{s['tok_s'] / base:.3f}", f"{paired:.3f}",
+                     tpot,
                      f"{agree['identical_requests']}/{agree['requests']}", f"{agree['prefix_share']:.3f}",
                      f"{ppl[kv]:.3f}" if ppl else "-"])
     result = {"config": bc.config_dict(args), "workload": workload.describe(), "figures": figures,
               "environment": bc.finish_environment(bc.environment())}
     out = bc.default_out_path(NAME) if args.out is None else args.out
     result = bc.save_result(args, pathlib.Path(out), result, draw)
-    print(bc.format_table(["kv_cache_dtype", "KV blocks", "tok/s (median)", "ratio", "identical", "prefix share",
-                           "perplexity"],
+    print(bc.format_table(["kv_cache_dtype", "KV blocks", "tok/s (median)", "ratio", "paired ratio", "TPOT ms",
+                           "identical", "prefix share", "perplexity"],
                           rows, title=f"{workload.num_requests} requests, {args.repeats} repeats, medians"))
     return result
 

@@ -1,8 +1,8 @@
 """C kernels for fp32 and bf16 on CPU: paged decode attention (csrc/decode_attn.c, its AVX-512 form in
-decode_attn_simd.c; over a cache in the model dtype or quantized: int8, fp8), csrc/cpu_kernels.c's RMSNorm with the residual
-add fused in, RoPE and SiLU-and-mul; linear layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with
-AVX-512F); and rank 0's sampler over fp32 logits (csrc/sampler.c): per-row top-k, logprobs, and one pass per
-entry from penalties to the drawn token.
+decode_attn_simd.c; over a cache in the model dtype or quantized: int8, fp8) and the quantized cache's store
+(csrc/kv_store.c), csrc/cpu_kernels.c's RMSNorm with the residual add fused in, RoPE and SiLU-and-mul; linear
+layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with AVX-512F); and rank 0's sampler over fp32 logits
+(csrc/sampler.c): per-row top-k, logprobs, and one pass per entry from penalties to the drawn token.
 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
@@ -29,8 +29,8 @@ from nanovllm_tp.layers import cpu_features
 
 log = logging.getLogger("nanovllm_tp")
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "sampler.c", "linear.c", "linear_q.c", "lora.c",
-                                     "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
+SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "kv_store.c", "sampler.c", "linear.c", "linear_q.c",
+                                     "lora.c", "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
 # included by the sources: copied beside them and part of the build's key
 HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "layer_kernels.h", "lora.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
@@ -39,7 +39,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int,
                             _float, _int, _float, _int, _int, _int]),
     "paged_decode_available_simd": (_int, []),
-    "kv_store_int8": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int]),
+    "kv_store": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int, _int]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
@@ -201,18 +201,18 @@ class CpuKernels:
             raise MemoryError("the CPU paged-decode kernel could not allocate its scratch buffers")
         return out
 
-    def kv_store_int8(self, x, slot_mapping, cache, scales, readback: bool) -> torch.Tensor:
-        """x [tokens, heads, dim] quantized into its slots of an int8 cache [.., heads, dim] (fp32 scales [.., heads]),
-        a scale per token and head (kv_quant.quantize's math); returns x dequantized (readback, in place when x's
-        rows are contiguous) or x."""
+    def kv_store(self, x, slot_mapping, cache, scales, readback: bool) -> torch.Tensor:
+        """x [tokens, heads, dim] quantized into its slots of an 8-bit cache [.., heads, dim] (int8 or fp8, see
+        KV_CODES; fp32 scales [.., heads]), a scale per token and head (kv_quant.quantize's math, to the bit);
+        returns x dequantized (readback, in place when x's rows are contiguous) or x."""
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             x = x.contiguous()
         elif readback:
             x = x.clone()        # x may be a view of the qkv projection that other code still reads
         slots = slot_mapping.to(torch.int64).contiguous()
         tokens, heads, dim = x.shape
-        self._kv_store_int8(x.data_ptr(), x.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(), tokens,
-                            heads, dim, _bf16(x), int(readback))
+        self._kv_store(x.data_ptr(), x.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(), tokens,
+                       heads, dim, _bf16(x), KV_CODES[cache.dtype], int(readback))
         return x
 
     def rms_norm(self, x, weight, eps: float, residual=None):

@@ -14,10 +14,12 @@ With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the st
 It runs where every piece of every layer has such a kernel: the plain `DecoderLayer` of blocks.py (SiLU MLP,
 q/k norms or none, any window and logit cap), weights quantized for csrc/linear_q.c or packed for csrc/linear.c
 (under packed_linear=auto, where csrc/linear.c won the step's row-count bucket), no bias on the row-parallel
-layers, a KV cache in the model dtype, the `cpu` attention backend, no layer hooks (`--trace-layers`), and LoRA
-rows only where the step's adapted tokens all go to csrc/lora.c (`LoRABatch.heavy` empty: no slot with more than
-KERNEL_TOKENS_PER_SLOT tokens). Anything else (prompts, a quantized KV cache, oneDNN-packed weights, other layer
-kinds, a step with more than that many tokens of one adapter) runs through the modules.
+layers, a KV cache in the model dtype or quantized (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2: the K/V stored by
+csrc/kv_store.c with their scales and read by the decode kernel, as the attention layer's modules do), the `cpu`
+attention backend, no layer hooks (`--trace-layers`), and LoRA rows only where the step's adapted tokens all go to
+csrc/lora.c (`LoRABatch.heavy` empty: no slot with more than KERNEL_TOKENS_PER_SLOT tokens). Anything else
+(prompts, oneDNN-packed weights, other layer kinds, a step with more than that many tokens of one adapter) runs
+through the modules.
 """
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
@@ -44,10 +46,11 @@ class LinearDesc(ctypes.Structure):
 class LayerDesc(ctypes.Structure):
     _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
                 ("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
-                ("cos_sin", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
-                ("eps", c_float), ("qk_eps", c_float), ("scale", c_float), ("softcap", c_float),
+                ("cos_sin", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p), ("k_scale", c_void_p),
+                ("v_scale", c_void_p), ("eps", c_float), ("qk_eps", c_float), ("scale", c_float), ("softcap", c_float),
                 ("heads", c_int32), ("kv_heads", c_int32), ("dim", c_int32), ("rot_dim", c_int32),
-                ("block_size", c_int32), ("window", c_int32), ("cos_bf16", c_int32), ("hidden", c_int32)]
+                ("block_size", c_int32), ("window", c_int32), ("cos_bf16", c_int32), ("hidden", c_int32),
+                ("kv", c_int32)]
 
 
 class StepDesc(ctypes.Structure):
@@ -88,7 +91,7 @@ class FusedDecode:
         ctx = get_context()
         first = self.layers[0]
         attn = first.self_attn.attn
-        if (not hidden.is_cpu or hidden.dtype not in cpu_kernels.DTYPES or attn.kv_scales is not None
+        if (not hidden.is_cpu or hidden.dtype not in cpu_kernels.DTYPES
                 or attn.backend is None or attn.backend.name != "cpu" or first._forward_pre_hooks
                 or first._forward_hooks or (kernels := cpu_kernels.active()) is None):
             return None
@@ -165,18 +168,21 @@ class FusedDecode:
                    for lin, row_parallel in ((sa.qkv_proj, False), (sa.o_proj, True), (mlp.gate_up_proj, False),
                                              (mlp.down_proj, True))]
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([sa.q_norm, sa.k_norm] if sa.qk_norm else [])
-        if (None in linears or any(n.weight.dtype is not dtype for n in norms) or attn.k_cache.dtype is not dtype
-                or sa.q_size != attn.num_heads * attn.head_dim):
+        # a dense cache in the activations' dtype, or an 8-bit one with its scales (csrc/kv_store.c's formats)
+        kv = 0 if attn.kv_scales is None else cpu_kernels.KV_CODES.get(attn.k_cache.dtype)
+        if (None in linears or any(n.weight.dtype is not dtype for n in norms) or kv is None
+                or (not kv and attn.k_cache.dtype is not dtype) or sa.q_size != attn.num_heads * attn.head_dim):
             return None
+        k_scale, v_scale = (None, None) if not kv else (t.data_ptr() for t in attn.kv_scales)
         cos_sin = rotary.cos_sin if rotary.cos_sin.dtype in cpu_kernels.DTYPES else rotary.cos_sin.float()
         self.keep.append(cos_sin)
         qk = (sa.q_norm.weight.data_ptr(), sa.k_norm.weight.data_ptr()) if sa.qk_norm else (None, None)
         return LayerDesc(*linears, layer.input_layernorm.weight.data_ptr(),
                          layer.post_attention_layernorm.weight.data_ptr(), *qk, cos_sin.data_ptr(),
-                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), layer.input_layernorm.eps,
+                         attn.k_cache.data_ptr(), attn.v_cache.data_ptr(), k_scale, v_scale, layer.input_layernorm.eps,
                          sa.q_norm.eps if sa.qk_norm else 0.0, attn.scale, attn.softcap, attn.num_heads,
                          attn.num_kv_heads, attn.head_dim, cos_sin.shape[1], attn.k_cache.shape[1], attn.window,
-                         int(cos_sin.dtype is torch.bfloat16), layer.input_layernorm.weight.shape[0])
+                         int(cos_sin.dtype is torch.bfloat16), layer.input_layernorm.weight.shape[0], kv)
 
     def _linear(self, lin, dtype: torch.dtype, row_bucket: int, row_parallel: bool) -> LinearDesc | None:
         """The layer's matmul (and its LoRA tables) as decoder.c runs it, or None: a form it has no kernel for, or a

@@ -79,11 +79,14 @@ def test_bench_kv_formats_side_by_side(tiny_model_dir, tmp_path, capsys):
     f = load(result)["figures"]
     assert list(f) == ["auto", "int8"] and f["auto"]["ratio"] == 1.0 and f["auto"]["kv_cache"] == "float32"
     assert f["int8"]["ratio"] == pytest.approx(f["int8"]["tok_s"] / f["auto"]["tok_s"])
+    pairs = sorted(a / b for a, b in zip(f["int8"]["tok_s_runs"], f["auto"]["tok_s_runs"]))
+    assert f["auto"]["paired_ratio"] == 1.0 and f["int8"]["paired_ratio"] == pytest.approx(sum(pairs) / 2, rel=1e-6)
+    assert all(0 < f[kv]["tpot_ms"] < 1e3 * f[kv]["seconds"] for kv in f)
     assert f["int8"]["kv_cache"] == "int8" and f["int8"]["lengths_ok"] and len(f["int8"]["tok_s_runs"]) == 2
     assert f["int8"]["num_kv_blocks"] > 3 * f["auto"]["num_kv_blocks"]      # 36 bytes a vector against 128
     assert f["auto"]["agreement"] == {"identical_requests": 4, "requests": 4, "prefix_share": 1.0}
     assert 0 <= f["int8"]["agreement"]["prefix_share"] <= 1
-    assert "int8" in table and "prefix share" in table and "perplexity" in table
+    assert "int8" in table and "paired ratio" in table and "TPOT ms" in table and "prefix share" in table and "perplexity" in table
     # a random model is a poor one: each near the vocabulary's size, and the two within a few percent
     assert 100 < f["auto"]["perplexity"] and f["int8"]["perplexity"] == pytest.approx(f["auto"]["perplexity"],
                                                                                       rel=0.05)

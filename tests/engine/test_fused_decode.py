@@ -1,8 +1,8 @@
 """The fused decode layers (models/fused_decode.py, csrc/decoder.c): greedy tokens against transformers with the
 decode steps run there (its step count says they were), and its results the modules' to the bit (tokens and
 logprobs of rows decoded together, at different lengths: fp32 and bf16, dense and block-quantized and int8
-weights, q/k norms, biases, a sliding window; LoRA rows of several adapters beside base rows); the steps it leaves
-to the modules."""
+weights, q/k norms, biases, a sliding window, int8 and fp8 KV caches; LoRA rows of several adapters beside base
+rows); the steps it leaves to the modules."""
 import pathlib
 
 import pytest
@@ -59,6 +59,12 @@ CASES = {   # name -> (model maker, knobs)
     "qwen2-bias": (lambda tmp, tiny: tiny_arch(tmp, "qwen2"), {}),
     "mistral-window": (lambda tmp, tiny: tiny_arch(tmp, "mistral", sliding_window=24), {}),
     "gguf-q4_1": (lambda tmp, tiny: tiny_gguf(tmp, tiny, "Q4_1"), {}),
+    # quantized KV caches: the store (values and scales) and the decode's dequantizing read inside decoder.c
+    "kv-int8-bf16": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "packed_linear": "c", "kv_cache_dtype": "int8"}),
+    "kv-fp8_e4m3": (lambda tmp, tiny: tiny, {"kv_cache_dtype": "fp8_e4m3"}),
+    "kv-fp8_e5m2-bf16": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "packed_linear": "c",
+                                                  "kv_cache_dtype": "fp8_e5m2"}),
+    "kv-int8-window": (lambda tmp, tiny: tiny_arch(tmp, "mistral", sliding_window=24), {"kv_cache_dtype": "int8"}),
 }
 
 
@@ -90,9 +96,9 @@ def test_fused_layers_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir,
 
 @needs_kernels
 def test_steps_the_fused_layers_cannot_run_go_through_the_modules(tiny_model_dir, vocab):
-    """A quantized KV cache (its store and its decode read scales): the layers could run fused, its steps do not,
-    and every request still finishes."""
-    llm = LLM(tiny_model_dir, kv_cache_dtype="int8", **KV)
+    """The torch attention backend (its decode is not the C kernel decoder.c calls): the layers could run fused,
+    its steps do not, and every request still finishes."""
+    llm = LLM(tiny_model_dir, kv_cache_dtype="int8", attention_backend="torch", **KV)
     try:
         outs = llm.generate(mixed_prompts(vocab, lengths=(3, 20), seed=9), GREEDY, use_tqdm=False)
         assert fused_of(llm) is not None and fused_of(llm).steps == 0
@@ -116,6 +122,24 @@ def test_speculative_verify_steps_run_fused_and_match_transformers(tiny_model_di
         llm.close()
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)
+
+
+@needs_kernels
+def test_speculative_verify_steps_with_an_int8_kv_cache_are_the_modules(tiny_model_dir):
+    """int8 KV and n-gram speculation: verify steps run fused (each row's 1 + k tokens stored into the 8-bit cache by
+    decoder.c, then read as decode rows) with the tokens and logprobs of the same engine through the modules."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    results = {}
+    for on in (True, False):
+        with LLM(tiny_model_dir, speculative_config=ngram, kv_cache_dtype="int8", fused_decode=on, **KV) as llm:
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode(t) for t in ("Hello, world! Hello, world! Hello, world!", "def main():")]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            fused = fused_of(llm)
+            assert (fused.verify_steps > 0 and llm.stats()["num_accepted_tokens"] > 0) if on else fused is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
 
 
 def lora_model(tmp_path, tiny_model_dir, case: str) -> tuple[str, list]:

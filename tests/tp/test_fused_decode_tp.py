@@ -1,11 +1,13 @@
 """The fused decode layers at TP 2 (csrc/decoder.c by half layers, the all-reduces between): greedy tokens against
 transformers, with rank 0's decode steps run fused; and the same tokens and logprobs as the modules at TP 2, LoRA
-rows (their deltas sliced as their base layers, the row-parallel ones reduced with them) beside base rows."""
+rows (their deltas sliced as their base layers, the row-parallel ones reduced with them) beside base rows; and
+with an int8 / fp8 KV cache."""
 import os
 
 import pytest
 
 from nanovllm_tp import LLM, LoRARequest, SamplingParams
+from nanovllm_tp.config import ModelConfig
 from nanovllm_tp.layers import cpu_kernels
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import segments_of
@@ -41,4 +43,25 @@ def test_tp2_fused_layers_match_transformers_and_the_modules(tiny_model_dir, tmp
             assert tokens == hf_greedy(hf, p, params.max_tokens)
         else:    # the adapters change the tokens (peft's own check: tests/engine/test_lora.py)
             assert tokens != hf_greedy(hf, p, params.max_tokens)
+    assert not segments_of(os.getpid())
+
+
+@pytest.mark.spawn
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels do not build here")
+@pytest.mark.parametrize("kv,knobs", [("int8", {}), ("fp8_e4m3", {"dtype": "bfloat16", "packed_linear": "c"}),
+                                      ("fp8_e5m2", {})])
+def test_tp2_fused_layers_with_a_quantized_kv_cache_are_the_modules(tiny_model_dir, kv, knobs):
+    """An 8-bit KV cache at TP 2 (each rank its KV heads' values and scales, stored and read inside decoder.c):
+    the same tokens and logprobs as the modules, with every decode step run fused."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = mixed_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, lengths=(1, 40, 130, 9), seed=17)
+    results = {}
+    for on in (True, False):
+        with LLM(tiny_model_dir, tensor_parallel_size=2, fused_decode=on, kv_cache_dtype=kv, **knobs,
+                 **KV) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            fused = llm.engine.runner.model.model.fused
+            assert (fused.steps >= params.max_tokens - 1) if on else fused is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
     assert not segments_of(os.getpid())

@@ -1,6 +1,7 @@
-"""The quantized KV cache's pieces: the store against the format written out in tests/kv_reference.py, the C decode
-kernel and the torch backend's dequantizing reads against attention over the dequantized values, the dense copies
-the CUDA backends get, the budget arithmetic and the refusals."""
+"""The quantized KV cache's pieces: the store against the format written out in tests/kv_reference.py (and the C
+store against the torch one at every rounding case), the C decode kernel and the torch backend's dequantizing reads
+against attention over the dequantized values, the dense copies the CUDA backends get, the budget arithmetic and the
+refusals."""
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention import AttentionBackend
 from nanovllm_tp.layers.attention.base import BACKENDS, register_backend
 from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
-from nanovllm_tp.layers.attention.kv_quant import KV_CACHE_DTYPES, store_quantized
+from nanovllm_tp.layers.attention.kv_quant import KV_CACHE_DTYPES, dequantize, quantize, store_quantized
 from nanovllm_tp.layers.attention.registry import select_backend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
@@ -58,6 +59,43 @@ def test_store_holds_the_format_and_reads_back_the_roundtrip(kv, x_dtype, kernel
         assert torch.equal(back.view_as(x), want)
     if kv == "int8":   # rounded to nearest: within half a step
         assert ((dequantized(qk, ks) - k.float()).abs() <= ks.unsqueeze(-1) * 0.5001).all()
+
+
+def rounding_cases(kv: str) -> torch.Tensor:
+    """fp32 values in [-QMAX, QMAX] at every rounding decision of the format: each representable value, each
+    midpoint between neighbours (a tie) and the floats just either side of both."""
+    dtype, qmax = FORMATS[kv]
+    if dtype is torch.int8:
+        grid = torch.arange(-127, 128, dtype=torch.float64)
+    else:
+        grid = torch.arange(256, dtype=torch.uint8).view(dtype).double()
+        grid = grid[grid.isfinite()].unique()
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2]).float()      # midpoints are exact in fp32
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(-1e9)), torch.nextafter(points, torch.tensor(1e9))])
+    return near[near.abs() <= qmax]
+
+
+@needs_compiler
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_c_store_rounds_every_case_as_torch_casts(kv, x_dtype):
+    """csrc/kv_store.c against kv_quant.quantize, the torch form, to the bit: vectors whose largest value is QMAX
+    (scale 1: each other value is rounded as it is) holding every rounding case, ties included, and vectors of
+    random scales; codes, scales and the read-back values."""
+    dtype, qmax = FORMATS[kv]
+    cases = rounding_cases(kv)
+    dim = 32
+    cases = torch.cat([cases, cases.new_zeros(-len(cases) % (dim - 1))]).view(-1, dim - 1)
+    exact = torch.cat([torch.full((cases.shape[0], 1), qmax), cases], 1)
+    gen = torch.Generator().manual_seed(5)
+    scaled = torch.randn(64, dim, generator=gen) * torch.logspace(-30, 30, 64)[:, None]
+    x = torch.cat([exact, scaled, torch.zeros(1, dim), torch.full((1, dim), -0.0)]).to(x_dtype).view(-1, 1, dim)
+    values, scale = quantize(x, dtype)
+    cache = torch.zeros(x.shape[0], 1, dim, dtype=dtype)
+    scales = torch.zeros(x.shape[0], 1)
+    back = cpu_kernels.load().kv_store(x, torch.arange(x.shape[0]), cache, scales, readback=True)
+    assert torch.equal(cache.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(scales, scale) and torch.equal(back, dequantize(values, scale, x_dtype))
 
 
 @needs_compiler

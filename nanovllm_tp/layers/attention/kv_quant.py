@@ -67,9 +67,9 @@ def store_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                     readback: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize this step's k/v [tokens, kv_heads, dim] into their slots of the cache and its scales; returns
     k/v as the cache now holds them (dequantized) with readback, else k/v themselves."""
-    kernels = cpu_kernels.for_tensor(k) if k_cache.dtype is torch.int8 else None
-    if kernels is not None:     # one C call each instead of a chain of small torch ops
-        return tuple(kernels.kv_store_int8(x, slot_mapping, cache, scales, readback)
+    kernels = cpu_kernels.for_tensor(k)
+    if kernels is not None:     # one C call each (csrc/kv_store.c, the same bytes) instead of a chain of torch ops
+        return tuple(kernels.kv_store(x, slot_mapping, cache, scales, readback)
                      for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])))
     out = []
     for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])):

@@ -1,7 +1,8 @@
 /* fp32 and bf16 CPU kernels for the layers whose torch form is a chain of small ops (each a separate pass over memory
- * and a few microseconds of dispatch): the int8 KV store, RMSNorm (with the residual add fused in), neox RoPE and
- * SiLU-and-mul. Paged decode attention is in decode_attn.c (and decode_attn_simd.c), the sampler's kernels in
- * sampler.c; all are built into one library and loaded with ctypes by nanovllm_tp/layers/cpu_kernels.py.
+ * and a few microseconds of dispatch): RMSNorm (with the residual add fused in), neox RoPE and SiLU-and-mul. Paged
+ * decode attention is in decode_attn.c (and decode_attn_simd.c), the quantized KV store in kv_store.c, the
+ * sampler's kernels in sampler.c; all are built into one library and loaded with ctypes by
+ * nanovllm_tp/layers/cpu_kernels.py.
  *
  * Threads: OpenMP. Built against the libgomp torch has already loaded, the kernels share torch's thread pool
  * and follow torch.set_num_threads. Small inputs stay on the calling thread (a parallel region costs more).
@@ -17,43 +18,6 @@
 
 #include "dtypes.h"
 #include "layer_kernels.h"
-
-/* ---------------------------------------------------------------- quantized KV store
- * int8 store: x [tokens, heads, dim] (token stride x_stride elements, fp32 or bf16), each (token, head) vector
- * quantized into slot slots[t] of cache [slots, heads, dim] int8 with scales [slots, heads] fp32, as
- * kv_quant.quantize does it: scale = absmax / 127, value = x / scale rounded half to even. Built without
- * -ffast-math (whose reciprocals round differently), so the values equal torch's; a function of its own, not
- * inlined into the OpenMP region, whose outlined body would not keep the attribute. readback: x becomes the
- * dequantized values.
- */
-__attribute__((noinline, optimize("no-fast-math"))) static float
-quantize_int8(void *x, int8_t *dst, int dim, int bf16, int readback)
-{
-    float absmax = 0.f;
-    for (int d = 0; d < dim; d++) {
-        const float a = fabsf(load(x, d, bf16));
-        absmax = a > absmax ? a : absmax;
-    }
-    const float scale = absmax / 127.f;
-    for (int d = 0; d < dim; d++) {
-        float q = scale > 0.f ? nearbyintf(load(x, d, bf16) / scale) : 0.f;
-        q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
-        dst[d] = (int8_t)q;
-        if (readback) store(x, d, q * scale, bf16);
-    }
-    return scale;
-}
-
-void kv_store_int8(void *x, int64_t x_stride, const int64_t *slots, int8_t *cache, float *scales, int64_t tokens,
-                   int heads, int dim, int bf16, int readback)
-{
-    const int64_t vectors = tokens * heads;
-    #pragma omp parallel for if (vectors * dim >= PARALLEL_MIN_ELEMENTS) schedule(static)
-    for (int64_t e = 0; e < vectors; e++) {
-        const int64_t t = e / heads, h = e % heads, slot = slots[t] * heads + h;
-        scales[slot] = quantize_int8(AT(x, t * x_stride + h * dim, bf16), cache + slot * dim, dim, bf16, readback);
-    }
-}
 
 /* ---------------------------------------------------------------- RMSNorm
  * x and out viewed as [outer, inner, size] with outer strides x_stride / out_stride and inner stride size (so a

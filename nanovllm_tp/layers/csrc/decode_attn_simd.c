@@ -11,8 +11,9 @@
  *      transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
  *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
  *   4. V's tile is read once for up to 4 query heads, whose outputs stay in registers for the chunk.
- * The blocks two ahead are prefetched while one is used: blocks sit at random places in a large pool, and at 32
- * rows of a few hundred tokens the KV bytes a step reads are as many as the weights'.
+ * The block two ahead (past a row's end: the next row's) is prefetched while one is used, a KV head's lines at a
+ * time, with its scales: blocks sit at random places in a large pool, and at 32 rows of a few hundred tokens the KV
+ * bytes a step reads are as many as the weights'.
  */
 #include <float.h>
 #include <math.h>
@@ -120,18 +121,22 @@ INLINE void accumulate(float *acc, const float *p, const float *rescale, const f
 /* Per thread: K and V tiles, their scales, then per query head of the item: query, output, softmax weights of
  * the chunk, running max, sum and the chunk's rescale. */
 #define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(heads) * (2 * (dim) + CHUNK + 3))
-#define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (1, 2, 4 measured alike) */
+#define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (2, 3, 4 measured alike) */
 
-/* Rows [0, block_size) of KV heads [h0, h1) of one block, K and V, into the caches: to L2 (into L1 was 25% slower
- * on an AMD EPYC) */
+/* bytes from p into L2: the hint T1, as the linear kernels (into L1 was 20-35% slower on an AMD EPYC, NTA too) */
+INLINE void prefetch_lines(const void *p, int64_t bytes)
+{
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch((const char *)p + byte, 0, 2);
+}
+
+/* Rows [0, block_size) of KV heads [h0, h1) of one block, K and V */
 INLINE void prefetch_block(const char *k, const char *v, int block_size, int64_t token_bytes, int64_t head_bytes,
                            int h0, int h1)
 {
-    for (int t = 0; t < block_size; t++)
-        for (int64_t byte = h0 * head_bytes; byte < h1 * head_bytes; byte += 64) {
-            __builtin_prefetch(k + t * token_bytes + byte, 0, 2);
-            __builtin_prefetch(v + t * token_bytes + byte, 0, 2);
-        }
+    for (int t = 0; t < block_size; t++) {
+        prefetch_lines(k + t * token_bytes + h0 * head_bytes, (h1 - h0) * head_bytes);
+        prefetch_lines(v + t * token_bytes + h0 * head_bytes, (h1 - h0) * head_bytes);
+    }
 }
 
 /* The tiles of cnt keys from element e of blocks kb, vb (one KV head, token stride token_stride), in fp32;
@@ -148,11 +153,12 @@ INLINE void fill_tiles(const char *kb, const char *vb, int64_t e, int64_t token_
     if (cnt < CHUNK) memset(kt + cnt * dim, 0, sizeof(float) * (CHUNK - cnt) * dim);
 }
 
-/* One row's KV heads [h0, h1): out's query heads of those from q's, over the row's visible tokens. */
+/* One row's KV heads [h0, h1): out's query heads of those from q's, over the row's visible tokens. next_table,
+ * next_len: the next row's (NULL: none), whose first blocks are prefetched at this one's end. */
 INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache, const float *k_scale,
-                         const float *v_scale, const int32_t *table, int len, int h0, int h1, int group,
-                         int kv_heads, const int dim, int block_size, float scale, int window, float softcap,
-                         float *scratch, void *out, int bf16, int format)
+                         const float *v_scale, const int32_t *table, int len, const int32_t *next_table,
+                         int next_len, int h0, int h1, int group, int kv_heads, const int dim, int block_size,
+                         float scale, int window, float softcap, float *scratch, void *out, int bf16, int format)
 {
     const int quantized = format >= KV_INT8, gmax = dim <= 64 ? 4 : dim == 128 ? 2 : 1, heads = (h1 - h0) * group;
     const int64_t token_stride = (int64_t)kv_heads * dim;
@@ -170,22 +176,39 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
         l[g] = 0.f;
     }
     const int blocks = (len + block_size - 1) / block_size;
+    const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
     const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
     for (int b = first / block_size; b < blocks; b++) {
         const char *kb = (const char *)k_cache + table[b] * block_bytes;
         const char *vb = (const char *)v_cache + table[b] * block_bytes;
         const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
-        for (int ahead = b == first / block_size ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ahead++)
-            if (b + ahead < blocks)
-                prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
-                               (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
-                               token_stride * kv_size, head_bytes, h0, h1);
+        /* prefetch: the row's second block at its start; then, spread over the block's KV heads below (a block
+         * at once was up to 1.25x slower: the fetches come in one burst), the block PREFETCH_BLOCKS ahead, or past
+         * the row's end the next row's first (its thread is likely this one), and that block's scales */
+        for (int ahead = 1; b == first / block_size && ahead < PREFETCH_BLOCKS && b + ahead < blocks; ahead++)
+            prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
+                           (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
+                           token_stride * kv_size, head_bytes, h0, h1);
+        const int later = b + PREFETCH_BLOCKS;
+        const int64_t fetch = later < blocks ? table[later] : later - blocks < next_blocks ? next_table[later - blocks]
+                                                                                            : -1;
+        const char *kf = fetch >= 0 ? (const char *)k_cache + fetch * block_bytes : NULL;
+        const char *vf = fetch >= 0 ? (const char *)v_cache + fetch * block_bytes : NULL;
+        if (fetch >= 0 && quantized) {
+            prefetch_lines(k_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+            prefetch_lines(v_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+        }
         for (int i0 = first > b * block_size ? first - b * block_size : 0; i0 < n; i0 += CHUNK) {
             const int cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
             const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
             for (int head = h0; head < h1; head++) {
                 const int64_t scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads + head;
                 const int64_t e = (int64_t)i0 * token_stride + (int64_t)head * dim;     /* 1. the tiles */
+                if (kf)
+                    for (int i = 0; i < cnt; i++) {
+                        prefetch_lines(kf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                        prefetch_lines(vf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                    }
                 switch (format) {
                 case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
                 case KV_BF16: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
@@ -264,8 +287,11 @@ int paged_decode_simd(const void *q, const void *k_cache, const void *v_cache, c
             const void *qr = AT(q, r * row_elems, bf16);
             void *o = AT(out, r * row_elems, bf16);
             const int32_t *table = tables + (int64_t)r * table_stride;
-#define HEADS(DIM) decode_heads(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], h0, h0 + span, group, \
-                                kv_heads, DIM, block_size, scale, window, softcap, scratch, o, bf16, format)
+            const int32_t *next = split == 1 && r + 1 < rows ? table + table_stride : NULL;    /* whole rows */
+            const int next_len = next ? lens[r + 1] : 0;
+#define HEADS(DIM) decode_heads(qr, k_cache, v_cache, k_scale, v_scale, table, lens[r], next, next_len, h0, \
+                                h0 + span, group, kv_heads, DIM, block_size, scale, window, softcap, scratch, o, \
+                                bf16, format)
             switch (dim) {      /* head_dim a compile-time constant: the inner loops unroll */
             case 64: HEADS(64); break;
             case 128: HEADS(128); break;

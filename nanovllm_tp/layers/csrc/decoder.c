@@ -1,5 +1,6 @@
 /* A decode step's decoder layers (every row one new token) in one call: the kernels the layer modules call one by
- * one (rms_norm, the linear layers and their LoRA deltas, rope, paged_decode, silu_mul; layer_kernels.h), called
+ * one (rms_norm, the linear layers and their LoRA deltas, rope, kv_store into a quantized cache, paged_decode,
+ * silu_mul; layer_kernels.h), called
  * here in the same order on the same operands, so the results are the modules' to the bit. What is left out is
  * what each module call costs around its kernel on one stream: the Python, the ctypes call, the fresh tensors
  * and the views, per piece of every layer.
@@ -32,9 +33,11 @@ typedef struct {
     const void *input_norm, *post_norm;     /* [hidden] in the activations' dtype */
     const void *q_norm, *k_norm;            /* [dim], or NULL: no q/k norms */
     const void *cos_sin;                    /* [max_position, rot_dim] */
-    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim] in the activations' dtype */
+    void *k_cache, *v_cache;                /* [blocks, block_size, kv_heads, dim]: the activations' dtype, or */
+    float *k_scale, *v_scale;               /* 8-bit (kv != 0) with these scales [blocks, block_size, kv_heads] */
     float eps, qk_eps, scale, softcap;
     int32_t heads, kv_heads, dim, rot_dim, block_size, window, cos_bf16, hidden;
+    int32_t kv;                             /* 0: dense cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 (cpu_kernels.KV_CODES) */
 } layer_desc;
 
 typedef struct {             /* one step's rows */
@@ -80,15 +83,22 @@ int decoder_attention(const layer_desc *L, void *hidden, void *residual, const s
     }
     rope(qkv, qkv + qd * es, s->positions, L->cos_sin, m, L->heads, L->kv_heads, nq, nq, L->dim, L->rot_dim,
          s->bf16, L->cos_bf16);
+    if (L->kv) {             /* K, then V, quantized into their slots, as Attention's store_quantized does */
+        kv_store(qkv + qd * es, nq, s->slots, L->k_cache, L->k_scale, m, L->kv_heads, L->dim, s->bf16, L->kv, 0);
+        kv_store(qkv + (qd + kvd) * es, nq, s->slots, L->v_cache, L->v_scale, m, L->kv_heads, L->dim, s->bf16, L->kv,
+                 0);
+    }
     for (int64_t t = 0; t < m; t++) {
         const char *row = qkv + t * nq * es;
-        memcpy((char *)L->k_cache + s->slots[t] * kvd * es, row + qd * es, (size_t)(kvd * es));
-        memcpy((char *)L->v_cache + s->slots[t] * kvd * es, row + (qd + kvd) * es, (size_t)(kvd * es));
+        if (!L->kv) {
+            memcpy((char *)L->k_cache + s->slots[t] * kvd * es, row + qd * es, (size_t)(kvd * es));
+            memcpy((char *)L->v_cache + s->slots[t] * kvd * es, row + (qd + kvd) * es, (size_t)(kvd * es));
+        }
         memcpy(q + t * qd * es, row, (size_t)(qd * es));
     }
-    failed |= paged_decode(q, L->k_cache, L->v_cache, NULL, NULL, s->tables, s->table_stride, s->lens, attn, (int)m,
-                           L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window, L->softcap, s->bf16,
-                           0, 0);
+    failed |= paged_decode(q, L->k_cache, L->v_cache, L->k_scale, L->v_scale, s->tables, s->table_stride, s->lens,
+                           attn, (int)m, L->heads, L->kv_heads, L->dim, L->block_size, L->scale, L->window,
+                           L->softcap, s->bf16, L->kv, 0);
     failed |= run_linear(&L->o, attn, hidden, s);
     free(h);
     return failed ? -1 : 0;

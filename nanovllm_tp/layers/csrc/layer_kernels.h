@@ -1,6 +1,6 @@
 /* The layer kernels decoder.c calls in a decode step's order: declared once here, included by the files that
- * define them (cpu_kernels.c, linear.c, linear_q.c) and by decoder.c, so a signature that changes on one side
- * fails to compile instead of passing the wrong arguments. */
+ * define them (cpu_kernels.c, kv_store.c, linear.c, linear_q.c) and by decoder.c, so a signature that changes on
+ * one side fails to compile instead of passing the wrong arguments. */
 #ifndef NANOVLLM_TP_LAYER_KERNELS_H
 #define NANOVLLM_TP_LAYER_KERNELS_H
 #include <stdint.h>
@@ -15,5 +15,8 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
 void rope(void *q, void *k, const int64_t *positions, const void *cos_sin, int64_t tokens, int q_heads,
           int k_heads, int64_t q_stride, int64_t k_stride, int dim, int rot_dim, int bf16, int cos_bf16);
 void silu_mul(const void *x, void *out, int64_t tokens, int64_t width, int bf16);
+/* kv: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 (cpu_kernels.KV_CODES) */
+void kv_store(void *x, int64_t x_stride, const int64_t *slots, void *cache, float *scales, int64_t tokens, int heads,
+              int dim, int bf16, int kv, int readback);
 
 #endif

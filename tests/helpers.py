@@ -77,12 +77,12 @@ def kernel_cache(tmp_path, monkeypatch):
     """A fresh cache directory (XDG_CACHE_HOME, so spawned ranks see it too) without kernel tables, holding a link
     to the compiled CPU kernels of the usual one (not built again)."""
     import shutil
-    from nanovllm_tp.layers import cpu_kernels
-    built = cpu_kernels.build_library(shutil.which(os.environ.get("CC", "cc")))
+    from nanovllm_tp.layers import cpu_build
+    built = cpu_build.build_library(shutil.which(os.environ.get("CC", "cc")))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    cpu_kernels.cache_dir().mkdir(parents=True)
-    (cpu_kernels.cache_dir() / built.name).symlink_to(built)
-    return cpu_kernels.cache_dir()
+    cpu_build.cache_dir().mkdir(parents=True)
+    (cpu_build.cache_dir() / built.name).symlink_to(built)
+    return cpu_build.cache_dir()
 
 
 def alternate_kernel_tables(cache) -> dict[str, list[str]]:

@@ -7,33 +7,25 @@ layers (csrc/linear.c: bf16 on CPUs with AVX-512 BF16, fp32 with AVX-512F); and 
 In eager torch each of those is a chain of small ops, and on a CPU every op costs microseconds of dispatch plus a
 pass over memory; the torch backend's decode also gathers and pads every row's K/V blocks. The kernels read the
 paged cache in place and do each layer piece in one call. They are compiled once per machine with the C compiler
-(`$CC`, else `cc`) into the user's cache directory and loaded with ctypes. Without a compiler, for other dtypes,
+(`$CC`, else `cc`) into the user's cache directory (cpu_build.py) and loaded with ctypes; the sampler's wrappers
+are in sampler_kernels.py. Without a compiler, for other dtypes,
 or in an engine built with cpu_kernels=False (for comparisons: `switched`), every layer runs its torch code instead.
 """
 import contextlib
 import ctypes
 import functools
-import hashlib
-import importlib.resources
 import logging
 import os
 import pathlib
 import shutil
 import subprocess
-import tempfile
 
-import numpy as np
 import torch
 
-from nanovllm_tp.layers import cpu_features
+from nanovllm_tp.layers.cpu_build import build_library
+from nanovllm_tp.layers.sampler_kernels import SamplerKernels, _rows_contiguous
 
 log = logging.getLogger("nanovllm_tp")
-_CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "kv_store.c", "sampler.c", "linear.c", "linear_q.c",
-                                     "lora.c", "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
-# included by the sources: copied beside them and part of the build's key
-HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "layer_kernels.h", "lora.h")]
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _ptr, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "paged_decode": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int, _int, _int, _int,
@@ -67,39 +59,7 @@ DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says
 KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}    # paged_decode's kv: quantized caches
 
 
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(root) / "nanovllm_tp"
-
-
-def _cpu_signature() -> str:
-    """-march=native code must not be reused on another CPU model (a shared home directory, say)."""
-    return cpu_features.flags_line()
-
-
-def build_library(compiler: str) -> pathlib.Path:
-    """Compile the kernels unless a build for these sources, compiler, flags and CPU exists; return its path."""
-    sources = {src.name: src.read_bytes() for src in SOURCES + HEADERS}
-    key = hashlib.sha256(b"\0".join([*sources.values(), compiler.encode(), " ".join(CFLAGS).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        for name, text in sources.items():
-            (pathlib.Path(tmp) / name).write_bytes(text)
-        paths = [str(pathlib.Path(tmp) / src.name) for src in SOURCES]
-        built = pathlib.Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(built), *paths, "-lm"], capture_output=True,
-                                text=True, timeout=600)
-        if result.returncode:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)     # atomic: ranks building at once each install a whole file
-    return target
-
-
-class CpuKernels:
+class CpuKernels(SamplerKernels):
     """Typed wrappers over the library. Float inputs are CPU tensors of one dtype in DTYPES (other operands are
     cast to the activations' dtype); see each C function for layouts."""
 
@@ -276,74 +236,6 @@ class CpuKernels:
         if self._lora_apply(ctypes.byref(tables), ctypes.byref(groups.desc), x.data_ptr(), y.data_ptr(), x.stride(0),
                             y.stride(0), _bf16(x)):
             raise MemoryError("the LoRA kernel could not allocate its scratch")
-
-    def row_logprobs(self, x, row_of: np.ndarray, chosen: np.ndarray, top_n: int):
-        """For each entry, row row_of[e] of x ([rows, vocab] fp32): the logprob and rank of column chosen[e], and
-        the row's top_n columns and their logprobs (as sampler.token_logprobs)."""
-        x = _rows_contiguous(x)
-        row_of, chosen = np.ascontiguousarray(row_of, np.int64), np.ascontiguousarray(chosen, np.int64)
-        n = len(row_of)
-        logprob, rank = np.empty(n, np.float32), np.empty(n, np.int64)
-        top_lps, top_ids = np.empty((n, top_n), np.float32), np.empty((n, top_n), np.int64)
-        if self._row_logprobs(x.data_ptr(), n, x.shape[1], x.stride(0), row_of.ctypes.data, chosen.ctypes.data,
-                              top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data, top_ids.ctypes.data):
-            raise MemoryError("the CPU logprobs kernel could not allocate its scratch")
-        return logprob, rank, top_ids, top_lps
-
-    def sample(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, counter: np.ndarray, mods,
-               min_temperature: float, top_n: int):
-        """One token per entry, and the logprobs of the entries that want them: see sample_rows in sampler.c.
-        records: the entries' records (contiguous), offsets: int64 byte offsets of their fields in its order;
-        mods: the step's scheduler.rows.Modifiers (None: no entry has any)."""
-        x = _rows_contiguous(x)
-        n = len(row_of)
-        with_lp = int((records["logprobs"] >= 0).sum())
-        tokens = np.empty(n, np.int64)
-        logprob, rank = np.empty(with_lp, np.float32), np.empty(with_lp, np.int64)
-        top_lps, top_ids = np.empty((with_lp, top_n), np.float32), np.empty((with_lp, top_n), np.int64)
-        row_of, counter = np.ascontiguousarray(row_of, np.int64), np.ascontiguousarray(counter, np.int64)
-        start, token, kind, value, masks = _mod_arrays(mods, n)
-        if not records.flags.c_contiguous:
-            raise ValueError("sample: the records must be contiguous")
-        if self._sample_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
-                             records.itemsize, offsets.ctypes.data, counter.ctypes.data, start.ctypes.data,
-                             token.ctypes.data, kind.ctypes.data, value.ctypes.data, masks.ctypes.data,
-                             masks.shape[1], min_temperature,
-                             tokens.ctypes.data, top_n, logprob.ctypes.data, rank.ctypes.data, top_lps.ctypes.data,
-                             top_ids.ctypes.data):
-            raise MemoryError("the CPU sampler could not allocate its scratch")
-        return tokens, (logprob, rank, top_ids, top_lps)
-
-    def modify_rows(self, x, row_of: np.ndarray, records: np.ndarray, offsets: np.ndarray, mods) -> torch.Tensor:
-        """The entries' rows of x after their logit modifiers, as sample() draws from them: [entries, vocab]."""
-        x = _rows_contiguous(x)
-        n = len(row_of)
-        out = torch.empty(n, x.shape[1], dtype=torch.float32)
-        row_of = np.ascontiguousarray(row_of, np.int64)
-        start, token, kind, value, masks = _mod_arrays(mods, n)
-        if not records.flags.c_contiguous:
-            raise ValueError("modify_rows: the records must be contiguous")
-        self._modify_rows(x.data_ptr(), x.stride(0), x.shape[1], n, row_of.ctypes.data, records.ctypes.data,
-                          records.itemsize, offsets.ctypes.data, start.ctypes.data, token.ctypes.data,
-                          kind.ctypes.data, value.ctypes.data, masks.ctypes.data, masks.shape[1], out.data_ptr())
-        return out
-
-
-_NO_MASKS = np.zeros((0, 1), np.int32)
-
-
-def _mod_arrays(mods, entries: int) -> list[np.ndarray]:
-    """A Modifiers' arrays as sampler.c reads them (no items for None), its bitmasks last ([masks, words])."""
-    if mods is None:
-        return [np.zeros(entries + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32),
-                _NO_MASKS]
-    masks = _NO_MASKS if mods.masks is None else np.ascontiguousarray(mods.masks, np.int32)
-    return [np.ascontiguousarray(a, t) for a, t in ((mods.start, np.int64), (mods.token, np.int64),
-                                                     (mods.kind, np.int32), (mods.value, np.float32))] + [masks]
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from nanovllm_tp.layers import cpu_features, cpu_kernels, kernel_table, kernel_timing
+from nanovllm_tp.layers import cpu_build, cpu_features, kernel_table, kernel_timing
 from nanovllm_tp.layers.kernel_table import (BUCKETS, TIMED_ROWS, ShapeChoice, bucket, cached_choice, read_table,
                                              summary, write_table)
 from nanovllm_tp.layers.kernel_timing import COPY_BYTES, disturbed, measure, winners_of
@@ -76,10 +76,10 @@ class ChosenWeight:
 def cache_path(dtype: torch.dtype) -> pathlib.Path:
     """The table file of this CPU, source version, torch, thread count and candidate set for dtype."""
     parts = [cpu_features.cpu_model(), cpu_features.flags_line(), torch.__version__, str(torch.get_num_threads()),
-             " ".join(sorted(CANDIDATES)), *(f.read_bytes().hex() for f in (*cpu_kernels.SOURCES,
-                                                                            *cpu_kernels.HEADERS, *_OWN_FILES))]
+             " ".join(sorted(CANDIDATES)), *(f.read_bytes().hex() for f in (*cpu_build.SOURCES,
+                                                                            *cpu_build.HEADERS, *_OWN_FILES))]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return cpu_kernels.cache_dir() / f"kernel-choice-{str(dtype).removeprefix('torch.')}-{key}.json"
+    return cpu_build.cache_dir() / f"kernel-choice-{str(dtype).removeprefix('torch.')}-{key}.json"
 
 
 def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int, ChosenWeight | None]:

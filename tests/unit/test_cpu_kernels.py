@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm_tp.context import Context
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_build, cpu_kernels
 from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from tests.helpers import random_paged_decode
@@ -88,10 +88,10 @@ def test_kernel_reads_only_the_rows_blocks():
 def test_build_is_cached_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = shutil.which("cc")
-    first = cpu_kernels.build_library(compiler)
+    first = cpu_build.build_library(compiler)
     assert first.parent == tmp_path / "nanovllm_tp" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels.build_library(compiler) == first and first.stat().st_mtime_ns == stamp, "no rebuild"
+    assert cpu_build.build_library(compiler) == first and first.stat().st_mtime_ns == stamp, "no rebuild"
     assert [p.name for p in first.parent.iterdir()] == [first.name], "no temporary files left behind"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.layers import cpu_features, cpu_kernels, kernel_choice
+from nanovllm_tp.layers import cpu_build, cpu_features, cpu_kernels, kernel_choice
 from nanovllm_tp.layers.kernel_choice import BUCKETS, TIMED_ROWS, ChosenWeight, bucket, choose, winners_of
 from nanovllm_tp.layers.packed_linear import C_KERNEL, ONEDNN
 from tests.helpers import alternate_kernel_tables, kernel_cache
@@ -76,9 +76,9 @@ def test_the_table_is_measured_once_cached_per_cpu_and_source_then_reused(tmp_pa
     assert not any(c.cached for c in kernel_choice.table_of_chosen(choose(weights).values()))
     monkeypatch.undo()
     changed = tmp_path / "linear.c"                                           # another source version: likewise
-    changed.write_bytes(cpu_kernels.SOURCES[2].read_bytes() + b"\n/* changed */\n")
+    changed.write_bytes(cpu_build.SOURCES[2].read_bytes() + b"\n/* changed */\n")
     path = kernel_choice.cache_path(torch.float32)
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [*cpu_kernels.SOURCES[:2], changed, *cpu_kernels.SOURCES[3:]])
+    monkeypatch.setattr(cpu_build, "SOURCES", [*cpu_build.SOURCES[:2], changed, *cpu_build.SOURCES[3:]])
     assert kernel_choice.cache_path(torch.float32) != path
     assert kernel_choice.cache_path(torch.bfloat16) != kernel_choice.cache_path(torch.float32)   # per dtype
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.layers import cpu_kernels
+from nanovllm_tp.layers import cpu_build, cpu_kernels
 from nanovllm_tp.lora.layers import LoRATables, SlotGroups
 
 PARTS = (40, 24, 24)          # a qkv-like layer: three parts of outputs
@@ -99,11 +99,11 @@ def plain_kernels(tmp_path_factory):
     """The library built without AVX-512 (the fallback other CPUs get)."""
     if os.system("cc --version > /dev/null 2>&1"):
         pytest.skip("no C compiler")
-    flags = cpu_kernels.CFLAGS
+    flags = cpu_build.CFLAGS
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("plain-build")))
-        mp.setattr(cpu_kernels, "CFLAGS", [f for f in flags if f != "-march=native"])
-        kernels = cpu_kernels.CpuKernels(cpu_kernels.build_library(os.environ.get("CC", "cc")))
+        mp.setattr(cpu_build, "CFLAGS", [f for f in flags if f != "-march=native"])
+        kernels = cpu_kernels.CpuKernels(cpu_build.build_library(os.environ.get("CC", "cc")))
     assert not kernels.linear_dtypes, "built with AVX-512 all the same"
     return kernels
 

@@ -51,6 +51,13 @@ def interleave(args, llm, workload: bc.Workload, peers: dict, runs: dict) -> Non
                                                            for k, v in runs.items()))
 
 
+def peer_figures(ours: list[dict], peer: list[dict], ready: dict, keys) -> dict:
+    """A peer's medians, the `keys` of its ready record, its ratios to the engine and its greedy agreement."""
+    parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(ours, peer)]
+    return {**bench_engine.summarize_runs(peer), **{k: ready[k] for k in keys}, "ratio": ratios(ours, peer),
+            "agreement": merge_agreement(parts)}
+
+
 def timed(seconds: float, workload: bc.Workload, token_ids: list[list[int]]) -> dict:
     produced = [len(t) for t in token_ids]
     return {"seconds": seconds, "tok_s": workload.requested_output_tokens / seconds,
@@ -79,3 +86,37 @@ def ratios(ours: list[dict], peer: list[dict]) -> dict:
     per = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, peer)]
     return {"of_medians": bc.median(a["tok_s"] for a in ours) / bc.median(b["tok_s"] for b in peer),
             "median_of_repeats": bc.median(per), "repeats": [round(r, 3) for r in per]}
+
+
+def table(result: dict, peer: str, peers: dict) -> str:
+    """The engine's row, then one per peer present in the figures (peers: figure key -> label): medians, the ratio
+    engine / peer (of the medians, and the median of the per-repeat ratios), agreement and cold start."""
+    figures, c, w = result["figures"], result["config"], result["workload"]
+    e = figures["engine"]
+    rows = [["nanovllm_tp", e["tok_s"], f"{e['seconds']:.3f}", "1.00", "-", "-", f"{e['load_s']:.1f}",
+             f"{e['first_token_s']:.1f}"]]
+    for key, label in peers.items():
+        if key in figures:
+            p = figures[key]
+            a, r = p["agreement"], p["ratio"]
+            rows.append([label, p["tok_s"], f"{p['seconds']:.3f}", f"{r['of_medians']:.2f}",
+                         f"{r['median_of_repeats']:.2f}", f"{a['identical']}/{a['requests']}", f"{p['load_s']:.1f}",
+                         f"{p['first_token_s']:.1f}"])
+    title = (f"bench vs {peer}: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, "
+             f"output {w['output_len_min']}..{w['output_len_max']} ({w['requested_output_tokens']} tokens), "
+             f"{c['model_source']}, dtype {e['dtype']}, T={c['temperature']}, median of {c['repeats']}")
+    return bc.format_table(["engine", "output tok/s", "seconds", "ours/this", "paired", "same tokens", "load s",
+                            "first token s"], rows, title)
+
+
+def draw(result: dict):
+    """Bars: the median output tok/s of the engine and of every peer in the figures."""
+    def _draw(plt):
+        f = result["figures"]
+        keys = [k for k, v in f.items() if isinstance(v, dict) and "tok_s" in v]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([{"engine": "nanovllm_tp"}.get(k, k.replace("_", " ")) for k in keys], [f[k]["tok_s"] for k in keys],
+               color=[f"C{i}" for i in range(len(keys))])
+        ax.set_ylabel("output tokens / s (median)")
+        return fig
+    return _draw

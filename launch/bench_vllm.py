@@ -179,7 +179,7 @@ def main(args) -> dict:
     result = {"name": "bench", "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": {**bc.finish_environment(env), "vllm": version, "peer_env": penv},
               "figures": figures(runs, cold, ready, runner, dtype)}
-    bc.save_result(args, out_path, result, draw)
+    bc.save_result(args, out_path, result, bench_compare.draw)
     print(table(result), flush=True)
     return result
 
@@ -188,43 +188,10 @@ def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dic
     f = {"engine": {**bench_engine.summarize_runs(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
     for mode in ready:
         f[f"vllm_{mode}"] = bench_compare.peer_figures(runs["engine"], runs[mode], ready[mode],
-                                         ("load_s", "first_token_s", "import_s", "torch_threads"))
+                                                       ("load_s", "first_token_s", "import_s", "torch_threads"))
     return f
 
 
-def peer_figures(ours: list[dict], peer: list[dict], ready: dict, keys) -> dict:
-    """A peer's medians, the `keys` of its ready record, its ratios to the engine and its greedy agreement."""
-    parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(ours, peer)]
-    return {**bench_engine.summarize_runs(peer), **{k: ready[k] for k in keys}, "ratio": ratios(ours, peer),
-            "agreement": merge_agreement(parts)}
-
-
 def table(result: dict) -> str:
-    f, c, w = result["figures"], result["config"], result["workload"]
-    e = f["engine"]
-    rows = [["nanovllm_tp", e["tok_s"], f"{e['seconds']:.3f}", "1.00", "-", f"{e['load_s']:.1f}",
-             f"{e['first_token_s']:.1f}"]]
-    for mode in ("eager", "compiled"):
-        if f"vllm_{mode}" in f:
-            p = f[f"vllm_{mode}"]
-            a = p["agreement"]
-            rows.append([f"vLLM {mode}", p["tok_s"], f"{p['seconds']:.3f}", f"{p['ratio']['of_medians']:.2f}",
-                         f"{a['identical']}/{a['requests']}", f"{p['load_s']:.1f}", f"{p['first_token_s']:.1f}"])
-    title = (f"bench vs vLLM {result['environment']['vllm']}: {w['num_requests']} requests, prompt "
-             f"{w['prompt_len_min']}..{w['prompt_len_max']}, output {w['output_len_min']}..{w['output_len_max']} "
-             f"({w['requested_output_tokens']} tokens), {c['model_source']}, dtype {f['engine']['dtype']}, "
-             f"T={c['temperature']}, median of {c['repeats']}")
-    return bc.format_table(["engine", "output tok/s", "seconds", "ours/this", "same tokens", "load s",
-                            "first token s"], rows, title)
-
-
-def draw(result: dict):
-    def _draw(plt):
-        f = result["figures"]
-        keys = [k for k in ("engine", "vllm_eager", "vllm_compiled") if k in f]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar([{"engine": "nanovllm_tp"}.get(k, k.replace("_", " ")) for k in keys], [f[k]["tok_s"] for k in keys],
-               color=["C0", "C1", "C2"][:len(keys)])
-        ax.set_ylabel("output tokens / s (median)")
-        return fig
-    return _draw
+    return bench_compare.table(result, f"vLLM {result['environment']['vllm']}",
+                               {"vllm_eager": "vLLM eager", "vllm_compiled": "vLLM compiled"})

@@ -56,7 +56,7 @@ def test_bench_compare_llamacpp_end_to_end(fp32_gguf, tmp_path, capsys):
     out = tmp_path / "bench.json"
     already = set(children())
     bench.main(["--model", path, "--compare", "llamacpp", "--peer-bin", os.path.dirname(SERVER),
-                "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "3", "6", "--max-model-len", "64",
+                "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "3", "6", "--max-model-len", "128",
                 "--kv-cache-memory", str(32 << 20), "--threads", "1", "--repeats", "2", "--out", str(out), "--quiet"])
     table = capsys.readouterr().out.rstrip().splitlines()
     assert table[-2].startswith("llama.cpp ") and table[-3].startswith("nanovllm_tp ")
@@ -64,7 +64,7 @@ def test_bench_compare_llamacpp_end_to_end(fp32_gguf, tmp_path, capsys):
     f = data["figures"]
     peer, engine = f["llamacpp"], f["engine"]
     assert engine["lengths_ok"] and peer["lengths_ok"] and len(peer["tok_s_runs"]) == 2
-    assert peer["tok_s"] > 0 and peer["slots"] == 3 and peer["ctx_size"] == 3 * 64 and peer["threads"] == 1
+    assert peer["tok_s"] > 0 and peer["slots"] == 3 and peer["ctx_size"] == 3 * 128 and peer["threads"] == 1
     assert peer["agreement"]["requests"] == 6 and peer["agreement"]["identical"] >= 5       # fp32 both
     assert peer["ratio"]["of_medians"] == pytest.approx(engine["tok_s"] / peer["tok_s"])
     assert data["environment"]["llama_cpp"] and peer["argv"][0] == SERVER

@@ -145,6 +145,10 @@ class LlamaServer:
             self.ask([cold_prompt], [1], 0.0)
             self.ready = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0, "slots": slots,
                           "ctx_size": ctx, "threads": threads, "pid": self.proc.pid}
+        except SystemExit as exc:          # it exited or never answered: say what it logged
+            tail = self.log_tail()
+            self.close()
+            raise SystemExit(f"bench: {exc}\n--- its last log lines ---\n{tail}") from None
         except BaseException:
             self.close()
             raise

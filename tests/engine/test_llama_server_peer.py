@@ -69,3 +69,12 @@ def test_bench_compare_llamacpp_end_to_end(fp32_gguf, tmp_path, capsys):
     assert peer["ratio"]["of_medians"] == pytest.approx(engine["tok_s"] / peer["tok_s"])
     assert data["environment"]["llama_cpp"] and peer["argv"][0] == SERVER
     assert not [p for p in children() if alive(p) and p not in already]
+
+
+def test_a_file_llama_server_cannot_load_is_reported_with_its_log(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    already = set(children())
+    with pytest.raises(SystemExit, match="(?s)llama-server exited with .* before it was ready.*its last log lines"):
+        bench_llamacpp.LlamaServer(SERVER, str(bad), 1, 128, 1, 120, [1, 2, 3])
+    assert not [p for p in children() if alive(p) and p not in already]

@@ -5,6 +5,7 @@
     python -m nanovllm_tp.launch.bench --preset small --tp 2        # compute-bound random-weight preset, 2 ranks
     python -m nanovllm_tp.launch.bench --sampling mixed --repeats 5 # sampling knobs on half the rows vs greedy
     python -m nanovllm_tp.launch.bench --model DIR --compare vllm --peer-python VENV/bin/python  # see bench_vllm.py
+    python -m nanovllm_tp.launch.bench --model F.gguf --compare llamacpp --peer-bin LLAMA/build/bin  # bench_llamacpp.py
     ./torchrun.sh 2 -m nanovllm_tp.launch.bench --tp 2
 
 N requests with random prompt ids; prompt and output lengths uniform in --prompt-len / --output-len; every
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampling", choices=["plain", "mixed"], default="plain",
                         help="mixed: also run with sampling knobs and logprobs on half the rows, same run")
     g = parser.add_argument_group("comparison with transformers")
-    g.add_argument("--compare", choices=["hf", "vllm"],
-                   help="also run transformers (hf), or vLLM from --peer-python, on the same model and workload")
+    g.add_argument("--compare", choices=["hf", "vllm", "llamacpp"],
+                   help="also run transformers (hf), vLLM from --peer-python, or llama.cpp's llama-server from "
+                        "--peer-bin, on the same model and workload")
     g.add_argument("--hf-modes", nargs="+", choices=["generate", "cb"], default=["generate", "cb"],
                    help="which transformers paths to run (default: both)")
     g.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64],
@@ -53,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-cb-max-batch-tokens", type=int, default=None,
                    help="continuous batching: tokens per step (default: min(512, --max-num-batched-tokens); "
                         "its own 8192 default sizes an sdpa mask of GBs on CPU and is slower there)")
-    from nanovllm_tp.launch.bench_vllm import add_peer_args
-    add_peer_args(parser)
+    from nanovllm_tp.launch import bench_llamacpp, bench_vllm
+    bench_vllm.add_peer_args(parser)
+    bench_llamacpp.add_peer_args(parser)
     bc.add_output_args(parser)
     return parser
 
@@ -111,6 +114,9 @@ def main(argv=None) -> dict:
     if args.compare == "vllm":
         from nanovllm_tp.launch import bench_vllm
         return bench_vllm.main(args)
+    if args.compare == "llamacpp":
+        from nanovllm_tp.launch import bench_llamacpp
+        return bench_llamacpp.main(args)
     if args.compare and "generate" in args.hf_modes and not any(b > 0 for b in args.hf_batch_sizes):
         raise SystemExit("--hf-batch-sizes needs at least one size >= 1")
     bc.apply_threads(args)

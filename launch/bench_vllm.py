@@ -23,9 +23,8 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 
-from nanovllm_tp.launch import bench_engine
+from nanovllm_tp.launch import bench_compare, bench_engine
 from nanovllm_tp.launch import bench_common as bc
 from nanovllm_tp.launch import bench_peer
 
@@ -110,11 +109,7 @@ class PeerProcess:
         return "\n".join(self.log.read().splitlines()[-lines:])
 
     def _signal(self, sig) -> None:
-        """To the peer's whole process group (vLLM's engine-core process too)."""
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        bench_compare.signal_group(self.proc, sig)        # vLLM's engine-core process too
 
     def _kill(self) -> None:
         self._signal(signal.SIGKILL)
@@ -131,38 +126,6 @@ class PeerProcess:
         self._kill()          # the session's stragglers too (vLLM's engine-core process)
         self.proc.wait()
         self.log.close()
-
-
-# =============================================================================================== comparison
-
-def timed(seconds: float, workload: bc.Workload, token_ids: list[list[int]]) -> dict:
-    produced = [len(t) for t in token_ids]
-    return {"seconds": seconds, "tok_s": workload.requested_output_tokens / seconds,
-            "lengths_ok": produced == workload.output_lens, "token_ids": token_ids}
-
-
-def agreement(ours: list[list[int]], peer: list[list[int]]) -> dict:
-    """How far greedy outputs agree: identical requests, and tokens before each request's first difference."""
-    if len(ours) != len(peer):
-        raise ValueError(f"{len(ours)} requests vs {len(peer)}")
-    same_prefix = []
-    for a, b in zip(ours, peer):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        same_prefix.append(n)
-    identical = sum(a == b for a, b in zip(ours, peer))
-    return {"requests": len(ours), "identical": identical, "tokens": sum(len(a) for a in ours),
-            "tokens_before_first_difference": sum(same_prefix)}
-
-
-def merge_agreement(parts: list[dict]) -> dict:
-    return {k: sum(p[k] for p in parts) for k in ("requests", "identical", "tokens", "tokens_before_first_difference")}
-
-
-def ratios(ours: list[dict], peer: list[dict]) -> dict:
-    """engine / peer throughput: of the medians, and the median of the per-repeat ratios (repeat i vs i)."""
-    per = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, peer)]
-    return {"of_medians": bc.median(a["tok_s"] for a in ours) / bc.median(b["tok_s"] for b in peer),
-            "median_of_repeats": bc.median(per), "repeats": [round(r, 3) for r in per]}
 
 
 # =============================================================================================== run
@@ -188,13 +151,7 @@ def main(args) -> dict:
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     warm_prompts, warm_outs = bc.warmup_prompts(vocab, args.seed)
     cold_prompt = warm_prompts[-1]
-    from nanovllm_tp import SamplingParams
-    from nanovllm_tp.launch.generate import build_llm
-    t0 = time.perf_counter()
-    llm = build_llm(args)
-    t1 = time.perf_counter()
-    llm.generate([cold_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
-    cold = {"load_s": t1 - t0, "first_token_s": time.perf_counter() - t0}
+    llm, cold = bench_compare.cold_engine(args, cold_prompt)
     env, peers, ready = bc.environment(), {}, {}
     penv = peer_env(args.peer_kv_gib, env["torch_threads"])
     out_path = bc.out_path(args, "bench")
@@ -214,18 +171,7 @@ def main(args) -> dict:
             bc.log(args, f"vLLM {mode} ready: load {ready[mode]['load_s']:.1f}s, first token at "
                          f"{ready[mode]['first_token_s']:.1f}s")
             peers[mode].run(warm_prompts, warm_outs, args.temperature)
-        params = bench_engine.sampling_params(workload, args.temperature)
-        for r in range(args.repeats):
-            prompts = workload.prompts(draw=r + 1)
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            runs["engine"].append(timed(time.perf_counter() - t, workload, [list(o.outputs[0].token_ids)
-                                                                             for o in outs]))
-            for mode, peer in peers.items():
-                reply = peer.run(prompts, workload.output_lens, args.temperature)
-                runs[mode].append(timed(reply["seconds"], workload, reply["token_ids"]))
-            bc.log(args, f"[{r + 1}/{args.repeats}] " + ", ".join(f"{k}: {v[-1]['tok_s']:.1f} tok/s"
-                                                               for k, v in runs.items()))
+        bench_compare.interleave(args, llm, workload, peers, runs)
     finally:
         llm.close()
         for peer in peers.values():
@@ -233,7 +179,7 @@ def main(args) -> dict:
     result = {"name": "bench", "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": {**bc.finish_environment(env), "vllm": version, "peer_env": penv},
               "figures": figures(runs, cold, ready, runner, dtype)}
-    bc.save_result(args, out_path, result, draw)
+    bc.save_result(args, out_path, result, bench_compare.draw)
     print(table(result), flush=True)
     return result
 
@@ -241,39 +187,11 @@ def main(args) -> dict:
 def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dict:
     f = {"engine": {**bench_engine.summarize_runs(runs["engine"]), "runner": runner, "dtype": dtype, **cold}}
     for mode in ready:
-        parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(runs["engine"], runs[mode])]
-        f[f"vllm_{mode}"] = {**bench_engine.summarize_runs(runs[mode]), **{k: ready[mode][k] for k in
-                                                         ("load_s", "first_token_s", "import_s", "torch_threads")},
-                             "ratio": ratios(runs["engine"], runs[mode]), "agreement": merge_agreement(parts)}
+        f[f"vllm_{mode}"] = bench_compare.peer_figures(runs["engine"], runs[mode], ready[mode],
+                                                       ("load_s", "first_token_s", "import_s", "torch_threads"))
     return f
 
 
 def table(result: dict) -> str:
-    f, c, w = result["figures"], result["config"], result["workload"]
-    e = f["engine"]
-    rows = [["nanovllm_tp", e["tok_s"], f"{e['seconds']:.3f}", "1.00", "-", f"{e['load_s']:.1f}",
-             f"{e['first_token_s']:.1f}"]]
-    for mode in ("eager", "compiled"):
-        if f"vllm_{mode}" in f:
-            p = f[f"vllm_{mode}"]
-            a = p["agreement"]
-            rows.append([f"vLLM {mode}", p["tok_s"], f"{p['seconds']:.3f}", f"{p['ratio']['of_medians']:.2f}",
-                         f"{a['identical']}/{a['requests']}", f"{p['load_s']:.1f}", f"{p['first_token_s']:.1f}"])
-    title = (f"bench vs vLLM {result['environment']['vllm']}: {w['num_requests']} requests, prompt "
-             f"{w['prompt_len_min']}..{w['prompt_len_max']}, output {w['output_len_min']}..{w['output_len_max']} "
-             f"({w['requested_output_tokens']} tokens), {c['model_source']}, dtype {f['engine']['dtype']}, "
-             f"T={c['temperature']}, median of {c['repeats']}")
-    return bc.format_table(["engine", "output tok/s", "seconds", "ours/this", "same tokens", "load s",
-                            "first token s"], rows, title)
-
-
-def draw(result: dict):
-    def _draw(plt):
-        f = result["figures"]
-        keys = [k for k in ("engine", "vllm_eager", "vllm_compiled") if k in f]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar([{"engine": "nanovllm_tp"}.get(k, k.replace("_", " ")) for k in keys], [f[k]["tok_s"] for k in keys],
-               color=["C0", "C1", "C2"][:len(keys)])
-        ax.set_ylabel("output tokens / s (median)")
-        return fig
-    return _draw
+    return bench_compare.table(result, f"vLLM {result['environment']['vllm']}",
+                               {"vllm_eager": "vLLM eager", "vllm_compiled": "vLLM compiled"})

@@ -3,13 +3,17 @@ free 127.0.0.1 port with the engine flags of a parsed command line, ready once /
 SIGTERM (killed if it does not exit in time)."""
 from __future__ import annotations
 
+import http.client
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 READY_TIMEOUT_S = 300.0
+# urllib without the environment's proxies: every server here listens on 127.0.0.1
+open_local = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
 
 def free_port() -> int:
@@ -21,24 +25,34 @@ def free_port() -> int:
 def start(argv: list[str], api_key: str | None = None) -> tuple[subprocess.Popen, str]:
     """The server process and its OpenAI base URL, once /health answers 200. SystemExit if it exits first or is
     not ready within READY_TIMEOUT_S (then it is stopped)."""
-    import httpx
     port = free_port()
     cmd = [sys.executable, "-m", "nanovllm_tp.launch.serve", "--port", str(port), *argv]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", "the server")
+    except SystemExit:
+        stop(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = READY_TIMEOUT_S) -> None:
+    """Until GET url answers 200 (a server still loading answers 503, or nothing). SystemExit if the process
+    exits first or the time runs out; stopping it is the caller's."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
+            raise SystemExit(f"{what} exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1"
-        except httpx.HTTPError:
+            with open_local(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, http.client.HTTPException):       # refused, 503 (HTTPError), a reset, a timeout
             pass
         time.sleep(0.2)
-    stop(proc)
-    raise SystemExit(f"the server was not ready within {READY_TIMEOUT_S:.0f} s")
+    raise SystemExit(f"{what} was not ready within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:

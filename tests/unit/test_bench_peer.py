@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from nanovllm_tp.launch import bench, bench_common, bench_peer, bench_vllm
+from nanovllm_tp.launch import bench, bench_common, bench_compare, bench_peer, bench_vllm
 from tests.procs import alive
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -52,26 +52,26 @@ def test_bad_config_is_refused():
 def test_agreement_counts_identical_requests_and_common_prefixes():
     ours = [[5, 6, 7, 8], [1, 2, 3], [9, 9], [4]]
     peer = [[5, 6, 7, 8], [1, 2, 4], [8, 9], [4]]
-    a = bench_vllm.agreement(ours, peer)
+    a = bench_compare.agreement(ours, peer)
     assert a == {"requests": 4, "identical": 2, "tokens": 10, "tokens_before_first_difference": 4 + 2 + 0 + 1}
-    b = bench_vllm.agreement([[1, 2]], [[1, 2, 3]])         # a shorter output is not identical
+    b = bench_compare.agreement([[1, 2]], [[1, 2, 3]])         # a shorter output is not identical
     assert b["identical"] == 0 and b["tokens_before_first_difference"] == 2
-    assert bench_vllm.merge_agreement([a, b]) == {"requests": 5, "identical": 2, "tokens": 12,
+    assert bench_compare.merge_agreement([a, b]) == {"requests": 5, "identical": 2, "tokens": 12,
                                                   "tokens_before_first_difference": 9}
     with pytest.raises(ValueError):
-        bench_vllm.agreement([[1]], [])
+        bench_compare.agreement([[1]], [])
 
 
 def test_ratios_and_throughput_from_real_runs():
     w = bench_common.make_workload(3, (4, 4), (2, 6), seed=1, vocab_size=100)
     tokens = [[7] * n for n in w.output_lens]
-    ours = [bench_vllm.timed(s, w, tokens) for s in (1.0, 2.0, 4.0)]
-    peer = [bench_vllm.timed(s, w, tokens) for s in (2.0, 2.0, 2.0)]
+    ours = [bench_compare.timed(s, w, tokens) for s in (1.0, 2.0, 4.0)]
+    peer = [bench_compare.timed(s, w, tokens) for s in (2.0, 2.0, 2.0)]
     assert all(r["lengths_ok"] for r in ours) and ours[0]["tok_s"] == w.requested_output_tokens
-    assert not bench_vllm.timed(1.0, w, tokens[:-1] + [[7]])["lengths_ok"]     # outputs are >= 2 tokens
-    r = bench_vllm.ratios(ours, peer)
+    assert not bench_compare.timed(1.0, w, tokens[:-1] + [[7]])["lengths_ok"]     # outputs are >= 2 tokens
+    r = bench_compare.ratios(ours, peer)
     assert r["repeats"] == [2.0, 1.0, 0.5] and r["median_of_repeats"] == 1.0 and r["of_medians"] == 1.0
-    r = bench_vllm.ratios(ours[:2], peer[:2])
+    r = bench_compare.ratios(ours[:2], peer[:2])
     assert r["of_medians"] == pytest.approx((1 / 1.0 + 1 / 2.0) / 2 / (1 / 2.0))
 
 

@@ -23,19 +23,18 @@
 /* ---------------------------------------------------------------- quantized KV values
  * A quantized KV cache (kv_cache_dtype, layers/attention/kv_quant.py) holds 8-bit values, each token's vector of
  * one KV head with one fp32 scale: kv 1 = int8, 2 = fp8 e4m3 (torch.float8_e4m3fn), 3 = fp8 e5m2; kv 0 = the
- * query's dtype, unscaled. fp8 is widened through a 256-entry table (its NaN and inf codes, which a scaled store
- * never writes, read as 0).
+ * query's dtype, unscaled. fp8 is widened through a 256-entry table (decode_attn.h; kv_store.c reads it back too).
  */
-static float fp8_e4m3[256], fp8_e5m2[256];
+float fp8_e4m3_values[256], fp8_e5m2_values[256];
 
 __attribute__((constructor)) static void fill_fp8_tables(void)
 {
     for (int b = 0; b < 256; b++) {
         const float sign = b & 0x80 ? -1.f : 1.f;
         const int e4 = (b >> 3) & 15, m3 = b & 7, e5 = (b >> 2) & 31, m2 = b & 3;
-        fp8_e4m3[b] = e4 == 15 && m3 == 7 ? 0.f
+        fp8_e4m3_values[b] = e4 == 15 && m3 == 7 ? 0.f
                       : sign * (e4 ? ldexpf(1.f + m3 / 8.f, e4 - 7) : ldexpf(m3 / 8.f, -6));
-        fp8_e5m2[b] = e5 == 31 ? 0.f : sign * (e5 ? ldexpf(1.f + m2 / 4.f, e5 - 15) : ldexpf(m2 / 4.f, -14));
+        fp8_e5m2_values[b] = e5 == 31 ? 0.f : sign * (e5 ? ldexpf(1.f + m2 / 4.f, e5 - 15) : ldexpf(m2 / 4.f, -14));
     }
 }
 
@@ -49,7 +48,7 @@ INLINE void widen(const void *p, int dim, int kv, float *dst)
     if (kv == 1)
         for (int d = 0; d < dim; d++) dst[d] = (float)i8[d];
     else {
-        const float *table = kv == 2 ? fp8_e4m3 : fp8_e5m2;
+        const float *table = kv == 2 ? fp8_e4m3_values : fp8_e5m2_values;
         for (int d = 0; d < dim; d++) dst[d] = table[u8[d]];
     }
 }

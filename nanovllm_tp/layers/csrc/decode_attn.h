@@ -1,7 +1,11 @@
-/* decode_attn.c's paged_decode (called by decoder.c too) and decode_attn_simd.c's entry point, which it calls. */
+/* decode_attn.c's paged_decode (called by decoder.c too) and fp8 tables, and decode_attn_simd.c's entry point. */
 #ifndef NANOVLLM_TP_DECODE_ATTN_H
 #define NANOVLLM_TP_DECODE_ATTN_H
 #include <stdint.h>
+
+/* fp8 code -> fp32, exact, for e4m3 and e5m2 (their NaN and inf codes, which a scaled store never writes, read as
+ * 0): filled by decode_attn.c when the library loads */
+extern float fp8_e4m3_values[256], fp8_e5m2_values[256];
 
 #define DECODE_NO_SIMD (-2)     /* paged_decode_simd's answer when this build or head_dim has no vector form */
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decode_attn.h"
 #include "dtypes.h"
 #include "layer_kernels.h"
 
@@ -57,16 +58,6 @@ __attribute__((optimize("no-fast-math"))) static uint8_t fp8_code(float f, int e
     return code | (uint8_t)(sign >> 24);
 }
 
-/* fp8 code -> fp32, exact (no NaN or inf code is ever stored) */
-static float fp8_value(uint8_t code, int e4m3)
-{
-    const int mant_bits = e4m3 ? 3 : 2;
-    const uint32_t mag = code & 0x7fu, exp = mag >> mant_bits, mant = mag & ((1u << mant_bits) - 1u);
-    const float x = exp ? float_of(((exp + (e4m3 ? 120u : 112u)) << 23) | (mant << (23 - mant_bits)))
-                        : (float)mant * (e4m3 ? 0x1p-9f : 0x1p-16f);
-    return code & 0x80u ? -x : x;
-}
-
 /* one vector of dim values of x into dst; returns its scale. readback: x becomes the dequantized values */
 __attribute__((noinline, optimize("no-fast-math"))) static float
 quantize_vector(void *x, uint8_t *dst, int dim, int bf16, int kv, int readback)
@@ -88,7 +79,7 @@ quantize_vector(void *x, uint8_t *dst, int dim, int bf16, int kv, int readback)
             back = y;
         } else {
             dst[d] = fp8_code(y, kv == KV_E4M3);
-            back = fp8_value(dst[d], kv == KV_E4M3);
+            back = (kv == KV_E4M3 ? fp8_e4m3_values : fp8_e5m2_values)[dst[d]];
         }
         if (readback) store(x, d, back * scale, bf16);
     }

@@ -23,11 +23,10 @@
  * take one scale per span of I8_SPAN blocks (128 inputs; the last span what is left of k), and each output sums
  * one integer dot product per span, scaled by the span's dx, times its own scale at the end:
  * y = sw * sum over spans of dx * (dot - 128 * sum(q)). (On SmolLM2 one scale per row cost 3.96% of perplexity,
- * spans of 128 1.03% with a quarter of the int32 -> fp32 steps of blocks of 32, which cost 0.44%.) One
- * kernel serves decode (bound by reading the weights: prefetched 4 KiB ahead into L2, which took one row on an AMD
- * EPYC from 9 to 13-16 GB/s) and prefill (chunks of ROWS rows reuse a unit's weights from
- * cache). Without AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load
- * instead.
+ * spans of 128 1.03% with a quarter of the int32 -> fp32 steps of blocks of 32, which cost 0.44%.) One kernel
+ * serves decode (bound by reading the weights: prefetched PREFETCH bytes ahead into L2, which took one row on an
+ * AMD EPYC from 9 to 13-16 GB/s) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without
+ * AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load instead.
  */
 #include <stdint.h>
 #include <stdlib.h>

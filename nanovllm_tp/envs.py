@@ -23,6 +23,10 @@ VARIABLES = {
     "NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING": "1: serve's /v1/load_lora_adapter and /v1/unload_lora_adapter are "
                                                "on (--allow-runtime-lora-updating's default)",
     "NANOVLLM_TP_CACHE": "where make_tiny keeps the embedded tiny checkpoint (default ~/.cache/nanovllm_tp)",
+    # the CPU kernels' build (layers/cpu_build.py): standard variables
+    "CC": "the C compiler that builds the CPU kernels (default cc)",
+    "XDG_CACHE_HOME": "the cache root: the built CPU kernels and kernel tables go in $XDG_CACHE_HOME/nanovllm_tp "
+                      "(default ~/.cache)",
     # tests
     "NANOVLLM_TP_TEST_LLAMA_SERVER": "a llama.cpp llama-server binary: the tests of bench --compare llamacpp run it "
                                      "(skipped without)",

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import tempfile
 
+from nanovllm_tp import envs
 from nanovllm_tp.layers import cpu_features
 
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
@@ -20,7 +21,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = envs.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(root) / "nanovllm_tp"
 
 

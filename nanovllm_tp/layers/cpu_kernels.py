@@ -15,13 +15,13 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import pathlib
 import shutil
 import subprocess
 
 import torch
 
+from nanovllm_tp import envs
 from nanovllm_tp.layers.cpu_build import build_library
 from nanovllm_tp.layers.sampler_kernels import SamplerKernels, _rows_contiguous
 
@@ -241,7 +241,7 @@ class CpuKernels(SamplerKernels):
 @functools.cache
 def load() -> CpuKernels | None:
     """The kernels, or None (logged once) where they cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(envs.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler found ($CC or cc): CPU layers run as plain torch ops (slower)")
         return None
@@ -253,7 +253,6 @@ def load() -> CpuKernels | None:
 
 
 def _default_switch() -> bool:
-    from nanovllm_tp import envs
     return envs.flag("NANOVLLM_TP_CPU_KERNELS")
 
 

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 from nanovllm_tp.launch import bench_common as bc
-from nanovllm_tp.launch import bench_compare, bench_engine, serve_process
+from nanovllm_tp.launch import bench_compare, bench_engine, bench_peer, serve_process
 
 SERVER = "llama-server"
 PEER_KEY = "llamacpp"
@@ -100,8 +100,7 @@ def server_argv(exe: str, model: str, port: int, slots: int, ctx: int, threads: 
 def completion_body(prompt: list[int], n_predict: int, temperature: float, seed: int) -> dict:
     """One /completion request: the prompt as token ids (llama-server adds no BOS to those), exactly n_predict
     tokens, no KV reuse; greedy at temperature 0, else plain temperature sampling (no top-k/p, min-p)."""
-    if not prompt or not all(type(t) is int and t >= 0 for t in prompt):
-        raise ValueError("a prompt must be a non-empty list of token ids (ints >= 0)")
+    bench_peer.token_ids(prompt, "a prompt")
     if type(n_predict) is not int or n_predict < 1:
         raise ValueError(f"n_predict must be an int >= 1, got {n_predict!r}")
     return {"prompt": list(prompt), "n_predict": n_predict, "ignore_eos": True, "temperature": float(temperature),

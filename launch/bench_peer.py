@@ -34,7 +34,8 @@ OPTIONAL_FIELDS = {"speculative_config": dict, "request_times": bool}
 SPEC_COUNTERS = {"draft": "vllm:spec_decode_num_draft_tokens", "accepted": "vllm:spec_decode_num_accepted_tokens"}
 
 
-def _ids(value, what: str) -> list[int]:
+def token_ids(value, what: str) -> list[int]:
+    """value itself once it is a non-empty list of token ids (ints >= 0); else ValueError naming `what`."""
     if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
         raise ValueError(f"{what} must be a non-empty list of token ids (ints >= 0)")
     return value
@@ -55,7 +56,7 @@ def decode_config(line: str) -> dict:
     for name, kind in OPTIONAL_FIELDS.items():
         if name in msg and type(msg[name]) is not kind:
             raise TypeError(f"config field {name!r} must be {kind.__name__}, got {msg[name]!r:.60}")
-    _ids(msg["cold_prompt"], "cold_prompt")
+    token_ids(msg["cold_prompt"], "cold_prompt")
     return msg
 
 
@@ -76,7 +77,7 @@ def decode_command(line: str) -> dict:
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("run: prompts must be a non-empty list")
     for i, p in enumerate(prompts):
-        _ids(p, f"run: prompts[{i}]")
+        token_ids(p, f"run: prompts[{i}]")
     if (not isinstance(max_tokens, list) or len(max_tokens) != len(prompts)
             or not all(type(m) is int and m >= 1 for m in max_tokens)):
         raise ValueError("run: max_tokens must hold one int >= 1 per prompt")

@@ -40,6 +40,18 @@ def kv_quantized_model(model_dir: str, kv_cache_dtype: str, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=name).eval()
 
 
+def query_as_read(q: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """q as the CPU decode kernel's vector form reads it: over an int8 cache it scores in integers, each query head
+    rounded to int16 with a power-of-two scale (its largest value in [2^14, 2^15), ties to even, saturated); over
+    every other format (and where the vector form does not run: not built, or a head_dim it lacks) q as it is."""
+    from nanovllm_tp.layers import cpu_kernels
+    if kv_cache_dtype != "int8" or not cpu_kernels.load().decode_simd or q.shape[-1] not in (32, 64, 128, 256):
+        return q
+    qf = q.float()
+    scale = torch.exp2(torch.frexp(qf.abs().amax(-1, keepdim=True)).exponent - 15.0)
+    return (qf / scale).round().clamp(-32768, 32767) * scale
+
+
 _references = {}
 
 

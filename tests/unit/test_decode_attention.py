@@ -10,6 +10,7 @@ import torch
 from nanovllm_tp.layers import cpu_features, cpu_kernels
 from nanovllm_tp.layers.attention.kv_quant import KV_CACHE_DTYPES, quantize
 from tests.helpers import random_paged_cache
+from tests.kv_reference import query_as_read
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 FORMS = [False, True]           # paged_decode's `portable`
@@ -50,6 +51,11 @@ def direct(q, k, v, kv_scales, table, lens, scale, window=0, softcap=0.0) -> tor
     return out
 
 
+def as_read(q, kv, portable) -> torch.Tensor:
+    """q as the kernel reads it (query_as_read), for this form."""
+    return q if portable else query_as_read(q, kv)
+
+
 def run(q, k, v, kv_scales, table, lens, scale, portable, window=0, softcap=0.0):
     return cpu_kernels.load().paged_decode(q, k, v, table, torch.tensor(lens, dtype=torch.int32), scale, window,
                                            softcap, kv_scales, portable=portable)
@@ -73,7 +79,7 @@ def test_each_form_and_format_matches_direct_attention(block_size, group, kv, po
     q = q.to(q_dtype)
     got = run(q, k, v, kv_scales, table, LENGTHS, head_dim ** -0.5, portable)
     assert got.dtype is q_dtype and got.shape == q.shape
-    want = direct(q, k, v, kv_scales, table, LENGTHS, head_dim ** -0.5)
+    want = direct(as_read(q, kv, portable), k, v, kv_scales, table, LENGTHS, head_dim ** -0.5)
     torch.testing.assert_close(got.double(), want, **tolerance(q_dtype))
     assert not got[0].any(), "a row of no tokens attends to nothing"
 
@@ -99,8 +105,8 @@ def test_windows_and_soft_caps(kv, window, softcap):
     k, v, kv_scales, table = cache(LENGTHS, 16, 3, 64, kv, seed=window)
     q_dtype = torch.bfloat16 if kv == "bfloat16" else torch.float32
     q = torch.randn(len(LENGTHS), 9, 64, generator=torch.Generator().manual_seed(2)).to(q_dtype)
-    want = direct(q, k, v, kv_scales, table, LENGTHS, 0.125, window, softcap)
     for portable in FORMS:
+        want = direct(as_read(q, kv, portable), k, v, kv_scales, table, LENGTHS, 0.125, window, softcap)
         got = run(q, k, v, kv_scales, table, LENGTHS, 0.125, portable, window, softcap)
         torch.testing.assert_close(got.double(), want, **tolerance(q_dtype))
 

@@ -17,7 +17,7 @@ from nanovllm_tp.layers.attention.registry import select_backend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
 from tests.helpers import random_paged_cache
-from tests.kv_reference import FORMATS, roundtrip
+from tests.kv_reference import FORMATS, query_as_read, roundtrip
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -111,9 +111,10 @@ def test_decode_kernel_matches_attention_over_dequantized_values(kv, q_dtype, he
     assert cpu_kernels.load() is not None
     with cpu_kernels.switched(True):
         got = CpuBackend().forward(q, None, None, qk, qv, ctx, head_dim ** -0.5, window, softcap, scales)
-    # the direct computation: fp32 queries over fp32 dequantized K/V through the torch backend's dense decode
-    want = TorchBackend().forward(q.float(), None, None, dequantized(qk, scales[0]), dequantized(qv, scales[1]), ctx,
-                                  head_dim ** -0.5, window, softcap)
+    # the direct computation: fp32 queries (as the kernel reads them) over fp32 dequantized K/V through the torch
+    # backend's dense decode
+    want = TorchBackend().forward(query_as_read(q, kv).float(), None, None, dequantized(qk, scales[0]),
+                                  dequantized(qv, scales[1]), ctx, head_dim ** -0.5, window, softcap)
     assert got.dtype is q_dtype
     # fp32: only the order differs (the kernel applies K's scale to the dot product); bf16: the output's rounding
     tolerance = dict(rtol=1e-5, atol=3e-6) if q_dtype is torch.float32 else dict(rtol=2 ** -7, atol=2 ** -8)

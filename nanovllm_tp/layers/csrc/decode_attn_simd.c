@@ -70,20 +70,94 @@ INLINE __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors interleaved and added within 128-bit lanes (16 -> 8 -> 4),
- * then 128-bit lanes exchanged and added (4 -> 2 -> 1); 45 instructions for what 16 reductions do in ~150 */
-INLINE __m512 sum16(const __m512 *v)
+/* lane i = the sum of v[i]'s 16 lanes (fp32, or int32 where integer != 0): pairs of vectors interleaved and added
+ * within 128-bit lanes (16 -> 8 -> 4), then 128-bit lanes exchanged and added (4 -> 2 -> 1); 45 instructions for
+ * what 16 reductions do in ~150 */
+INLINE __m512 add16(__m512 a, __m512 b, const int integer)
+{
+    return integer ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+                   : _mm512_add_ps(a, b);
+}
+
+INLINE __m512 sum16(const __m512 *v, const int integer)
 {
     __m512 t[8], u[4], y[2];
     for (int j = 0; j < 8; j++)         /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
-        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+        t[j] = add16(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]), integer);
     for (int j = 0; j < 4; j++)         /* per 128-bit lane: the lane's sums of 4 keys */
-        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xee));
+        u[j] = add16(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xee),
+                     integer);
     for (int j = 0; j < 2; j++)         /* 128-bit lanes 0+1 and 2+3 of two vectors */
-        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+        y[j] = add16(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                     _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xdd), integer);
+    return add16(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd), integer);
+}
+
+/* 16 scores (unscaled) of the query at qf against the fp32 key tile kt (16 keys of dim): per key, head_dim / 16
+ * FMAs into a vector of partial products, the 16 vectors reduced by sum16 */
+INLINE __m512 float_scores(const float *qf, const float *kt, const int dim)
+{
+    __m512 part[CHUNK];
+    #pragma GCC unroll 16
+    for (int i = 0; i < CHUNK; i++) {
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf), _mm512_loadu_ps(kt + i * dim));
+        #pragma GCC unroll 16
+        for (int c = 16; c < dim; c += 16)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), _mm512_loadu_ps(kt + i * dim + c), dot);
+        part[i] = dot;
+    }
+    return sum16(part, 0);
+}
+
+/* An int8 cache's scores in integers: each query head's vector as int16 with a power-of-two scale of its own (its
+ * largest value in [2^14, 2^15): q times the inverse scale is exact, ties round to even), each key widened to
+ * int16, their products summed in int32 by pairs (VNNI's vpdpwssd, else vpmaddwd and an add); exact but for the
+ * query's rounding, 2^-15 of its largest value at most: below a bf16 query's own. */
+INLINE float quantize_query(const float *qf, int16_t *q16, const int dim)     /* returns the scale */
+{
+    __m512 top = _mm512_setzero_ps();
+    for (int c = 0; c < dim; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(qf + c)));
+    int e;
+    frexpf(_mm512_reduce_max_ps(top), &e);            /* max < 2^e */
+    const __m512 inv = _mm512_set1_ps(ldexpf(1.f, 15 - e));
+    for (int c = 0; c < dim; c += 16)                 /* saturating: a max rounded up to 2^15 stays 32767 */
+        _mm256_storeu_si256((__m256i *)(q16 + c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                                      _mm512_mul_ps(_mm512_loadu_ps(qf + c), inv))));
+    return ldexpf(1.f, e - 15);
+}
+
+INLINE __m512i dot16(__m512i acc, __m512i a, __m512i b)    /* acc + pairwise sums of a * b (int16 -> int32) */
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* 16 int32 scores of the query at q16 against the int16 key tile kt16 (16 keys of dim), as fp32 */
+INLINE __m512 int_scores(const int16_t *q16, const int16_t *kt16, const int dim)
+{
+    __m512 part[CHUNK];
+    #pragma GCC unroll 16
+    for (int i = 0; i < CHUNK; i++) {
+        __m512i dot = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int c = 0; c < dim; c += 32)
+            dot = dot16(dot, _mm512_loadu_si512(q16 + c), _mm512_loadu_si512(kt16 + i * dim + c));
+        part[i] = _mm512_castsi512_ps(dot);
+    }
+    return _mm512_cvtepi32_ps(_mm512_castps_si512(sum16(part, 1)));
+}
+
+/* The int16 key tile of cnt int8 keys from element e of kb (token stride token_stride); rows past cnt zero */
+INLINE void fill_int16_tile(const char *kb, int64_t e, int64_t token_stride, int cnt, const int dim, int16_t *kt16)
+{
+    for (int i = 0; i < cnt; i++, e += token_stride)
+        #pragma GCC unroll 8
+        for (int c = 0; c < dim; c += 32)
+            _mm512_storeu_si512(kt16 + i * dim + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + e + c))));
+    if (cnt < CHUNK) memset(kt16 + cnt * dim, 0, sizeof(int16_t) * (CHUNK - cnt) * dim);
 }
 
 INLINE __m512 soft_cap(__m512 s, float cap)      /* cap * tanh(s / cap), lane by lane (Gemma 2's layers) */
@@ -94,9 +168,10 @@ INLINE __m512 soft_cap(__m512 s, float cap)      /* cap * tanh(s / cap), lane by
     return _mm512_loadu_ps(lanes);
 }
 
-/* acc[g] = acc[g] * rescale[g] + sum over the chunk's keys i of p[g][i] * v_i, for gb query heads at once */
-INLINE void accumulate(float *acc, const float *p, const float *rescale, const float *vt, int cnt, const int dim,
-                       const int gb)
+/* acc[g] = acc[g] * rescale[g] + sum over the chunk's keys i of p[g][i] * v_i, for gb query heads at once; v_i
+ * widened from element e + i * stride of v in `format` (the cache itself, or for fp8 the chunk's fp32 tile) */
+INLINE void accumulate(float *acc, const float *p, const float *rescale, const void *v, int64_t e, int64_t stride,
+                       int cnt, const int dim, const int gb, const int format)
 {
     __m512 a[MAX_GROUP_BLOCK][16];
     #pragma GCC unroll 4
@@ -104,12 +179,12 @@ INLINE void accumulate(float *acc, const float *p, const float *rescale, const f
         #pragma GCC unroll 16
         for (int c = 0; c < dim / 16; c++) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * dim + 16 * c),
                                                                    _mm512_set1_ps(rescale[g]));
-    for (int i = 0; i < cnt; i++) {
+    for (int i = 0; i < cnt; i++, e += stride) {
         #pragma GCC unroll 16
         for (int c = 0; c < dim / 16; c++) {
-            const __m512 v = _mm512_loadu_ps(vt + i * dim + 16 * c);
+            const __m512 x = widen16(v, e + 16 * c, format);
             #pragma GCC unroll 4
-            for (int g = 0; g < gb; g++) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * CHUNK + i]), v, a[g][c]);
+            for (int g = 0; g < gb; g++) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * CHUNK + i]), x, a[g][c]);
         }
     }
     #pragma GCC unroll 4
@@ -118,9 +193,27 @@ INLINE void accumulate(float *acc, const float *p, const float *rescale, const f
         for (int c = 0; c < dim / 16; c++) _mm512_storeu_ps(acc + g * dim + 16 * c, a[g][c]);
 }
 
+/* accumulate() for gb (1-4) and the formats whose V is read in place (fp32, bf16, int8: a widen of one or two
+ * instructions) or from the fp32 tile (fp8, whose widen is a dozen) */
+INLINE void accumulate_any(float *acc, const float *p, const float *rescale, const char *vb, const float *vt,
+                           int64_t e, int64_t stride, int cnt, const int dim, int gb, int format)
+{
+#define ACC(GB, FMT, V, E, S) accumulate(acc, p, rescale, V, E, S, cnt, dim, GB, FMT)
+#define ACC_GB(FMT, V, E, S) do { if (gb == 4) ACC(4, FMT, V, E, S); else if (gb == 3) ACC(3, FMT, V, E, S); \
+                                  else if (gb == 2) ACC(2, FMT, V, E, S); else ACC(1, FMT, V, E, S); } while (0)
+    switch (format) {
+    case KV_F32: ACC_GB(KV_F32, vb, e, stride); break;
+    case KV_BF16: ACC_GB(KV_BF16, vb, e, stride); break;
+    case KV_INT8: ACC_GB(KV_INT8, vb, e, stride); break;
+    default: ACC_GB(KV_F32, vt, 0, dim);
+    }
+#undef ACC_GB
+#undef ACC
+}
+
 /* Per thread: K and V tiles, their scales, then per query head of the item: query, output, softmax weights of
- * the chunk, running max, sum and the chunk's rescale. */
-#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(heads) * (2 * (dim) + CHUNK + 3))
+ * the chunk, running max, sum and the chunk's rescale; and for an int8 cache the query in int16 and its scale. */
+#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(heads) * (5 * (dim) / 2 + CHUNK + 4))
 #define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (2, 3, 4 measured alike) */
 
 /* bytes from p into L2: the hint T1, as the linear kernels (into L1 was 20-35% slower on an AMD EPYC, NTA too) */
@@ -139,8 +232,8 @@ INLINE void prefetch_block(const char *k, const char *v, int block_size, int64_t
     }
 }
 
-/* The tiles of cnt keys from element e of blocks kb, vb (one KV head, token stride token_stride), in fp32;
- * K's rows past cnt zero (they score 0 and weigh 0), V's not read */
+/* The tiles of cnt keys from element e of blocks kb, vb (one KV head, token stride token_stride), in fp32: K's
+ * (rows past cnt zero: they score 0 and weigh 0), and V's only for fp8 (other formats' V is widened in place) */
 INLINE void fill_tiles(const char *kb, const char *vb, int64_t e, int64_t token_stride, int cnt, const int dim,
                        const int format, float *kt, float *vt)
 {
@@ -148,7 +241,7 @@ INLINE void fill_tiles(const char *kb, const char *vb, int64_t e, int64_t token_
         #pragma GCC unroll 16
         for (int c = 0; c < dim; c += 16) {
             _mm512_storeu_ps(kt + i * dim + c, widen16(kb, e + c, format));
-            _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
+            if (format >= KV_E4M3) _mm512_storeu_ps(vt + i * dim + c, widen16(vb, e + c, format));
         }
     if (cnt < CHUNK) memset(kt + cnt * dim, 0, sizeof(float) * (CHUNK - cnt) * dim);
 }
@@ -166,7 +259,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     const int64_t block_bytes = (int64_t)block_size * token_stride * kv_size;
     float *kt = scratch, *vt = kt + CHUNK * dim, *ks = vt + CHUNK * dim, *vs = ks + CHUNK;
     float *qf = vs + CHUNK, *acc = qf + heads * dim, *p = acc + heads * dim, *m = p + heads * CHUNK;
-    float *l = m + heads, *rescale = l + heads;
+    float *l = m + heads, *rescale = l + heads, *qs = rescale + heads;
+    int16_t *q16 = (int16_t *)(qs + heads), *kt16 = (int16_t *)kt;
     for (int e = 0; e < heads * dim; e++) {
         qf[e] = load(q, (int64_t)h0 * group * dim + e, bf16);
         acc[e] = 0.f;
@@ -174,6 +268,7 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     for (int g = 0; g < heads; g++) {
         m[g] = -FLT_MAX;
         l[g] = 0.f;
+        if (format == KV_INT8) qs[g] = quantize_query(qf + g * dim, q16 + g * dim, dim);
     }
     const int blocks = (len + block_size - 1) / block_size;
     const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
@@ -212,7 +307,7 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                 switch (format) {
                 case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
                 case KV_BF16: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
-                case KV_INT8: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_INT8, kt, vt); break;
+                case KV_INT8: fill_int16_tile(kb, e, token_stride, cnt, dim, kt16); break;
                 case KV_E4M3: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E4M3, kt, vt); break;
                 default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
                 }
@@ -224,17 +319,9 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                                                    : _mm512_set1_ps(scale);
                 const int g0 = (head - h0) * group;
                 for (int g = g0; g < g0 + group; g++) {    /* 2, 3. scores and the softmax, per query head */
-                    const float *qg = qf + g * dim;
-                    __m512 part[CHUNK];
-                    #pragma GCC unroll 16
-                    for (int i = 0; i < CHUNK; i++) {
-                        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt + i * dim));
-                        #pragma GCC unroll 16
-                        for (int c = 16; c < dim; c += 16)
-                            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(kt + i * dim + c), dot);
-                        part[i] = dot;
-                    }
-                    __m512 s = _mm512_mul_ps(sum16(part), key_scale);
+                    __m512 s = format == KV_INT8
+                        ? _mm512_mul_ps(int_scores(q16 + g * dim, kt16, dim), _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])))
+                        : _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);
                     if (softcap > 0.f) s = soft_cap(s, softcap);
                     const float top = _mm512_mask_reduce_max_ps(valid, s), new_max = top > m[g] ? top : m[g];
                     const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
@@ -247,10 +334,7 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                     const int gb = g0 + group - g < gmax ? g0 + group - g : gmax;
                     float *a = acc + g * dim;
                     const float *pg = p + g * CHUNK, *rg = rescale + g;
-                    if (gb == 4) accumulate(a, pg, rg, vt, cnt, dim, 4);
-                    else if (gb == 3) accumulate(a, pg, rg, vt, cnt, dim, 3);
-                    else if (gb == 2) accumulate(a, pg, rg, vt, cnt, dim, 2);
-                    else accumulate(a, pg, rg, vt, cnt, dim, 1);
+                    accumulate_any(a, pg, rg, vb, vt, e, token_stride, cnt, dim, gb, format);
                 }
             }
         }

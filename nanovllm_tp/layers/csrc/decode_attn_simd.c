@@ -1,16 +1,18 @@
 /* Paged decode attention in AVX-512: decode_attn.c's paged_decode with the same arguments and the same math (fp32
  * products and sums, the per-token scales of a quantized cache applied to the score and to the probability, an
- * online softmax), in another order of fp32 additions. head_dim one of 32, 64, 128, 256; else DECODE_NO_SIMD.
+ * online softmax), in another order of fp32 additions; over an int8 cache the scores are integer dot products of
+ * the query rounded to int16 (see quantize_query). head_dim one of 32, 64, 128, 256; else DECODE_NO_SIMD.
  *
  * A unit of work is a row (or one KV head of a row, where rows are fewer than threads); the query heads of a KV
  * head (GQA's group) share every K/V vector read. A row's visible tokens go by chunks of up to 16 keys of one block,
  * and per KV head:
- *   1. the chunk's K and V vectors of the head are widened once into fp32 tiles (bf16 by a shift, int8 by a
- *      convert, fp8 by its bits), the quantized scales beside them;
- *   2. per query head, 16 partial-product vectors (one per key, head_dim / 16 FMAs each) are reduced by a
- *      transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
+ *   1. the chunk's K vectors of the head are widened once into a tile: fp32 (bf16 by a shift, fp8 by its bits),
+ *      or int16 for int8; the quantized scales beside them;
+ *   2. per query head, 16 partial-product vectors (one per key: head_dim / 16 FMAs, or head_dim / 32 int16 pair
+ *      products) are reduced by a transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
  *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
- *   4. V's tile is read once for up to 4 query heads, whose outputs stay in registers for the chunk.
+ *   4. each V vector is widened once, in place (fp8's, a dozen instructions, through a tile), for up to 4 query
+ *      heads, whose outputs stay in registers for the chunk.
  * The block two ahead (past a row's end: the next row's) is prefetched while one is used, a KV head's lines at a
  * time, with its scales: blocks sit at random places in a large pool, and at 32 rows of a few hundred tokens the KV
  * bytes a step reads are as many as the weights'.
@@ -150,6 +152,32 @@ INLINE __m512 int_scores(const int16_t *q16, const int16_t *kt16, const int dim)
     return _mm512_cvtepi32_ps(_mm512_castps_si512(sum16(part, 1)));
 }
 
+#if defined(__AVX512BF16__)
+#define BF16_SCORES 1
+/* 16 scores (unscaled) of the bf16 query at qb against cnt bf16 keys read in place from element e of kb (token
+ * stride token_stride): vdpbf16ps multiplies pairs exactly and sums them in fp32, so no tile is filled; keys past
+ * cnt are not read (a masked load) and score 0 */
+INLINE __m512 bf16_scores(const uint16_t *qb, const char *kb, int64_t e, int64_t token_stride, int cnt,
+                          const int dim)
+{
+    const uint16_t *k = (const uint16_t *)kb + e;
+    __m512 part[CHUNK];
+    #pragma GCC unroll 16
+    for (int i = 0; i < CHUNK; i++) {
+        const __mmask32 keep = i < cnt ? ~(__mmask32)0 : 0;
+        __m512 dot = _mm512_setzero_ps();
+        #pragma GCC unroll 8
+        for (int c = 0; c < dim; c += 32)
+            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qb + c),
+                                   (__m512bh)_mm512_maskz_loadu_epi16(keep, k + i * token_stride + c));
+        part[i] = dot;
+    }
+    return sum16(part, 0);
+}
+#else
+#define BF16_SCORES 0
+#endif
+
 /* The int16 key tile of cnt int8 keys from element e of kb (token stride token_stride); rows past cnt zero */
 INLINE void fill_int16_tile(const char *kb, int64_t e, int64_t token_stride, int cnt, const int dim, int16_t *kt16)
 {
@@ -211,9 +239,9 @@ INLINE void accumulate_any(float *acc, const float *p, const float *rescale, con
 #undef ACC
 }
 
-/* Per thread: K and V tiles, their scales, then per query head of the item: query, output, softmax weights of
- * the chunk, running max, sum and the chunk's rescale; and for an int8 cache the query in int16 and its scale. */
-#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + 2 * CHUNK + (size_t)(heads) * (5 * (dim) / 2 + CHUNK + 4))
+/* Per thread: K and V tiles, then per query head of the item: query, output, softmax weights of the chunk, running
+ * max, sum and the chunk's rescale, and the query in 16 bits (int8 caches: with its scale; bf16: as given). */
+#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + (size_t)(heads) * (5 * (dim) / 2 + CHUNK + 4))
 #define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (2, 3, 4 measured alike) */
 
 /* bytes from p into L2: the hint T1, as the linear kernels (into L1 was 20-35% slower on an AMD EPYC, NTA too) */
@@ -257,8 +285,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     const int64_t token_stride = (int64_t)kv_heads * dim;
     const int64_t kv_size = format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1, head_bytes = dim * kv_size;
     const int64_t block_bytes = (int64_t)block_size * token_stride * kv_size;
-    float *kt = scratch, *vt = kt + CHUNK * dim, *ks = vt + CHUNK * dim, *vs = ks + CHUNK;
-    float *qf = vs + CHUNK, *acc = qf + heads * dim, *p = acc + heads * dim, *m = p + heads * CHUNK;
+    float *kt = scratch, *vt = kt + CHUNK * dim;
+    float *qf = vt + CHUNK * dim, *acc = qf + heads * dim, *p = acc + heads * dim, *m = p + heads * CHUNK;
     float *l = m + heads, *rescale = l + heads, *qs = rescale + heads;
     int16_t *q16 = (int16_t *)(qs + heads), *kt16 = (int16_t *)kt;
     for (int e = 0; e < heads * dim; e++) {
@@ -269,6 +297,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
         m[g] = -FLT_MAX;
         l[g] = 0.f;
         if (format == KV_INT8) qs[g] = quantize_query(qf + g * dim, q16 + g * dim, dim);
+        if (format == KV_BF16 && BF16_SCORES)      /* bf16 queries as they are */
+            memcpy(q16 + g * dim, (const uint16_t *)q + (int64_t)(h0 * group + g) * dim, sizeof(int16_t) * dim);
     }
     const int blocks = (len + block_size - 1) / block_size;
     const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
@@ -306,29 +336,39 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                     }
                 switch (format) {
                 case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
-                case KV_BF16: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
+                case KV_BF16: if (!BF16_SCORES) fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
                 case KV_INT8: fill_int16_tile(kb, e, token_stride, cnt, dim, kt16); break;
                 case KV_E4M3: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E4M3, kt, vt); break;
                 default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
                 }
-                for (int i = 0; quantized && i < CHUNK; i++) {
-                    ks[i] = i < cnt ? k_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
-                    vs[i] = i < cnt ? v_scale[scale_row + (int64_t)i * kv_heads] : 0.f;
-                }
-                const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_loadu_ps(ks))
-                                                   : _mm512_set1_ps(scale);
+                /* the chunk's scales: every kv_heads-th float from scale_row, lanes past cnt 0 */
+                const __m512i strided = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                             12, 13, 14, 15),
+                                                           _mm512_set1_epi32(kv_heads));
+                const __m512 ks = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,
+                                                                       k_scale + scale_row, 4) : _mm512_setzero_ps();
+                const __m512 vs = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,
+                                                                       v_scale + scale_row, 4) : _mm512_setzero_ps();
+                const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), ks) : _mm512_set1_ps(scale);
                 const int g0 = (head - h0) * group;
                 for (int g = g0; g < g0 + group; g++) {    /* 2, 3. scores and the softmax, per query head */
-                    __m512 s = format == KV_INT8
-                        ? _mm512_mul_ps(int_scores(q16 + g * dim, kt16, dim), _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])))
-                        : _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);
+                    __m512 s;
+                    if (format == KV_INT8)
+                        s = _mm512_mul_ps(int_scores(q16 + g * dim, kt16, dim),
+                                          _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])));
+#if BF16_SCORES
+                    else if (format == KV_BF16)
+                        s = _mm512_mul_ps(bf16_scores(q16 + g * dim, kb, e, token_stride, cnt, dim), key_scale);
+#endif
+                    else
+                        s = _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);
                     if (softcap > 0.f) s = soft_cap(s, softcap);
                     const float top = _mm512_mask_reduce_max_ps(valid, s), new_max = top > m[g] ? top : m[g];
                     const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
                     rescale[g] = expf(m[g] - new_max);
                     l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(w);
                     m[g] = new_max;
-                    _mm512_storeu_ps(p + g * CHUNK, quantized ? _mm512_mul_ps(w, _mm512_loadu_ps(vs)) : w);
+                    _mm512_storeu_ps(p + g * CHUNK, quantized ? _mm512_mul_ps(w, vs) : w);
                 }
                 for (int g = g0; g < g0 + group; g += gmax) {  /* 4. V, shared by up to gmax query heads */
                     const int gb = g0 + group - g < gmax ? g0 + group - g : gmax;

@@ -112,7 +112,7 @@ def main(argv=None) -> None:
             llm.close()
         shutil.rmtree(rundir, ignore_errors=True)
         if signals is not None:
-            signals.done.set()
+            signals.finished()
     if not signals.received:
         raise SystemExit(f"the HTTP process exited with {front.returncode}")
     logging.getLogger("nanovllm_tp").info("rank 0: stopped by %s", signal.Signals(signals.received[0]).name)

@@ -22,6 +22,7 @@ class StopSignals:
         process, when the main thread has not set `done` within `timeout` seconds of the first signal."""
         self.received: list[int] = []
         self.done = threading.Event()
+        self._cutting = threading.Event()       # the watcher gave up on the main thread: 143 is on its way
         self._timeout, self._emergency = timeout, emergency
         self._wake, wake_w = socket.socketpair()
         wake_w.setblocking(False)
@@ -29,10 +30,18 @@ class StopSignals:
         signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        threading.Thread(target=self._watch, name="stop-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="stop-watch", daemon=True)
+        self._watcher.start()
 
     def _on_signal(self, signum, frame) -> None:
         self.received.append(signum)
+
+    def finished(self) -> None:
+        """The main thread's cleanup is over. Where the watcher already gave up on it (killing the ranks is what
+        freed the main thread), the watcher's exit with 143 is on its way: wait for it instead of exiting 0."""
+        self.done.set()
+        if self._cutting.is_set():
+            self._watcher.join(60)
 
     def _watch(self) -> None:
         try:
@@ -41,6 +50,7 @@ class StopSignals:
             return
         if self.done.wait(self._timeout):
             return
+        self._cutting.set()
         log.error("shutdown: the engine did not stop within %.0f s of the signal (--shutdown-timeout); every "
                   "rank is killed", self._timeout)
         try:

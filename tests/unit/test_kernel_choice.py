@@ -142,3 +142,19 @@ def test_amx_falls_back_unless_the_cpu_has_it_and_linux_grants_it():
     state = cpu_features.amx_state(amx)
     assert state == "granted" if amx <= cpu_features.cpu_flags() else state.startswith("denied: ")
     assert cpu_features.amx() == ("absent" if not amx <= cpu_features.cpu_flags() else state)
+
+
+def test_the_cache_path_names_every_candidate_however_little_was_imported():
+    """bench_kernels --fresh deletes cache_path() before any engine has imported the kernels: a process that
+    imported kernel_choice alone must name the file an engine reads (its key names every registered candidate)."""
+    import subprocess
+    import sys
+    code = ("import torch; torch.set_num_threads(1); from nanovllm_tp.layers import kernel_choice; "
+            "print(kernel_choice.cache_path(torch.float32))")
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                # the thread count is part of the key
+        assert alone == str(kernel_choice.cache_path(torch.float32))
+    finally:
+        torch.set_num_threads(threads)

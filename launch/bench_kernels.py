@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
             kwargs = {**engine_kwargs(args), "packed_linear": mode}
             if mode == "auto" and args.fresh:
                 import torch
-                from nanovllm_tp.layers import kernel_choice
+                from nanovllm_tp.layers import kernel_choice, packed_linear  # noqa: F401  (its kernels register)
                 dtype = {"auto": torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
                 kernel_choice.cache_path(dtype).unlink(missing_ok=True)
             t0 = time.perf_counter()

@@ -74,8 +74,10 @@ class ChosenWeight:
 
 
 def cache_path(dtype: torch.dtype) -> pathlib.Path:
-    """The table file of this CPU, source version, torch, thread count and candidate set for dtype."""
-    from nanovllm_tp.layers import packed_linear     # noqa: F401  registers the candidates the key names
+    """The table file of this CPU, source version, torch, thread count and candidate set for dtype. The candidates
+    register when their modules are imported (packed_linear.py): before that the key would name another file."""
+    if not CANDIDATES:
+        raise RuntimeError("no linear kernel has registered yet: import nanovllm_tp.layers.packed_linear first")
     parts = [cpu_features.cpu_model(), cpu_features.flags_line(), torch.__version__, str(torch.get_num_threads()),
              " ".join(sorted(CANDIDATES)), *(f.read_bytes().hex() for f in (*cpu_build.SOURCES,
                                                                             *cpu_build.HEADERS, *_OWN_FILES))]

@@ -144,17 +144,21 @@ def test_amx_falls_back_unless_the_cpu_has_it_and_linux_grants_it():
     assert cpu_features.amx() == ("absent" if not amx <= cpu_features.cpu_flags() else state)
 
 
-def test_the_cache_path_names_every_candidate_however_little_was_imported():
-    """bench_kernels --fresh deletes cache_path() before any engine has imported the kernels: a process that
-    imported kernel_choice alone must name the file an engine reads (its key names every registered candidate)."""
+def test_the_cache_path_needs_the_candidates_registered():
+    """bench_kernels --fresh deletes cache_path() before any engine has loaded: a process that imported
+    kernel_choice alone must not name a file (its key would lack the candidates: another file than the engine's),
+    and one that imported the kernels as bench_kernels does names the file this process's engines read."""
     import subprocess
     import sys
-    code = ("import torch; torch.set_num_threads(1); from nanovllm_tp.layers import kernel_choice; "
-            "print(kernel_choice.cache_path(torch.float32))")
-    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    head = "import torch; torch.set_num_threads(1); from nanovllm_tp.layers import kernel_choice"
+    tail = "; print(kernel_choice.cache_path(torch.float32))"
+    alone = subprocess.run([sys.executable, "-c", head + tail], capture_output=True, text=True)
+    assert alone.returncode and "import nanovllm_tp.layers.packed_linear first" in alone.stderr
+    registered = subprocess.run([sys.executable, "-c", head + ", packed_linear" + tail], capture_output=True,
+                                text=True, check=True).stdout.strip()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)                # the thread count is part of the key
-        assert alone == str(kernel_choice.cache_path(torch.float32))
+        assert registered == str(kernel_choice.cache_path(torch.float32))
     finally:
         torch.set_num_threads(threads)

@@ -6,10 +6,12 @@
  * A unit of work is a row (or one KV head of a row, where rows are fewer than threads); the query heads of a KV
  * head (GQA's group) share every K/V vector read. A row's visible tokens go by chunks of up to 16 keys of one block,
  * and per KV head:
- *   1. the chunk's K vectors of the head are widened once into a tile: fp32 (bf16 by a shift, fp8 by its bits),
- *      or int16 for int8; the quantized scales beside them;
- *   2. per query head, 16 partial-product vectors (one per key: head_dim / 16 FMAs, or head_dim / 32 int16 pair
- *      products) are reduced by a transpose-add tree into one vector of 16 scores, instead of 16 horizontal sums;
+ *   1. the chunk's K vectors of the head are widened once into a tile: fp32 (fp8 by its bits, bf16 by a shift
+ *      where the CPU lacks AVX-512 BF16; with it bf16 keys are read in place), or int16 for int8; the quantized
+ *      scales beside them (one masked gather each);
+ *   2. per query head, 16 partial-product vectors (one per key: head_dim / 16 FMAs, or head_dim / 32 pair
+ *      products, int16 or bf16) are reduced by a transpose-add tree into one vector of 16 scores, instead of 16
+ *      horizontal sums;
  *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
  *   4. each V vector is widened once, in place (fp8's, a dozen instructions, through a tile), for up to 4 query
  *      heads, whose outputs stay in registers for the chunk.
@@ -184,7 +186,8 @@ INLINE void fill_int16_tile(const char *kb, int64_t e, int64_t token_stride, int
     for (int i = 0; i < cnt; i++, e += token_stride)
         #pragma GCC unroll 8
         for (int c = 0; c < dim; c += 32)
-            _mm512_storeu_si512(kt16 + i * dim + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + e + c))));
+            _mm512_storeu_si512(kt16 + i * dim + c,
+                                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(kb + e + c))));
     if (cnt < CHUNK) memset(kt16 + cnt * dim, 0, sizeof(int16_t) * (CHUNK - cnt) * dim);
 }
 
@@ -300,6 +303,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
         if (format == KV_BF16 && BF16_SCORES)      /* bf16 queries as they are */
             memcpy(q16 + g * dim, (const uint16_t *)q + (int64_t)(h0 * group + g) * dim, sizeof(int16_t) * dim);
     }
+    const __m512i strided = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(kv_heads));     /* a chunk's scales, per key */
     const int blocks = (len + block_size - 1) / block_size;
     const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
     const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
@@ -342,9 +347,6 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                 default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
                 }
                 /* the chunk's scales: every kv_heads-th float from scale_row, lanes past cnt 0 */
-                const __m512i strided = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                             12, 13, 14, 15),
-                                                           _mm512_set1_epi32(kv_heads));
                 const __m512 ks = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,
                                                                        k_scale + scale_row, 4) : _mm512_setzero_ps();
                 const __m512 vs = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,

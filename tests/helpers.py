@@ -76,9 +76,8 @@ def greedy_then_prefix_hits(llm, prompts, params, repeat: int) -> tuple[list[lis
 def kernel_cache(tmp_path, monkeypatch):
     """A fresh cache directory (XDG_CACHE_HOME, so spawned ranks see it too) without kernel tables, holding a link
     to the compiled CPU kernels of the usual one (not built again)."""
-    import shutil
     from nanovllm_tp.layers import cpu_build
-    built = cpu_build.build_library(shutil.which(os.environ.get("CC", "cc")))
+    built = cpu_build.build_library(cpu_build.compiler())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cpu_build.cache_dir().mkdir(parents=True)
     (cpu_build.cache_dir() / built.name).symlink_to(built)

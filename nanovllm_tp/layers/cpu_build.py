@@ -6,6 +6,7 @@ import hashlib
 import importlib.resources
 import os
 import pathlib
+import shutil
 import subprocess
 import tempfile
 
@@ -18,6 +19,11 @@ SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "kv_store.c", "sampler.c",
 # included by the sources: copied beside them and part of the build's key
 HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "layer_kernels.h", "lora.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+
+def compiler() -> str | None:
+    """The C compiler's path: $CC, else cc; None where neither is found."""
+    return shutil.which(envs.get("CC") or "cc")
 
 
 def cache_dir() -> pathlib.Path:

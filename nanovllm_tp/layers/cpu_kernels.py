@@ -16,13 +16,12 @@ import ctypes
 import functools
 import logging
 import pathlib
-import shutil
 import subprocess
 
 import torch
 
 from nanovllm_tp import envs
-from nanovllm_tp.layers.cpu_build import build_library
+from nanovllm_tp.layers import cpu_build
 from nanovllm_tp.layers.sampler_kernels import SamplerKernels, _rows_contiguous
 
 log = logging.getLogger("nanovllm_tp")
@@ -241,12 +240,12 @@ class CpuKernels(SamplerKernels):
 @functools.cache
 def load() -> CpuKernels | None:
     """The kernels, or None (logged once) where they cannot be built here."""
-    compiler = shutil.which(envs.get("CC", "cc"))
+    compiler = cpu_build.compiler()
     if compiler is None:
         log.warning("no C compiler found ($CC or cc): CPU layers run as plain torch ops (slower)")
         return None
     try:
-        return CpuKernels(build_library(compiler))
+        return CpuKernels(cpu_build.build_library(compiler))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("could not build the CPU kernels (%s): CPU layers run as plain torch ops (slower)", e)
         return None

@@ -103,7 +103,7 @@ def plain_kernels(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("plain-build")))
         mp.setattr(cpu_build, "CFLAGS", [f for f in flags if f != "-march=native"])
-        kernels = cpu_kernels.CpuKernels(cpu_build.build_library(os.environ.get("CC", "cc")))
+        kernels = cpu_kernels.CpuKernels(cpu_build.build_library(cpu_build.compiler()))
     assert not kernels.linear_dtypes, "built with AVX-512 all the same"
     return kernels
 

@@ -19,6 +19,7 @@ import pathlib
 
 from nanovllm_tp.config import add_engine_args, engine_kwargs
 from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.launch import bench_compare
 from nanovllm_tp.launch.bench_engine import run_engine, summarize_runs, warm_up_engine
 
 NAME = "bench_kv"
@@ -40,10 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def agreement(base: list[list[int]], other: list[list[int]]) -> dict:
     """Requests with identical tokens, and the tokens before each request's first difference over all tokens."""
-    same = sum(a == b for a, b in zip(base, other))
-    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                 for a, b in zip(base, other))
-    return {"identical_requests": same, "requests": len(base), "prefix_share": prefix / sum(map(len, base))}
+    a = bench_compare.agreement(base, other)
+    return {"identical_requests": a["identical"], "requests": a["requests"],
+            "prefix_share": a["tokens_before_first_difference"] / a["tokens"]}
 
 
 def perplexity(llm, path: str, window: int) -> float:

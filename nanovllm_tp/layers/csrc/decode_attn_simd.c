@@ -156,9 +156,9 @@ INLINE __m512 int_scores(const int16_t *q16, const int16_t *kt16, const int dim)
 
 #if defined(__AVX512BF16__)
 #define BF16_SCORES 1
-/* 16 scores (unscaled) of the bf16 query at qb against cnt bf16 keys read in place from element e of kb (token
- * stride token_stride): vdpbf16ps multiplies pairs exactly and sums them in fp32, so no tile is filled; keys past
- * cnt are not read (a masked load) and score 0 */
+/* 16 scores (unscaled) of the bf16 query at qb (read where the caller holds it) against cnt bf16 keys read in
+ * place from element e of kb (token stride token_stride): vdpbf16ps multiplies pairs exactly and sums them in fp32,
+ * so no tile is filled; keys past cnt are not read (a masked load) and score 0 */
 INLINE __m512 bf16_scores(const uint16_t *qb, const char *kb, int64_t e, int64_t token_stride, int cnt,
                           const int dim)
 {
@@ -243,7 +243,7 @@ INLINE void accumulate_any(float *acc, const float *p, const float *rescale, con
 }
 
 /* Per thread: K and V tiles, then per query head of the item: query, output, softmax weights of the chunk, running
- * max, sum and the chunk's rescale, and the query in 16 bits (int8 caches: with its scale; bf16: as given). */
+ * max, sum and the chunk's rescale, and for an int8 cache the query in int16 and its scale. */
 #define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + (size_t)(heads) * (5 * (dim) / 2 + CHUNK + 4))
 #define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (2, 3, 4 measured alike) */
 
@@ -300,8 +300,6 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
         m[g] = -FLT_MAX;
         l[g] = 0.f;
         if (format == KV_INT8) qs[g] = quantize_query(qf + g * dim, q16 + g * dim, dim);
-        if (format == KV_BF16 && BF16_SCORES)      /* bf16 queries as they are */
-            memcpy(q16 + g * dim, (const uint16_t *)q + (int64_t)(h0 * group + g) * dim, sizeof(int16_t) * dim);
     }
     const __m512i strided = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                _mm512_set1_epi32(kv_heads));     /* a chunk's scales, per key */
@@ -360,7 +358,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                                           _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])));
 #if BF16_SCORES
                     else if (format == KV_BF16)
-                        s = _mm512_mul_ps(bf16_scores(q16 + g * dim, kb, e, token_stride, cnt, dim), key_scale);
+                        s = _mm512_mul_ps(bf16_scores((const uint16_t *)q + (int64_t)h0 * group * dim + g * dim, kb, e,
+                                                      token_stride, cnt, dim), key_scale);
 #endif
                     else
                         s = _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);

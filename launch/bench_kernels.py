@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     bc.add_workload_args(parser, num_requests=32)
     parser.add_argument("--modes", nargs="+", default=["auto", "c", "onednn"],
-                        choices=["auto", "c", "bf16", "onednn", "off"], help="packed_linear values compared")
+                        choices=["auto", "c+onednn", "c", "bf16", "onednn", "off"], help="packed_linear values compared")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fresh", action="store_true", help="measure the kernel table anew (delete the cached one)")
     parser.add_argument("--one-prompt-len", type=int, default=128)

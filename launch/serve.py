@@ -97,10 +97,10 @@ def main(argv=None) -> None:
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
         try:
-            loop = EngineLoop(llm, commands, outputs, loras)
+            loop = EngineLoop(llm, commands, outputs, lambda: front.poll() is None, loras)
         except ValueError as exc:       # an adapter of --lora-modules
             raise SystemExit(f"serve: --lora-modules: {exc}") from None
-        loop.run(lambda: not signals.received and front.poll() is None)
+        loop.run(lambda: not signals.received)
         if signals.received:
             loop.stop(f"the server is shutting down ({signal.Signals(signals.received[0]).name})")
     finally:

@@ -73,9 +73,11 @@ class EngineConfig:
                                          "by layer through the modules (comparisons)")
     packed_linear: str = knob(help="CPU linear kernels: auto (the fastest per weight shape and row count, measured "
                                    "on this CPU at load and cached; LLM.stats()['linear_kernels']), or one forced "
-                                   "for comparisons: c (csrc/linear.c where it runs, else oneDNN), bf16 (c for "
-                                   "bf16 weights only), onednn, off (F.linear); default from "
-                                   "$NANOVLLM_TP_PACKED_LINEAR", choices=("auto", "c", "bf16", "onednn", "off"),
+                                   "for comparisons: c+onednn (the table an AMX CPU measures, on any CPU: c up to "
+                                   "8 rows, oneDNN from 9), c (csrc/linear.c where it runs, else oneDNN), bf16 (c "
+                                   "for bf16 weights only), onednn, off (F.linear); default from "
+                                   "$NANOVLLM_TP_PACKED_LINEAR",
+                              choices=("auto", "c+onednn", "c", "bf16", "onednn", "off"),
                               default_factory=_env_packed_linear)
     quantization: str = knob("auto", help="weights: auto (a .gguf's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K "
                                           "and Q6_K tensors stay quantized on CPU, run by AVX-512 VNNI kernels; dequantized at load where those "

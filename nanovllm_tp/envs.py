@@ -11,7 +11,7 @@ import os
 VARIABLES = {
     # engine knob defaults (EngineConfig fields of the same meaning)
     "NANOVLLM_TP_CPU_KERNELS": "default of cpu_kernels: 0 runs CPU layers and the sampler as torch ops",
-    "NANOVLLM_TP_PACKED_LINEAR": "default of packed_linear: auto (1, all), c, bf16, onednn, off (0)",
+    "NANOVLLM_TP_PACKED_LINEAR": "default of packed_linear: auto (1, all), c+onednn, c, bf16, onednn, off (0)",
     "NANOVLLM_TP_SHM_ALLREDUCE": "default of shm_allreduce: 0 keeps gloo for every all-reduce of same-node ranks",
     # trust (distributed/trust.py)
     "NANOVLLM_TP_SECRET": "the engine secret of a torchrun launch (its contents)",

@@ -39,6 +39,11 @@ log = logging.getLogger("nanovllm_tp")
 _OWN_FILES = tuple(pathlib.Path(m.__file__) for m in (kernel_table, kernel_timing)) + (pathlib.Path(__file__),)
 
 INVARIANT = "c"            # the kernel whose every row is the same sum at any row count (csrc/linear.c)
+# The table an Intel Xeon with AMX measures (csrc/linear.c up to 8 rows, oneDNN's AMX tiles from 9): the
+# packed_linear="c+onednn" knob forces it on any CPU where both kernels run, so that the kernel paths such a CPU
+# takes (the fused C decode layers for small batches, the modules through oneDNN for large ones and for prefill)
+# are exercised on every machine.
+AMX_TABLE = ("c", "c", "c", "onednn", "onednn", "onednn", "onednn")
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,9 +90,12 @@ def cache_path(dtype: torch.dtype) -> pathlib.Path:
     return cpu_build.cache_dir() / f"kernel-choice-{str(dtype).removeprefix('torch.')}-{key}.json"
 
 
-def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int, ChosenWeight | None]:
+def choose(weights: list[torch.Tensor], row_invariant: bool = False,
+           fixed: tuple[str, ...] | None = None) -> dict[int, ChosenWeight | None]:
     """For each dense weight (one rank's linear layers and LM head), by id: its ChosenWeight, or None where no
-    candidate runs it (F.linear). Tables read from the cache, or measured and added to it. With row_invariant
+    candidate runs it (F.linear). Tables read from the cache, or measured and added to it; `fixed` (a winner per
+    bucket, e.g. AMX_TABLE) instead of either: nothing measured, a bucket whose kernel cannot run a weight takes
+    the first candidate that can. With row_invariant
     (speculative decoding) a weight the C kernel runs takes it in every decode bucket (up to 64 rows) whatever
     the table says: it computes each row alike at any row count, so a verify step's 1 + k rows get the logits
     that plain decoding's one row gets (oneDNN's bf16 sums do not: its rounding flips near ties between the
@@ -110,6 +118,8 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False) -> dict[int
         path, shapes, _ = tables[dtype]
         names = [c.name for c in cands]
         choice = None if len(cands) > 1 else ShapeChoice(shape, dname, (names[0],) * len(BUCKETS), {})
+        if choice is None and fixed is not None:
+            choice = ShapeChoice(shape, dname, tuple(n if n in names else names[0] for n in fixed), {})
         if choice is None:
             choice = cached_choice(shapes.get(f"{shape[0]}x{shape[1]}"), names, shape, dname)
         if choice is None:

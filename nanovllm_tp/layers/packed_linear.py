@@ -6,8 +6,8 @@ the C kernels in csrc/linear.c (bf16 with AVX-512 BF16, fp32 with AVX-512F), int
 CPU has them), or both. fp32 sums then come in the kernel's order (each output's sum over k in order) rather than
 the BLAS order transformers uses, so a greedy token can flip at a near tie. The engine's packed_linear knob picks:
 auto (the default) the faster of the two per weight shape and row-count bucket, measured on this CPU and cached
-(kernel_choice.py, where both are registered as candidates), c csrc/linear.c wherever it runs (oneDNN
-elsewhere), bf16 csrc/linear.c for bf16 weights only (fp32 in the BLAS order), onednn oneDNN for both dtypes
+(kernel_choice.py, where both are registered as candidates), c+onednn the table an AMX CPU measures forced on
+any CPU (csrc/linear.c up to 8 rows, oneDNN from 9), c csrc/linear.c wherever it runs (oneDNN elsewhere), bf16 csrc/linear.c for bf16 weights only (fp32 in the BLAS order), onednn oneDNN for both dtypes
 (vLLM's CPU build uses oneDNN too), off F.linear everywhere. Quantized weights (GGUF blocks, or int8) are packed
 for csrc/linear_q.c whatever packed_linear says.
 """
@@ -82,7 +82,9 @@ def pack_cpu_weights(model: nn.Module, mode: str, int8: bool = False, row_invari
     dense = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "packed") and m.packs_dense
              and getattr(m.weight, "blocks", None) is None and not (int8 and m.weight.shape[1] % quant.BLOCK == 0)}
     # auto: every dense weight's kernels chosen together, each shape timed on its layers' own weights
-    chosen = kernel_choice.choose([w for w in dense.values() if w.is_cpu], row_invariant) if mode == "auto" else {}
+    fixed = kernel_choice.AMX_TABLE if mode == "c+onednn" else None
+    chosen = (kernel_choice.choose([w for w in dense.values() if w.is_cpu], row_invariant, fixed)
+              if mode in ("auto", "c+onednn") else {})
     for m in model.modules():
         if not hasattr(m, "packed"):
             continue

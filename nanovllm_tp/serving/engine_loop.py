@@ -11,7 +11,10 @@ HTTP side spends per step on 64 streams.
 Between two steps the loop takes every command that arrived (adds join the next step: continuous batching
 across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
 figures for /metrics; idle, it still sends those figures every HEARTBEAT_S, so that a silent loop means a stuck
-one (/health). A batch with a structured output is added once its grammar has compiled (in the backend's threads,
+one (/health). A PUSH socket whose only peer is gone blocks a send for ever, so every send waits at most
+SEND_WAIT_MS at a time and asks between two waits whether the HTTP process still lives: a killed HTTP process ends
+the loop within a fraction of a second, whether it died between two steps, during a step or just before a
+heartbeat. A batch with a structured output is added once its grammar has compiled (in the backend's threads,
 LLM.prepare), so no step waits for a compile; a compile that fails or runs past its time limit is that request's
 400. When the engine fails, the HTTP process is told once and the loop only waits to be stopped: the server
 answers 503 from then on.
@@ -28,6 +31,11 @@ log = logging.getLogger("nanovllm_tp")
 IDLE_POLL_MS = 200
 HEARTBEAT_S = 1.0
 COMPILE_POLL_MS = 2        # how often an idle loop looks at compiles in flight
+SEND_WAIT_MS = 100         # a send that cannot go out (HTTP process slow, or gone) re-checks its peer this often
+
+
+class HttpProcessGone(Exception):
+    """The HTTP process died: nobody is left to send outputs to."""
 
 
 def scheduler_stats(llm) -> dict:
@@ -39,10 +47,12 @@ def scheduler_stats(llm) -> dict:
 
 
 class EngineLoop:
-    def __init__(self, llm, commands: str, outputs: str, loras=()):
+    def __init__(self, llm, commands: str, outputs: str, http_alive, loras=()):
         """`commands` and `outputs`: the ipc:// endpoints to bind (in a directory only this user can enter);
-        `loras`: the (name, path) adapters served from the start (ids 1, 2, ...), checked here (ValueError)."""
+        `http_alive()`: whether the HTTP process still runs; `loras`: the (name, path) adapters served from the
+        start (ids 1, 2, ...), checked here (ValueError)."""
         self.llm = llm
+        self._http_alive = http_alive
         adapters = [llm.loras.check(LoRARequest(name, i + 1, path)) for i, (name, path) in enumerate(loras)]
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PULL)
@@ -53,14 +63,22 @@ class EngineLoop:
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
-        self._send({"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
-                    "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]})
+        self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
+                       "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]}
 
     def run(self, keep_going) -> None:
-        """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS). Idle, the
-        loop still speaks every HEARTBEAT_S: the HTTP process reads its silence as a stuck engine."""
+        """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS) or the HTTP
+        process is gone. Idle, the loop still speaks every HEARTBEAT_S: the HTTP process reads its silence as a
+        stuck engine."""
+        try:
+            self._send(self._ready)
+            self._serve(keep_going)
+        except HttpProcessGone:
+            log.error("engine loop: the HTTP process is gone; stopping")
+
+    def _serve(self, keep_going) -> None:
         dead = False
-        while keep_going():
+        while keep_going() and self._http_alive():
             busy = not dead and self.llm.has_unfinished_requests()
             changed = self._admit_compiled(dead)
             if self._commands.poll(0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS):
@@ -106,7 +124,15 @@ class EngineLoop:
         self._ctx.destroy(linger=0)
 
     def _send(self, msg: dict) -> None:
-        self._outputs.send(wire.pack(msg), copy=False)
+        data = wire.pack(msg)
+        while True:
+            try:
+                self._outputs.send(data, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:          # no peer (not connected yet, or dead), or its queue full
+                if not self._http_alive():
+                    raise HttpProcessGone from None
+                self._outputs.poll(SEND_WAIT_MS, zmq.POLLOUT)
         self._last_sent = time.monotonic()
 
     def _take_commands(self, dead: bool) -> bool:

@@ -338,13 +338,28 @@ def _frontend(pid: int) -> int:
     return next(p for p in _children(pid) if "nanovllm_tp.serving.frontend" in _cmdline(p))
 
 
+HTTP_DEATH_SEEN_WITHIN = 10.0      # seconds from kill -9 of the HTTP process to the engine process's exit
+
+
 @pytest.mark.slow
-def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir):
-    port, ctx = start_server(tiny_model_dir)
+@pytest.mark.parametrize("kernels", ["auto", "c+onednn"])
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "streaming"])
+def test_the_engine_process_exits_when_its_http_process_dies(tiny_model_dir, kernels, busy):
+    """kill -9 of the HTTP process, idle or while a stream runs: the engine process sees it within seconds and
+    exits, under either kernel table (this CPU's, or the one an AMX CPU measures). A send on the outputs socket
+    whose peer is gone would block for ever (ZMQ PUSH): a stream sends every step, so it hit that every time."""
+    port, ctx = start_server(tiny_model_dir, "--packed-linear", kernels)
     with ctx as proc:
         wait_ready(port, proc)
-        os.kill(_frontend(proc.pid), signal.SIGKILL)
+        front = _frontend(proc.pid)
+        if busy:
+            stream = client(port).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400, stream=True,
+                                                     temperature=0, extra_body={"ignore_eos": True})
+            next(iter(stream))
+        os.kill(front, signal.SIGKILL)
+        start = time.monotonic()
         assert proc.wait(timeout=GONE_WITHIN) != 0
+        assert time.monotonic() - start < HTTP_DEATH_SEEN_WITHIN
         assert not rundirs(proc.pid)
 
 

@@ -19,6 +19,12 @@ from tests.helpers import hf_greedy, mixed_prompts
 
 TOKENS = 8
 GAP = 0.25
+# Where a tiny random model's near ties fall depends on the CPU's rounding (on one Intel Xeon with AMX three
+# prompts left fewer than TOKENS decisive steps): eight prompts leave 24-59 of their 64 steps decisive on the
+# int8 references (TP 1 and 2, seeds 0-11), so the floor of MIN_COMPARED holds on any CPU and still fails an
+# engine that parts from the reference early.
+PROMPT_LENGTHS = (1, 20, 70, 5, 33, 12, 48, 2)
+MIN_COMPARED = 2 * TOKENS
 LOGPROB_TOL = 0.3
 ROW_PARALLEL = ("o_proj", "down_proj")      # layers whose inputs the engine splits across ranks
 
@@ -61,7 +67,7 @@ def reference_run(ref, prompt: list[int]) -> tuple[list[int], list[float], torch
 def assert_follows_reference(model: str, ref, exact: bool = False, **knobs) -> dict:
     """The engine's greedy tokens on fixed prompts are the reference's up to its first near tie (exact: all of
     them), its logprobs of the reference's tokens within LOGPROB_TOL; returns the engine's stats()."""
-    prompts = mixed_prompts(ref.config.vocab_size, lengths=(1, 20, 70), seed=9)
+    prompts = mixed_prompts(ref.config.vocab_size, lengths=PROMPT_LENGTHS, seed=9)
     runs = [reference_run(ref, p) for p in prompts]
     llm = LLM(model, max_num_batched_tokens=32, kvcache_block_size=16, kv_cache_memory=32 << 20, **knobs)
     try:
@@ -79,5 +85,5 @@ def assert_follows_reference(model: str, ref, exact: bool = False, **knobs) -> d
         compared += decisive
         ours = torch.tensor([done.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(tokens)])
         assert (ours.double() - logprobs).abs().max() < LOGPROB_TOL
-    assert compared >= TOKENS      # the data leave at least a prompt's worth of decisive steps
+    assert compared >= MIN_COMPARED, compared      # the data leave enough decisive steps to compare
     return stats

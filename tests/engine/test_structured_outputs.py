@@ -251,11 +251,20 @@ SMOL_CASES = [
 @pytest.mark.slow
 @smollm2
 def test_smollm2_outputs_validate():
+    """A real model's outputs under JSON schemas validate wherever they end by EOS. Whether a small model ends
+    one at all before max_tokens is the model's doing, and where its near ties fall the CPU's (on an Intel Xeon
+    with AMX one sampled row of these eight wrote extra properties until max_tokens): most must end by EOS, and
+    each that does must validate; the others must have run to max_tokens (no other way to end)."""
     with LLM(GGUF, max_model_len=1024) as llm:
         chats = [[{"role": "user", "content": p}] for p, _ in SMOL_CASES]
         params = [structured(json=s, temperature=t, seed=1, max_tokens=200) for _, s in SMOL_CASES for t in (0, 0.8)]
         outs = llm.chat([c for c in chats for _ in range(2)], params, use_tqdm=False)
-        assert_valid_json(outs, [s for _, s in SMOL_CASES for _ in range(2)])
+        schemas = [s for _, s in SMOL_CASES for _ in range(2)]
+        ended = [(o, s) for o, s in zip(outs, schemas) if o.outputs[0].finish_reason == "stop"]
+        assert len(ended) >= len(outs) - 2, [o.outputs[0].text for o in outs]
+        assert_valid_json(*zip(*ended))
+        for out in outs:
+            assert out.outputs[0].finish_reason == "stop" or len(out.outputs[0].token_ids) == 200
         expr, obj = llm.chat([[{"role": "user", "content": "Write an arithmetic expression that equals 10."}],
                               [{"role": "user",
                                 "content": "Reply with only a JSON object holding a cat's name and age."}]],

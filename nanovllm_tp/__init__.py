@@ -2,6 +2,8 @@
 
 `LLM` is imported lazily so that `nanovllm_tp.scheduler` (pure Python + numpy) never pulls in torch.
 """
+__version__ = "0.1.0"
+
 from nanovllm_tp.lora import LoRARequest
 from nanovllm_tp.pooling_params import PoolingParams
 from nanovllm_tp.sampling_params import SamplingParams

@@ -105,7 +105,7 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False,
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
     copy_bytes = min(COPY_BYTES, sum(w.nbytes for w in weights))
-    out, tables, started = {}, {}, time.perf_counter()
+    out, tables, started, measuring = {}, {}, time.perf_counter(), False
     for (shape, dtype), ws in groups.items():
         cands = [c for c in CANDIDATES.values() if c.can_run(ws[0])]
         if not cands:
@@ -123,6 +123,10 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False,
         if choice is None:
             choice = cached_choice(shapes.get(f"{shape[0]}x{shape[1]}"), names, shape, dname)
         if choice is None:
+            if not measuring:
+                measuring = True
+                cpu_build.first_run_notice("measuring the linear kernels on this CPU once per model shape (a few "
+                                           f"seconds; cached in {path.parent})...")
             choice = measure(cands, ws, copy_bytes)
             if not choice.disturbed:
                 shapes[choice.key] = {"winners": choice.winners, "us": choice.micros}

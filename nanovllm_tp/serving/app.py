@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm_tp import __version__
 from nanovllm_tp.serving.engine_client import EngineClient
 from nanovllm_tp.serving.generate_routes import add_generate_routes
 from nanovllm_tp.serving.inputs import PromptEncoder
@@ -23,7 +24,7 @@ from nanovllm_tp.serving.route_context import RouteContext, ServedModel
 from nanovllm_tp.serving.server_config import ServerConfig
 
 __all__ = ["build_app", "ServedModel", "ApiError", "VERSION"]
-VERSION = "0.1.0"
+VERSION = __version__
 
 
 class ApiKeyCheck:

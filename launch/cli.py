@@ -1,0 +1,92 @@
+"""`nanovllm-tp`: one command, a subcommand per job (as `vllm serve`, `vllm bench`).
+
+    nanovllm-tp serve MODEL --port 8000            # the OpenAI server (MODEL: HF directory, .gguf, or dir with one)
+    nanovllm-tp generate --model MODEL --prompt "The quick brown fox"
+    nanovllm-tp bench [KIND] [flags]               # KIND: throughput (default), latency, serve, tp, kernels, ...
+    nanovllm-tp convert FILE.gguf OUT_DIR          # a GGUF file as a plain HF directory
+    nanovllm-tp --version
+
+Each subcommand is the module `python -m nanovllm_tp.launch.<name>` (or, for a benchmark, its bench module) with
+the same flags: `nanovllm-tp SUBCOMMAND --help` prints them. Under torchrun, run the module form
+(`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 ...`).
+"""
+import importlib
+import sys
+
+# subcommand -> (module, what it does)
+COMMANDS = {
+    "serve": ("nanovllm_tp.launch.serve", "the OpenAI-compatible HTTP server (MODEL positional or --model)"),
+    "generate": ("nanovllm_tp.launch.generate", "print completions for prompts"),
+    "bench": (None, "benchmarks: nanovllm-tp bench KIND --help"),
+    "convert": ("nanovllm_tp.launch.convert", "a .gguf file as a plain HF directory"),
+    "perplexity": ("nanovllm_tp.launch.perplexity", "perplexity of a text through the engine"),
+    "make-tiny": ("nanovllm_tp.launch.make_tiny", "an offline random-weight checkpoint (tests, benchmarks)"),
+    "make-lora": ("nanovllm_tp.launch.make_lora", "random PEFT adapters for a checkpoint"),
+    "soak": ("nanovllm_tp.launch.soak", "the seeded lifecycle soak against a reference engine"),
+    "gpu-check": ("nanovllm_tp.launch.gpu_check", "the one-command GPU check (exactness, throughput)"),
+}
+
+# bench KIND -> (module, what it measures)
+BENCHES = {
+    "throughput": ("nanovllm_tp.launch.bench", "offline throughput; --compare hf | vllm | llamacpp"),
+    "latency": ("nanovllm_tp.launch.bench_latency", "time to first token and per output token"),
+    "serve": ("nanovllm_tp.launch.bench_serve", "the HTTP server under concurrent streams"),
+    "tp": ("nanovllm_tp.launch.bench_tp", "tensor-parallel scaling"),
+    "kernels": ("nanovllm_tp.launch.bench_kernels", "the linear kernel table against each forced kernel"),
+    "kv": ("nanovllm_tp.launch.bench_kv", "KV cache formats side by side"),
+    "quant": ("nanovllm_tp.launch.bench_quant", "a GGUF file quantized against dequantized"),
+    "spec": ("nanovllm_tp.launch.bench_spec", "speculative decoding against plain decoding"),
+    "struct": ("nanovllm_tp.launch.bench_struct", "structured outputs against free text"),
+    "lora": ("nanovllm_tp.launch.bench_lora", "requests with LoRA adapters against the base model"),
+    "embed": ("nanovllm_tp.launch.bench_embed", "embeddings throughput"),
+    "attention": ("nanovllm_tp.launch.bench_attention", "the paged decode attention kernel alone"),
+    "step": ("nanovllm_tp.launch.bench_step", "one step's cost and the plan broadcast"),
+    "limits": ("nanovllm_tp.launch.bench_limits", "what hostile clients cost the server"),
+}
+
+
+def version() -> str:
+    from nanovllm_tp import __version__
+    return __version__
+
+
+def _usage(table: dict, head: str) -> str:
+    width = max(map(len, table))
+    return head + "\n" + "\n".join(f"  {name.ljust(width)}  {what}" for name, (_, what) in table.items())
+
+
+def _run(module: str, argv: list[str], prog: str) -> int:
+    sys.argv[0] = prog           # argparse's usage line names the command the user typed
+    result = importlib.import_module(module).main(argv)
+    return result if isinstance(result, int) else 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(COMMANDS, "usage: nanovllm-tp {--version | SUBCOMMAND [flags]}\n\nsubcommands:"))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name in ("-V", "--version"):
+        print(f"nanovllm-tp {version()}")
+        return 0
+    if name not in COMMANDS:
+        print(f"nanovllm-tp: unknown subcommand {name!r}\n\n" + _usage(COMMANDS, "subcommands:"), file=sys.stderr)
+        return 2
+    if name == "bench":
+        kind = rest[0] if rest and not rest[0].startswith("-") else "throughput"
+        if rest and rest[0] in ("-h", "--help") and len(rest) == 1:
+            print(_usage(BENCHES, "usage: nanovllm-tp bench [KIND] [flags]   (KIND --help: its flags)\n\nkinds:"))
+            return 0
+        if kind not in BENCHES:
+            print(f"nanovllm-tp bench: unknown kind {kind!r}\n\n" + _usage(BENCHES, "kinds:"), file=sys.stderr)
+            return 2
+        rest = rest[1:] if rest and rest[0] == kind else rest
+        return _run(BENCHES[kind][0], rest, f"nanovllm-tp bench {kind}")
+    if name in ("serve", "generate") and rest and not rest[0].startswith("-"):
+        rest = ["--model", rest[0], *rest[1:]]      # `serve MODEL`, as `vllm serve MODEL`
+    return _run(COMMANDS[name][0], rest, f"nanovllm-tp {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

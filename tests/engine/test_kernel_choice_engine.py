@@ -16,7 +16,8 @@ needs_both = pytest.mark.skipif(not (cpu_kernels.load() and torch.float32 in cpu
 # decode rows fall from 9 through every bucket to 1 as requests finish; prefill chunks of up to 48 rows
 LENGTHS = (1, 7, 16, 33, 64, 100, 180, 257, 300)
 MAX_TOKENS = (24, 3, 10, 6, 16, 2, 12, 8, 20)
-KNOBS = dict(kvcache_block_size=16, kv_cache_memory=32 << 20, max_num_batched_tokens=48, dtype="float32")
+KNOBS = dict(kvcache_block_size=16, kv_cache_memory=32 << 20, max_num_batched_tokens=48, dtype="float32",
+             packed_linear="auto")     # whatever $NANOVLLM_TP_PACKED_LINEAR says
 
 
 def greedy_matches_transformers(llm, hf_model, prompts) -> None:

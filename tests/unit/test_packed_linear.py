@@ -130,7 +130,7 @@ def test_bf16_engine_logprobs_follow_transformers_fp32(tiny_model_dir, hf_model)
 
 def test_an_unknown_packing_mode_is_refused(tiny_model_dir, monkeypatch):
     from nanovllm_tp import LLM
-    with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'c', 'bf16', 'onednn', 'off', got 'fp32'"):
+    with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'c\\+onednn', 'c', 'bf16', 'onednn', 'off', got 'fp32'"):
         LLM(tiny_model_dir, kv_cache_memory=16 << 20, packed_linear="fp32")
     monkeypatch.setenv("NANOVLLM_TP_PACKED_LINEAR", "fp32")      # the same through the variable's default
     with pytest.raises(ValueError, match="packed_linear must be one of"):

@@ -28,20 +28,20 @@ COMMANDS = {
 
 # bench KIND -> (module, what it measures)
 BENCHES = {
-    "throughput": ("nanovllm_tp.launch.bench", "offline throughput; --compare hf | vllm | llamacpp"),
-    "latency": ("nanovllm_tp.launch.bench_latency", "time to first token and per output token"),
-    "serve": ("nanovllm_tp.launch.bench_serve", "the HTTP server under concurrent streams"),
-    "tp": ("nanovllm_tp.launch.bench_tp", "tensor-parallel scaling"),
-    "kernels": ("nanovllm_tp.launch.bench_kernels", "the linear kernel table against each forced kernel"),
-    "kv": ("nanovllm_tp.launch.bench_kv", "KV cache formats side by side"),
-    "quant": ("nanovllm_tp.launch.bench_quant", "a GGUF file quantized against dequantized"),
-    "spec": ("nanovllm_tp.launch.bench_spec", "speculative decoding against plain decoding"),
-    "struct": ("nanovllm_tp.launch.bench_struct", "structured outputs against free text"),
-    "lora": ("nanovllm_tp.launch.bench_lora", "requests with LoRA adapters against the base model"),
-    "embed": ("nanovllm_tp.launch.bench_embed", "embeddings throughput"),
-    "attention": ("nanovllm_tp.launch.bench_attention", "the paged decode attention kernel alone"),
-    "step": ("nanovllm_tp.launch.bench_step", "one step's cost and the plan broadcast"),
-    "limits": ("nanovllm_tp.launch.bench_limits", "what hostile clients cost the server"),
+    "throughput": ("nanovllm_tp.bench.throughput", "offline throughput; --compare hf | vllm | llamacpp"),
+    "latency": ("nanovllm_tp.bench.latency", "time to first token and per output token"),
+    "serve": ("nanovllm_tp.bench.serve", "the HTTP server under concurrent streams"),
+    "tp": ("nanovllm_tp.bench.tp", "tensor-parallel scaling"),
+    "kernels": ("nanovllm_tp.bench.kernels", "the linear kernel table against each forced kernel"),
+    "kv": ("nanovllm_tp.bench.kv", "KV cache formats side by side"),
+    "quant": ("nanovllm_tp.bench.quant", "a GGUF file quantized against dequantized"),
+    "spec": ("nanovllm_tp.bench.spec", "speculative decoding against plain decoding"),
+    "struct": ("nanovllm_tp.bench.structured", "structured outputs against free text"),
+    "lora": ("nanovllm_tp.bench.lora", "requests with LoRA adapters against the base model"),
+    "embed": ("nanovllm_tp.bench.embed", "embeddings throughput"),
+    "attention": ("nanovllm_tp.bench.attention", "the paged decode attention kernel alone"),
+    "step": ("nanovllm_tp.bench.step", "one step's cost and the plan broadcast"),
+    "limits": ("nanovllm_tp.bench.limits", "what hostile clients cost the server"),
 }
 
 

@@ -9,7 +9,7 @@ output is fluent nonsense: it shows the engine working, not a language model.
 import argparse
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.config import add_engine_args, engine_kwargs
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 
 
 def build_llm(args) -> LLM:

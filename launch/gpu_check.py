@@ -21,7 +21,7 @@ gpu_check_exact.py, tput in gpu_check_tput.py; what they share (sizes, rows, tok
   tput    Qwen3-0.6B-shaped random weights (make_tiny preset qwen3-0.6b), bf16: graphs vs enforce_eager tokens
           (at most 1 in 8 of 16 prompts differs in its first 8 tokens); tok/s of both on nano-vllm's bench workload
           (256 requests, prompt and output lengths 100..1024, ignore_eos), graph speed-up; engine vs transformers'
-          continuous batching (launch/bench_hf.py's driver) on the first 64 requests
+          continuous batching (bench/hf.py's driver) on the first 64 requests
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.bench import common as bc
 from nanovllm_tp.launch.gpu_check_exact import VARIANTS, check_variant, part_exact
 from nanovllm_tp.launch.gpu_check_rows import DRY, GPU, Row, Sizes, compare_tokens, first_diff, greedy
 from nanovllm_tp.launch.gpu_check_tput import part_tput

@@ -3,7 +3,7 @@ first-position logprobs against transformers fp32 on the CPU, one engine variant
 or eager, prefix-cache hits, chunked prefill, preemption), each checked against what LLM.stats() says it did."""
 from __future__ import annotations
 
-from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.bench import common as bc
 from nanovllm_tp.launch.gpu_check_rows import Row, Sizes, compare_tokens, greedy
 
 HALF_LOGPROB_TOL, FP32_LOGPROB_TOL = 0.25, 1e-2     # |engine - reference| / std(reference), first position
@@ -57,7 +57,7 @@ def part_exact(sizes: Sizes, device: str, add, part: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nanovllm_tp.launch.bench_hf import hf_greedy
+    from nanovllm_tp.bench.hf import hf_greedy
     from nanovllm_tp.launch.make_tiny import ensure_tiny
     if part == "tp2" and device == "cuda" and torch.cuda.device_count() < 2:
         return add(Row(part, "tensor_parallel_size=2", f"needs 2 GPUs, found {torch.cuda.device_count()}", "SKIP"))

@@ -3,7 +3,7 @@ graphs against enforce_eager (tokens, then tok/s on nano-vllm's bench workload) 
 transformers' continuous batching on the first requests."""
 from __future__ import annotations
 
-from nanovllm_tp.launch import bench_common as bc
+from nanovllm_tp.bench import common as bc
 from nanovllm_tp.launch.gpu_check_rows import Row, Sizes, compare_tokens, greedy
 
 
@@ -11,7 +11,7 @@ def part_tput(sizes: Sizes, device: str, add, part: str) -> None:
     import torch
 
     from nanovllm_tp import LLM
-    from nanovllm_tp.launch import bench_engine, bench_hf
+    from nanovllm_tp.bench import engine as bench_engine, hf as bench_hf
     from nanovllm_tp.launch.make_tiny import ensure_tiny
     model = str(ensure_tiny(sizes.preset))
     vocab, dtype, k = bc.model_vocab_size(model), ("float32" if device == "cpu" else "bfloat16"), sizes.hf_requests

@@ -5,7 +5,7 @@ import numpy as np
 
 from nanovllm_tp.scheduler.plan import StepPlan, lora_slots, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
-from nanovllm_tp.pooling_params import CLS, MEAN
+from nanovllm_tp.pooling.params import CLS, MEAN
 from nanovllm_tp.scheduler.scheduled_step import PoolChunk, PromptChunk, ScheduledStep
 from nanovllm_tp.scheduler.sequence import Sequence
 

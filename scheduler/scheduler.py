@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from nanovllm_tp.config import EngineConfig
+from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.scheduler import policy
 from nanovllm_tp.scheduler.admission import Admission
 from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence

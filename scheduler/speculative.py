@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nanovllm_tp.checks import integer
+from nanovllm_tp.utils.checks import integer
 
 # each method's keys besides method and num_speculative_tokens
 METHODS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"),

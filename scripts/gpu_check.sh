@@ -2,7 +2,7 @@
 # One command for the CUDA checks and throughput figures: python -m nanovllm_tp.launch.gpu_check "$@"
 # ($PYTHON if set, else python, else python3). --dry-run: the same checks on the CPU. The check starts each of
 # its parts through this script too (--part NAME), so parts import the package the same way as the parent.
-# Works from a bare checkout too (no pip install): nanovllm_tp.launch/.workers/.scheduler live in top-level
+# Works from a bare checkout too (no pip install): nanovllm_tp.launch/.bench/.workers/.scheduler live in top-level
 # folders that setup.cfg maps into the package, so without an install the module is started through a
 # small bootstrap that adds the repository root to the package path.
 set -euo pipefail

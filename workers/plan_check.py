@@ -3,7 +3,7 @@
 A plan that passes touches only this rank's memory: token ids index the embedding, positions the
 rotary table, slots and block ids the KV pool, and every length agrees with the arrays. One that
 does not raises PlanError naming the step and the field. Vectorized and branch-light (a few
-microseconds at 256 rows; ``launch/bench_step`` measures it). Fields it does not know are ignored.
+microseconds at 256 rows; ``bench/step.py`` measures it). Fields it does not know are ignored.
 """
 from dataclasses import dataclass
 

@@ -137,7 +137,7 @@ class CpuKernels(SamplerKernels):
         """window > 0: each row sees its last `window` tokens only; softcap > 0: scores capped by tanh.
         kv_scales: a quantized cache's (K, V) fp32 scales [num_blocks, block_size, kv_heads] (the caches then
         int8 or fp8, see kv_quant.py); None: the caches are in q's dtype. portable: the portable loop even where
-        the AVX-512 form runs (comparisons: tests, launch/bench_attention.py)."""
+        the AVX-512 form runs (comparisons: tests, bench/attention.py)."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         q = q.contiguous()

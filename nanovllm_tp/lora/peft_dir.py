@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from nanovllm_tp.checks import json_object
+from nanovllm_tp.utils.checks import json_object
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."

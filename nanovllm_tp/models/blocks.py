@@ -17,7 +17,7 @@ from nanovllm_tp.layers.linear import MergedColumnParallelLinear, QKVParallelLin
 from nanovllm_tp.layers.norm_rope_act import GATED_ACTIVATIONS, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
-    from nanovllm_tp.config import ModelConfig
+    from nanovllm_tp.config.engine_config import ModelConfig
 
 
 class DecoderAttention(nn.Module):

@@ -26,7 +26,7 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from nanovllm_tp.context import get_context
+from nanovllm_tp.utils.context import get_context
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import ChosenWeight, bucket

@@ -11,7 +11,7 @@ from nanovllm_tp.layers.norm_rope_act import OffsetRMSNorm
 from nanovllm_tp.models.blocks import CausalLM, DecoderAttention
 
 if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
-    from nanovllm_tp.config import ModelConfig
+    from nanovllm_tp.config.engine_config import ModelConfig
 
 
 class SandwichDecoderLayer(nn.Module):

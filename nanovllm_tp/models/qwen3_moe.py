@@ -13,7 +13,7 @@ from nanovllm_tp.models.moe import SparseMoE
 from nanovllm_tp.models.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:     # annotations only: the config module reads architectures from this package
-    from nanovllm_tp.config import ModelConfig
+    from nanovllm_tp.config.engine_config import ModelConfig
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _WHICH = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}

@@ -5,7 +5,7 @@ engine's own validation (SamplingParams), so the HTTP API refuses exactly what t
 from dataclasses import fields
 from typing import Literal
 
-from nanovllm_tp.prompts import prompt_list
+from nanovllm_tp.entrypoints.prompts import prompt_list
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.serving.body import Body, Int, Prompt, Stop, TextBody, TokenKey
 from nanovllm_tp.serving.tool_calls import ToolMode

@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     if args.idle_priority:
         lower_priority()                 # first: before ZMQ and uvicorn start threads, so they inherit it
     import uvicorn
-    from nanovllm_tp.loader import load_tokenizer
+    from nanovllm_tp.checkpoint.loader import load_tokenizer
     parent, rundir = os.getppid(), os.path.dirname(args.commands.removeprefix("ipc://"))
     engine = EngineClient(args.commands, args.outputs, config.max_waiting_requests)
     state = {"server": None}

@@ -8,7 +8,7 @@ characters), so a text of more characters than that many tokens could hold is to
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from nanovllm_tp.prompts import check_prompt_length, render_chat
+from nanovllm_tp.entrypoints.prompts import check_prompt_length, render_chat
 
 THREADS = 2
 

@@ -5,7 +5,7 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from nanovllm_tp.checks import did_you_mean
+from nanovllm_tp.utils.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
 from nanovllm_tp.serving.body import INT64, UNION_MEMBERS
 from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS

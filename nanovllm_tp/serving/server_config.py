@@ -6,7 +6,7 @@ The limits keep one client from holding the server: each is refused with a 4xx t
 import json
 from dataclasses import asdict, dataclass
 
-from nanovllm_tp.knobs import add_args, check_knobs, knob, kwargs_of
+from nanovllm_tp.config.knobs import add_args, check_knobs, knob, kwargs_of
 from nanovllm_tp.serving.reasoning import PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

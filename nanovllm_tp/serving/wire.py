@@ -30,8 +30,8 @@ from dataclasses import fields
 import msgpack
 
 from nanovllm_tp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from nanovllm_tp.pooling import EmbeddingOutput, EmbeddingRequestOutput
-from nanovllm_tp.pooling_params import PoolingParams
+from nanovllm_tp.pooling.embeddings import EmbeddingOutput, EmbeddingRequestOutput
+from nanovllm_tp.pooling.params import PoolingParams
 from nanovllm_tp.sampling_params import SamplingParams
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)

@@ -4,7 +4,7 @@ takes the request. Imports nothing heavy (the HTTP process reads it)."""
 import json
 from dataclasses import dataclass, fields
 
-from nanovllm_tp.checks import flag
+from nanovllm_tp.utils.checks import flag
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 1 << 20        # a schema, regex or grammar longer than this is refused before compiling

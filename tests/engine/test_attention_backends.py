@@ -11,7 +11,7 @@ import torch
 
 import nanovllm_tp.layers.attention as attention_pkg
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.distributed.channel_common import PeerError
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention.base import BACKENDS, AttentionBackend

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from nanovllm_tp.launch import bench, bench_common, bench_kv, bench_latency, bench_tp
+from nanovllm_tp.bench import throughput as bench, common as bench_common, kv as bench_kv, latency as bench_latency, tp as bench_tp
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
 SMALL_KV = ["--kv-cache-memory", str(32 << 20)]
@@ -146,9 +146,9 @@ def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
 @pytest.mark.spawn
 @pytest.mark.slow
 def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
-    """`./torchrun.sh 2 -m nanovllm_tp.launch.bench_latency --tp 2`: rank 1 serves, rank 0 measures and prints."""
+    """`./torchrun.sh 2 -m nanovllm_tp.bench.latency --tp 2`: rank 1 serves, rank 0 measures and prints."""
     out = tmp_path / "tr.json"
-    proc = subprocess.run(["./torchrun.sh", "2", "-m", "nanovllm_tp.launch.bench_latency", "--tp", "2",
+    proc = subprocess.run(["./torchrun.sh", "2", "-m", "nanovllm_tp.bench.latency", "--tp", "2",
                            "--model", tiny_model_dir, *TINY, *SMALL_KV, "--no-warmup", "--concurrency", "2",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
                           check=False, env=dict(os.environ, PYTHON=sys.executable))
@@ -181,7 +181,7 @@ def test_thread_counts_below_one_are_refused(threads):
 
 @pytest.mark.slow
 def test_bench_embed_against_transformers(tiny_model_dir, tmp_path, capsys):
-    from nanovllm_tp.launch import bench_embed
+    from nanovllm_tp.bench import embed as bench_embed
     result = bench_embed.main(["--model", tiny_model_dir, *SMALL_KV, "--batch", "4", "--prompt-tokens", "16",
                                "--repeats", "2", "--out", str(tmp_path / "embed.json"), "--quiet"])
     table = "\n".join(last_block(capsys.readouterr().out))

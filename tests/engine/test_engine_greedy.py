@@ -4,6 +4,8 @@ import pytest
 from nanovllm_tp import LLM, SamplingParams
 from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
 
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
+
 NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 

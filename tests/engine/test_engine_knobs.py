@@ -9,11 +9,14 @@ import re
 
 import pytest
 
-from nanovllm_tp import LLM, SamplingParams, envs, knobs
-from nanovllm_tp.config import EngineConfig, add_engine_args, engine_argv, engine_kwargs
+from nanovllm_tp import LLM, SamplingParams, envs
+
+from nanovllm_tp.config import knobs
+from nanovllm_tp.config.engine_config import EngineConfig, add_engine_args, engine_argv, engine_kwargs
 from nanovllm_tp.distributed.launch import config_to_json
-from nanovllm_tp.knobs import knob, knob_fields
-from nanovllm_tp.launch import bench, bench_latency, bench_serve, generate, serve
+from nanovllm_tp.config.knobs import knob, knob_fields
+from nanovllm_tp.launch import generate, serve
+from nanovllm_tp.bench import throughput as bench, latency as bench_latency, serve as bench_serve
 from tests.helpers import hf_greedy, mixed_prompts
 
 COMMANDS = {"generate": generate.build_parser, "bench": bench.build_parser, "bench_latency": bench_latency.build_parser,
@@ -148,7 +151,7 @@ def test_every_variable_the_package_names_is_declared_in_envs():
     is the launch protocol, not a setting)."""
     protocol = {"NANOVLLM_TP_SPAWNED", "NANOVLLM_TP_STORE_DIR", "NANOVLLM_TP_SPAWN_SECRET"}
     found = {}
-    for folder in ("nanovllm_tp", "scheduler", "workers", "launch"):
+    for folder in ("nanovllm_tp", "scheduler", "workers", "launch", "bench"):
         for path in (REPO / folder).rglob("*.py"):
             for name in re.findall(r"[\"'](NANOVLLM_TP_[A-Z_]+)[\"']", path.read_text()):
                 found.setdefault(name, path.name)

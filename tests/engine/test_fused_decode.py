@@ -8,10 +8,12 @@ import pathlib
 import pytest
 
 from nanovllm_tp import LLM, LoRARequest, SamplingParams
-from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from nanovllm_tp.layers import cpu_kernels
 from tests.helpers import hf_greedy, mixed_prompts
+
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
 
 KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -149,7 +149,7 @@ def test_not_a_gguf_and_ambiguous_directory(tmp_path):
 
 @pytest.fixture(scope="module")
 def chats():
-    from nanovllm_tp.gguf_checkpoint import load_tokenizer
+    from nanovllm_tp.checkpoint.gguf import load_tokenizer
     tokenizer = load_tokenizer(GGUF)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True) for q in QUESTIONS]
@@ -259,7 +259,7 @@ def test_qwen3_gguf_head_dim_comes_from_key_length(tmp_path):
     fields = dict(block_count=2, context_length=512, embedding_length=128, feed_forward_length=256,
                   attention__head_count=2, attention__head_count_kv=1, attention__key_length=32, vocab_size=2003)
     path = header_only(tmp_path / "qwen3.gguf", "qwen3", **{f"qwen3__{k}": (v, u32) for k, v in fields.items()})
-    from nanovllm_tp.config import ModelConfig
+    from nanovllm_tp.config.engine_config import ModelConfig
     cfg = ModelConfig.from_pretrained(path)
     assert (cfg.architecture, cfg.head_dim, cfg.num_key_value_heads, cfg.qk_norm) == ("Qwen3ForCausalLM", 32, 1, True)
     assert cfg.tie_word_embeddings     # no output.weight in the file

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanovllm_tp.launch import gpu_check
-from nanovllm_tp.launch.bench_hf import hf_greedy
+from nanovllm_tp.bench.hf import hf_greedy
 from tests.procs import segments_of, started
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -14,6 +14,8 @@ from nanovllm_tp.layers.quant import INT8
 from tests.helpers import GGUF, smollm2
 from tests.quant_reference import assert_follows_reference, int8_reference
 
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
+
 HAS_KERNEL = bool(cpu_kernels.load()) and INT8 in cpu_kernels.load().quant_types
 
 
@@ -30,7 +32,7 @@ def test_int8_greedy_follows_the_int8_math(tiny_model_dir, tp, kernels):
 
 
 def test_int8_runs_on_cpu_only(tiny_model_dir):
-    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.config.engine_config import EngineConfig
     with pytest.raises(ValueError, match="quantization='int8' runs on CPU only: pass device='cpu'"):
         EngineConfig.from_kwargs(tiny_model_dir, quantization="int8", device="cuda").validate()
 

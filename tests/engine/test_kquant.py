@@ -169,7 +169,7 @@ def test_greedy_tokens_are_the_rounded_math(mix, tp, kernels, kquant_gguf):
 
 
 def test_a_tp_size_that_splits_a_super_block_is_refused(kquant_gguf):
-    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.config.engine_config import EngineConfig
     path, _ = kquant_gguf("k", intermediate_size=256)        # ffn_down Q5_K: 128 inputs per rank
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would split the blocks of 256 of "
                                          r"blk.0.ffn_down.weight \(Q5_K, 256 inputs: 128 per rank\)"):

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.context import reset_context, set_context
+from nanovllm_tp.utils.context import reset_context, set_context
 from nanovllm_tp.workers.cuda_graph import DecodeInputs
 from tests.helpers import hf_greedy, mixed_prompts, written_slots
+
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
 
 BS16_BLOCK_BYTES = 32 << 10     # the tiny model at TP=1: 2 (K, V) * 4 layers * 16 slots * 2 kv heads * 32 * 4 B
 

@@ -6,7 +6,7 @@ import torch
 from transformers import GenerationConfig
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.output_processor import Detokenizer
+from nanovllm_tp.engine.output_processor import Detokenizer
 from nanovllm_tp.sampling_params import RequestOutputKind
 from tests.helpers import hf_greedy, mixed_prompts
 

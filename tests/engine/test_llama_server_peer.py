@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 from nanovllm_tp import envs
-from nanovllm_tp.launch import bench, bench_common, bench_llamacpp
+from nanovllm_tp.bench import throughput as bench, common as bench_common, llamacpp as bench_llamacpp
 from tests.helpers import hf_greedy
 from tests.procs import alive
 from tests.unit.test_bench_peer import children, stopped

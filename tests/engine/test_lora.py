@@ -242,7 +242,7 @@ def test_smollm2_adapter_matches_peft(tmp_path):
 
 
 def test_bench_lora_runs_and_reports_figures(tiny_model_dir, base_hf, tmp_path, capsys):
-    from nanovllm_tp.launch import bench_lora
+    from nanovllm_tp.bench import lora as bench_lora
     result = bench_lora.main(["--model", tiny_model_dir, "--num-requests", "3", "--num-adapters", "2", "--max-tokens",
                               "4", "--repeats", "1", "--lora-rank", "4", "--kv-cache-memory", str(32 << 20),
                               "--out", str(tmp_path / "lora.json"), "--quiet"])

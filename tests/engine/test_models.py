@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from tests.helpers import hf_greedy, mixed_prompts, shared_prefix_prompts
+
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -242,7 +242,7 @@ def test_greedy_tokens_are_the_rounded_math(arch, qtype, tied, tp, kernels, quan
 
 
 def test_a_tp_size_that_splits_a_block_is_refused(quantized_ggufs):
-    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.config.engine_config import EngineConfig
     path, _ = quantized_ggufs("llama", "Q4_0", intermediate_size=288)     # 144 inputs of ffn_down per rank
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would split the blocks of 32 of "
                                          r"blk.0.ffn_down.weight \(Q4_0, 288 inputs: 144 per rank\)"):

@@ -5,7 +5,7 @@ read from each config format."""
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from tests.engine.test_models import edited
 from tests.helpers import greedy_then_prefix_hits, hf_greedy, mixed_prompts, shared_prefix_prompts

@@ -14,6 +14,8 @@ from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 from nanovllm_tp.scheduler.speculative import SpeculativeConfig, propose_ngram
 from tests.helpers import hf_greedy
 
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SMALL = dict(kvcache_block_size=16, kv_cache_memory=16 << 20)
 TEXTS = ["The quick brown fox", "Return a list of", "def main():", "Hello, world! Hello, world! Hello, world!"]

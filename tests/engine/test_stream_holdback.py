@@ -5,7 +5,7 @@ text whose characters span several tokens (multi-byte UTF-8 under a byte-level v
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.output_processor import Detokenizer
+from nanovllm_tp.engine.output_processor import Detokenizer
 from nanovllm_tp.sampling_params import RequestOutputKind
 from tests.engine.test_lifecycle import assert_all_blocks_free, run_steps
 from tests.helpers import GGUF, mixed_prompts, smollm2

@@ -12,6 +12,8 @@ from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.sampling_params import RequestOutputKind, StructuredOutputsParams
 from tests.helpers import GGUF, smollm2
 
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
+
 # Bounded strings, arrays and integers: a random-weight model stops only where the schema makes it.
 SCHEMAS = [
     {"type": "object", "properties": {"id": {"type": "integer", "minimum": -5, "maximum": 500},
@@ -296,7 +298,7 @@ def test_chat_renders_tools_as_transformers_does(tiny_llm):
 
 @pytest.mark.slow
 def test_bench_struct_runs_and_reports_figures(tiny_model_dir, tmp_path, capsys):
-    from nanovllm_tp.launch import bench_struct
+    from nanovllm_tp.bench import structured as bench_struct
     result = bench_struct.main(["--model", tiny_model_dir, "--num-requests", "3", "--max-tokens", "600",
                                 "--repeats", "2", "--kv-cache-memory", str(32 << 20), "--quiet",
                                 "--out", str(tmp_path / "s.json")])

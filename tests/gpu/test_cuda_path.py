@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.context import Context, reset_context
+from nanovllm_tp.utils.context import Context, reset_context
 from nanovllm_tp.layers.attention import store_kvcache
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.scheduler import Sequence

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache
 from tests.unit.test_window_attention import BLOCK, DIM, GROUP, KV_HEADS, PREFILL_ROWS, SCALE, \
     poison_before_windows, reference

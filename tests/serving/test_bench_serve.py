@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from nanovllm_tp.config import engine_argv
-from nanovllm_tp.launch import bench_serve, serve_process
+from nanovllm_tp.config.engine_config import engine_argv
+from nanovllm_tp.launch import serve_process
 
+from nanovllm_tp.bench import serve as bench_serve
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "3", "6", "--kv-cache-memory", str(32 << 20)]
 
 

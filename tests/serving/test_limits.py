@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from nanovllm_tp.launch.bench_hf import hf_greedy
-from nanovllm_tp.launch.bench_limits import MB, abandoned_batch, raw_post
+from nanovllm_tp.bench.hf import hf_greedy
+from nanovllm_tp.bench.limits import MB, abandoned_batch, raw_post
 from tests.procs import descendants, our_shm_segments, wait_gone
 from tests.serving.test_serve import ENGINE_ARGS, metrics, rundirs, start_server, wait_ready
 
@@ -280,7 +280,7 @@ def test_a_stuck_step_gives_503_and_sigterm_still_stops_every_rank(tiny_model_di
 
 @pytest.mark.slow
 def test_bench_limits_runs_and_reports_every_figure(tiny_model_dir, capsys):
-    from nanovllm_tp.launch import bench_limits
+    from nanovllm_tp.bench import limits as bench_limits
     figures = bench_limits.main(["--model", tiny_model_dir, "--repeats", "1", "--batch", "40", "--body-mb", "20",
                                  *ENGINE_ARGS])
     assert len(figures) == 8 and all(v >= 0 for v in figures.values())

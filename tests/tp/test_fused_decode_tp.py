@@ -7,10 +7,12 @@ import os
 import pytest
 
 from nanovllm_tp import LLM, LoRARequest, SamplingParams
-from nanovllm_tp.config import ModelConfig
+from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.layers import cpu_kernels
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import segments_of
+
+pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
 
 KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 

@@ -185,7 +185,7 @@ def test_tp1_and_shm_path_never_import_zmq(tiny_model_dir):
     code = (
         "import sys; sys.modules['zmq'] = None\n"      # any 'import zmq' now raises ImportError
         "import nanovllm_tp, nanovllm_tp.distributed.channel, nanovllm_tp.distributed.shm_ring\n"
-        "import nanovllm_tp.distributed.shm_allreduce, nanovllm_tp.workers.worker, nanovllm_tp.engine\n"
+        "import nanovllm_tp.distributed.shm_allreduce, nanovllm_tp.workers.worker, nanovllm_tp.engine.llm_engine\n"
         "from nanovllm_tp import LLM, SamplingParams\n"
         f"llm = LLM({tiny_model_dir!r}, kvcache_block_size=16, kv_cache_memory=16 << 20)\n"
         "out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "

@@ -5,7 +5,7 @@ import os
 import stat
 
 import pytest
-from nanovllm_tp.launch import bench, bench_llamacpp
+from nanovllm_tp.bench import throughput as bench, llamacpp as bench_llamacpp
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
 

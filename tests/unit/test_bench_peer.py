@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from nanovllm_tp.launch import bench, bench_common, bench_compare, bench_peer, bench_vllm
+from nanovllm_tp.bench import throughput as bench, common as bench_common, compare as bench_compare, peer as bench_peer, vllm as bench_vllm
 from tests.procs import alive
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -77,7 +77,7 @@ def test_ratios_and_throughput_from_real_runs():
 
 @pytest.mark.spawn
 def test_missing_peer_python_fails_before_loading_anything():
-    out = subprocess.run([sys.executable, "-m", "nanovllm_tp.launch.bench", "--compare", "vllm", "--peer-python",
+    out = subprocess.run([sys.executable, "-m", "nanovllm_tp.bench.throughput", "--compare", "vllm", "--peer-python",
                           "/nonexistent", "--model", "/nonexistent/model"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
@@ -176,7 +176,7 @@ def test_speculation_fields_cross_checked_and_ignore_eos_defaults_on():
 
 
 def test_bench_spec_compare_vllm_needs_a_peer_python_and_a_directory(tmp_path):
-    from nanovllm_tp.launch import bench_spec
+    from nanovllm_tp.bench import spec as bench_spec
     with pytest.raises(SystemExit, match="bench_spec: --compare vllm needs --peer-python"):
         bench_spec.main(["--compare", "vllm"])
     with pytest.raises(SystemExit, match="bench_spec: --peer-python .*no such executable"):

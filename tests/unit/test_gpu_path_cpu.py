@@ -335,7 +335,7 @@ def test_teardown_releases_runner_before_destroying_the_process_group(tiny_model
 
 
 def _cpu_runner(tiny_model_dir):
-    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.config.engine_config import EngineConfig
     from nanovllm_tp.distributed.parallel_state import set_tp
     from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
     from nanovllm_tp.workers.worker import build_runner

@@ -1,16 +1,21 @@
 """No import cycles among the package's modules, counting imports inside functions too (a lazy import hides a
 cycle from the interpreter, not from the reader).
 
-Module names follow setup.cfg's mapping: `scheduler/`, `workers/` and `launch/` are `nanovllm_tp.scheduler`,
-`nanovllm_tp.workers` and `nanovllm_tp.launch`. Edges are the imports as written: `import a.b` and
-`from a import b` point at module `a.b` when it exists (else at `a`); a package's `__init__` is not implied.
+Module names follow setup.cfg's package_dir: `scheduler/`, `workers/`, `launch/` and `bench/` are
+`nanovllm_tp.scheduler`, `nanovllm_tp.workers`, `nanovllm_tp.launch` and `nanovllm_tp.bench`. Edges are the
+imports as written: `import a.b` and `from a import b` point at module `a.b` when it exists (else at `a`); a
+package's `__init__` is not implied.
 """
 import ast
+import configparser
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ROOTS = {"nanovllm_tp": REPO / "nanovllm_tp", "nanovllm_tp.scheduler": REPO / "scheduler",
-         "nanovllm_tp.workers": REPO / "workers", "nanovllm_tp.launch": REPO / "launch"}
+_CFG = configparser.ConfigParser()
+_CFG.read(REPO / "setup.cfg")
+ROOTS = {name.strip(): REPO / folder.strip() for name, folder in
+         (line.split("=") for line in _CFG["options"]["package_dir"].strip().splitlines())}
+MAPPED = [name.split(".")[1:2] for name in ROOTS if name != "nanovllm_tp"]
 
 
 def package_modules() -> dict[str, pathlib.Path]:
@@ -21,7 +26,7 @@ def package_modules() -> dict[str, pathlib.Path]:
             if parts[-1] == "__init__":
                 parts.pop()
             name = ".".join([prefix, *parts])
-            if prefix == "nanovllm_tp" and name.split(".")[1:2] in (["scheduler"], ["workers"], ["launch"]):
+            if prefix == "nanovllm_tp" and name.split(".")[1:2] in MAPPED:
                 continue        # a folder of that name inside nanovllm_tp/ would be shadowed by the mapping
             modules[name] = path
     return modules
@@ -116,11 +121,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_package():
     graph = import_graph()
-    assert {"nanovllm_tp.engine", "nanovllm_tp.scheduler.plan", "nanovllm_tp.workers.worker",
+    assert {"nanovllm_tp.engine.llm_engine", "nanovllm_tp.scheduler.plan", "nanovllm_tp.workers.worker",
             "nanovllm_tp.launch.generate"} <= graph.keys()
     # lazy imports inside functions count
-    assert "nanovllm_tp.workers.worker" in graph["nanovllm_tp.engine"]
-    assert "nanovllm_tp.engine" in graph["nanovllm_tp.llm"]
+    assert "nanovllm_tp.workers.worker" in graph["nanovllm_tp.engine.llm_engine"]
+    assert "nanovllm_tp.engine.llm_engine" in graph["nanovllm_tp.entrypoints.llm"]
 
 
 def test_find_cycle_reports_one():

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention import AttentionBackend
 from nanovllm_tp.layers.attention.base import BACKENDS, register_backend
@@ -180,7 +180,7 @@ def test_block_bytes_count_values_and_scales():
 def test_knob_choices_are_the_formats():
     from dataclasses import fields
 
-    from nanovllm_tp.config import EngineConfig
+    from nanovllm_tp.config.engine_config import EngineConfig
     knob = next(f for f in fields(EngineConfig) if f.name == "kv_cache_dtype").metadata["knob"]
     assert tuple(knob.choices) == tuple(KV_CACHE_DTYPES)
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from nanovllm_tp.pooling_params import CLS, LAST, MEAN, ModelPooling, Pooling, PoolingParams, check_pooler_config
+from nanovllm_tp.pooling.params import CLS, LAST, MEAN, ModelPooling, Pooling, PoolingParams, check_pooler_config
 from nanovllm_tp.scheduler import PREFILL, Scheduler, SchedulerConfig, Sequence, StepPlan
 from nanovllm_tp.scheduler.plan import PlanError
 from nanovllm_tp.workers.plan_check import PlanLimits, check_plan

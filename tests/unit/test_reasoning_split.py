@@ -51,7 +51,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
     """What turns thinking off in Qwen3's template (`enable_thinking`) is a template variable like any other."""
     from transformers import AutoTokenizer
 
-    from nanovllm_tp.prompts import render_chat
+    from nanovllm_tp.entrypoints.prompts import render_chat
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     template = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}" \
                "{{ messages[0]['content'] }}"

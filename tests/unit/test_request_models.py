@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from nanovllm_tp.prompts import render_chat, template_arguments
+from nanovllm_tp.entrypoints.prompts import render_chat, template_arguments
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.scheduler.rows import ROW_DTYPE, row_record
 from nanovllm_tp.serving.protocol import REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest

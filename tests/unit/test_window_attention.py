@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend

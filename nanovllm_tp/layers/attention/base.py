@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers.attention.kv_quant import dense_cache
 
 BACKENDS: dict[str, type["AttentionBackend"]] = {}

@@ -3,7 +3,7 @@ quantized cache is dequantized as it is gathered (kv_quant.py)."""
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.context import Context
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
 from nanovllm_tp.layers.attention.kv_quant import ALL_KV_DTYPES, gather_blocks, gather_slots
 

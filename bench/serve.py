@@ -1,0 +1,284 @@
+"""Serving benchmark against any OpenAI-compatible server (completions API, streamed, usage in the last chunk).
+
+    python -m nanovllm_tp.bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 64
+    python -m nanovllm_tp.bench.serve --base-url URL --api-key K --model NAME --request-rate 1 4 inf
+    python -m nanovllm_tp.bench.serve --launch --compare-offline --concurrency 64 --repeats 3
+    python -m nanovllm_tp.bench.serve --launch --compare-offline --request-rate 1 --repeats 3
+
+Workload as in the other bench scripts (random prompt ids sent as token-id lists, or `--dataset text`: word
+windows sampled from nanovllm_tp/data/corpus.txt sent as strings), each request with ignore_eos (vLLM's extra
+field) and its max_tokens. Load as in bench_latency: Poisson arrivals at --request-rate (inf = all at once,
+--concurrency then caps the requests in flight) or a closed loop of --concurrency requests.
+
+--launch starts our own server (launch/serve, through launch/serve_process) on a free 127.0.0.1 port with the
+engine flags given here, waits for /health and stops it with SIGTERM at the end. --compare-offline (with --launch)
+also runs every load point through the offline engine in this process (bench_latency.run_point: add_request/step,
+same workload, same flags), interleaved with the server runs over --repeats; medians are reported with the
+server/offline ratio.
+
+TTFT = first streamed text - send time; ITL = gaps between streamed chunks; TPOT = (last - first) /
+(output tokens - 1); output tokens from the usage of the final chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+
+from nanovllm_tp.bench import common as bc
+from nanovllm_tp.launch import serve_process
+from nanovllm_tp.bench import latency as bench_latency
+from nanovllm_tp.bench.latency import QUANTILES, arrival_offsets, label, load_points, run_point
+from nanovllm_tp.config.engine_config import add_engine_args, engine_argv
+from nanovllm_tp.launch.make_tiny import CORPUS
+from nanovllm_tp.utils.trace import sibling_path
+
+NAME = "bench_serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)     # --model: the model name sent to --base-url, or a directory: the model's files
+    # (random prompts stay inside its vocabulary; the name comes from the server), and the model with --launch
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--base-url", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    srv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    srv.add_argument("--launch", action="store_true", help="start our own server on a free port for the run")
+    srv.add_argument("--compare-offline", action="store_true", help="with --launch: also run offline generation")
+    bc.add_workload_args(parser, num_requests=64)
+    parser.add_argument("--dataset", choices=["random", "text"], default="random")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, nargs="+", help="Poisson arrival rate(s), requests/s (inf ok)")
+    load.add_argument("--concurrency", type=int, nargs="+", help="requests in flight (closed loop, or a cap)")
+    parser.add_argument("--repeats", type=int, default=1)
+    bc.add_output_args(parser)
+    return parser
+
+
+# =============================================================================================== workload
+
+def text_prompts(workload: bc.Workload, draw: int) -> list[str]:
+    """Windows of the corpus, as many words as the prompt length (roughly as many tokens)."""
+    words = CORPUS.read_text().split()
+    rng = random.Random(f"{workload.seed}/text/{draw}")
+    out = []
+    for n in workload.prompt_lens:
+        i = rng.randrange(0, max(1, len(words) - n))
+        out.append(" ".join(words[i:i + n]))
+    return out
+
+
+def prompts_for(args, workload: bc.Workload, draw: int):
+    return text_prompts(workload, draw) if args.dataset == "text" else workload.prompts(draw)
+
+
+# =============================================================================================== client
+
+async def one_request(session, args, prompt, max_tokens: int, arrived: float, start: float) -> dict:
+    body = {"model": args.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    times, tokens, error = [], None, None
+    async with session.post(f"{args.base_url}/completions", json=body) as resp:
+        if resp.status != 200:
+            error = f"{resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
+        else:
+            async for line in resp.content:          # one SSE line at a time
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = times[0] if times else None
+    return {"output_tokens": tokens, "arrival": arrived - start, "finish": end - start, "error": error,
+            "ttft": first - arrived if first else None,
+            "tpot": (times[-1] - first) / (tokens - 1) if first and tokens and tokens > 1 else None,
+            "itl": [b - a for a, b in zip(times, times[1:])], "e2e": end - arrived}
+
+
+async def run_server_point(args, workload: bc.Workload, prompts, point: dict) -> dict:
+    """The client is aiohttp (its HTTP parser is C): on a small machine the client shares the server's cores, and
+    every cycle it spends is taken from the engine."""
+    try:
+        import aiohttp
+    except ImportError:
+        raise SystemExit("bench_serve's client needs aiohttp: pip install 'nanovllm-tp[bench]' (or aiohttp)") from None
+    n = workload.num_requests
+    offsets = arrival_offsets(n, point["request_rate"], args.seed) if point["mode"] == "poisson" else [0.0] * n
+    cap = asyncio.Semaphore(point["concurrency"] or n)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
+        start, cpu0 = time.perf_counter(), time.process_time()
+
+        async def go(i):
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            arrived = start + offsets[i]
+            async with cap:
+                if point["mode"] == "closed":
+                    arrived = time.perf_counter()
+                return await one_request(session, args, prompts[i], workload.output_lens[i], arrived, start)
+
+        records = await asyncio.gather(*(go(i) for i in range(n)))
+        client_cpu = time.process_time() - cpu0
+    duration = max(r["finish"] for r in records)
+    out_tokens = sum(r["output_tokens"] or 0 for r in records)
+    return {"label": label(point), **point, "duration_s": duration, "request_throughput": n / duration,
+            "output_tok_s": out_tokens / duration, "client_cpu_s": client_cpu,
+            "errors": sum(r["error"] is not None for r in records),
+            "lengths_ok": [r["output_tokens"] for r in records] == workload.output_lens,
+            "ttft": bc.summarize([r["ttft"] for r in records]), "tpot": bc.summarize([r["tpot"] for r in records]),
+            "itl": bc.summarize([g for r in records for g in r["itl"]]),
+            "e2e": bc.summarize([r["e2e"] for r in records]),
+            "requests": [{k: v for k, v in r.items() if k != "itl"} for r in records]}
+
+
+# =============================================================================================== the server
+
+def served_model(args) -> dict:
+    """The server's first model card (GET /models)."""
+    import httpx
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.get(f"{args.base_url}/models", headers=headers, timeout=30).json()["data"][0]
+
+
+def prompt_vocab_size(args, card: dict) -> int:
+    """Random prompt ids stay inside the vocabulary of --model (a directory), else of the model directory the
+    server names as its root (ours and vLLM's do) when it is on this machine; else below MAX_TOKEN_ID + 1."""
+    for path in (args.model, card.get("root")):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+            return bc.model_vocab_size(path)
+    if args.dataset == "random":
+        bc.log(args, f"warning: the model's vocabulary is unknown here; random prompt ids go up to "
+                     f"{bc.MAX_TOKEN_ID} (give --model DIR, or --dataset text)")
+    return bc.MAX_TOKEN_ID + 1
+
+
+# =============================================================================================== report
+
+def medians(runs: list[dict]) -> dict:
+    """The median run figures over repeats (each quantile separately)."""
+    out = {"label": runs[0]["label"], "repeats": len(runs),
+           "output_tok_s": bc.median([r["output_tok_s"] for r in runs]),
+           "request_throughput": bc.median([r["request_throughput"] for r in runs]),
+           "lengths_ok": all(r["lengths_ok"] for r in runs)}
+    for m in ("ttft", "tpot", "itl", "e2e"):
+        if m in runs[0]:
+            out[m] = {q: bc.median([r[m][q] for r in runs]) for q in QUANTILES}
+    return out
+
+
+def table(result: dict) -> str:
+    rows = []
+    for p in result["figures"]["points"]:
+        s, o = p["server"], p.get("offline")
+        ms = [None if s[m][q] is None else s[m][q] * 1e3 for m in ("ttft", "tpot", "itl") for q in QUANTILES]
+        extra = [o["output_tok_s"], s["output_tok_s"] / o["output_tok_s"], o["ttft"]["p50"] * 1e3] if o else []
+        rows.append([p["label"], s["request_throughput"], s["output_tok_s"], *ms, *extra])
+    headers = ["load", "req/s", "out tok/s"] + [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES]
+    if result["figures"]["points"] and result["figures"]["points"][0].get("offline"):
+        headers += ["offline tok/s", "server/offline", "offline TTFT p50"]
+    w = result["workload"]
+    title = (f"bench_serve: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, "
+             f"output {w['output_len_min']}..{w['output_len_max']}, medians of {result['config']['repeats']}; ms")
+    return bc.format_table(headers, rows, title)
+
+
+def draw(result: dict):
+    """bench_latency's TTFT / TPOT plot, over the server's median figures."""
+    runs = [{"label": p["label"], **p["server"]} for p in result["figures"]["points"]]
+    return bench_latency.draw({"figures": {"runs": runs}})
+
+
+# =============================================================================================== main
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    points = load_points(args)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    if not args.launch and (not args.base_url or args.compare_offline):
+        raise SystemExit("give --base-url, or --launch (needed by --compare-offline)")
+    bc.apply_threads(args)
+    proc, llm = None, None
+    if args.launch:
+        args.model = bc.resolve_model(args)
+    env = bc.environment()
+    out_path = bc.out_path(args, NAME)
+    server_runs = [[] for _ in points]
+    offline_runs = [[] for _ in points]
+    try:
+        if args.launch:
+            proc, args.base_url = serve_process.start(engine_argv(args), args.api_key)
+            bc.log(args, f"server at {args.base_url}")
+        card = served_model(args)
+        by_name = args.model and not args.launch and not os.path.isdir(args.model)
+        args.model_name = args.model if by_name else card["id"]
+        vocab = prompt_vocab_size(args, card)
+        workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed,
+                                    vocab)
+        warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
+        warm_workload = bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab)
+        asyncio.run(run_server_point(args, warm_workload, warm_workload.prompts(), warm))
+        if args.compare_offline:           # built while the server idles
+            from nanovllm_tp.bench.engine import warm_up_engine
+            from nanovllm_tp.launch.generate import build_llm
+            if args.trace_path:                 # the server writes args.trace_path; this engine writes beside it
+                args.trace_path = sibling_path(args.trace_path, "offline")
+            llm = build_llm(args)
+            warm_up_engine(llm, vocab, args.seed, args.temperature)
+        draw_no = 0
+        for r in range(args.repeats):
+            for k, point in enumerate(points):
+                draw_no += 1
+                prompts = prompts_for(args, workload, draw_no)
+                run = asyncio.run(run_server_point(args, workload, prompts, point))
+                server_runs[k].append(run)
+                bc.log(args, f"[{r + 1}/{args.repeats}] server {run['label']}: {run['output_tok_s']:.1f} tok/s, "
+                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, "
+                             f"client CPU {run['client_cpu_s']:.1f} s, "
+                             f"errors {run['errors']}")
+                if llm is not None:
+                    off = run_point(llm, workload, prompts, point, args.temperature, args.seed)
+                    off.pop("requests")
+                    offline_runs[k].append(off)
+                    bc.log(args, f"[{r + 1}/{args.repeats}] offline {off['label']}: {off['output_tok_s']:.1f} "
+                                 f"tok/s, TTFT p50 {off['ttft']['p50'] * 1e3:.1f} ms")
+    finally:
+        if llm is not None:
+            llm.close()
+        if proc is not None:
+            serve_process.stop(proc)
+    figures = []
+    for k in range(len(points)):
+        p = {"label": server_runs[k][0]["label"], "server": medians(server_runs[k]), "server_runs": server_runs[k]}
+        if offline_runs[k]:
+            p["offline"] = medians(offline_runs[k])
+            p["offline_runs"] = offline_runs[k]
+            p["server_over_offline_tok_s"] = p["server"]["output_tok_s"] / p["offline"]["output_tok_s"]
+            p["ttft_p50_minus_offline_s"] = p["server"]["ttft"]["p50"] - p["offline"]["ttft"]["p50"]
+        figures.append(p)
+    config = bc.config_dict(args)
+    config.pop("api_key", None)
+    result = {"name": NAME, "config": config, "workload": workload.describe(),
+              "environment": bc.finish_environment(env),
+              "figures": {"points": figures, "units": "seconds (table: ms)",
+                          "definitions": {"ttft": "first streamed text - send (or Poisson arrival) time",
+                                          "tpot": "(last chunk - first chunk) / (output_tokens - 1)",
+                                          "itl": "gaps between streamed chunks", "e2e": "end of stream - arrival"}}}
+    bc.save_result(args, out_path, result, draw)
+    print(table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

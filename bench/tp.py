@@ -1,0 +1,158 @@
+"""Tensor-parallel scaling: the bench throughput workload at TP = 1, 2, ...
+
+    python -m nanovllm_tp.bench.tp                         # --preset small, TP 1 and 2 on CPU
+    python -m nanovllm_tp.bench.tp --tp-list 1 2 4 --preset tiny --repeats 3 --plot
+
+Each TP size runs in a fresh process, `python -m nanovllm_tp.bench.throughput --tp N --out TMP.json` (the engine
+spawns its other ranks itself), with OMP_NUM_THREADS=--threads-per-rank (default 1: one CPU thread per rank, so
+TP=N uses N cores). Its JSON is read back; this script reports tok/s per TP size and the scaling ratio against
+the smallest size (TP=1 unless left out). Arguments it does not know are passed on to bench unchanged
+(e.g. --max-num-seqs 64, --no-prefix-caching, --dtype bfloat16).
+
+Default workload: 32 requests, prompt and output lengths 16..128, on the "small" preset (1024 hidden, 8 layers,
+random weights, compute-bound on CPU), so one TP size takes well under a minute on a 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from nanovllm_tp.bench import common as bc
+from nanovllm_tp.utils.trace import sibling_path
+
+NAME = "bench_tp"
+
+
+def default_tp_list() -> list[int]:
+    """Every power of two up to the device count: GPUs when there are any, else min(2, cores)."""
+    try:
+        import torch
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except (ImportError, RuntimeError):
+        devices = 0
+    if not devices:
+        devices = min(2, os.cpu_count() or 1)
+    sizes, n = [], 1
+    while n <= devices:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp-list", type=int, nargs="+", help=f"TP sizes (default: {default_tp_list()})")
+    parser.add_argument("--model", help="Hugging Face model directory (default: --preset)")
+    bc.add_workload_args(parser, num_requests=32, prompt_len=(16, 128), output_len=(16, 128))
+    parser.set_defaults(preset="small")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per TP size (bench reports the median)")
+    parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS of every rank")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per TP size")
+    parser.add_argument("--trace", metavar="OUT.json", help="a Perfetto trace per TP size: OUT.tp1.json, ...")
+    bc.add_output_args(parser)
+    return parser
+
+
+def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
+    out = os.path.join(workdir, f"tp{tp}.json")
+    cmd = [sys.executable, "-m", "nanovllm_tp.bench.throughput", "--tp", str(tp), "--out", out,
+           "--preset", args.preset, "--num-requests", str(args.num_requests),
+           "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
+           "--temperature", str(args.temperature), "--seed", str(args.seed), "--repeats", str(args.repeats),
+           *(["--model", args.model] if args.model else []), *(["--quiet"] if args.quiet else []),
+           *(["--trace", sibling_path(args.trace, f"tp{tp}")] if args.trace else []), *passthrough]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
+        env.pop(var, None)      # each size is a plain spawn-mode run, even if we were started by torchrun
+    bc.log(args, f"--- TP={tp}: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    # the child's table and progress go to our stderr: our own table stays the last thing on stdout
+    sys.stderr.flush()
+    try:
+        sink = sys.stderr.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        sink = None          # stderr is not a file (e.g. captured in-process): relay the child's output
+    if sink is not None:
+        proc = subprocess.run(cmd, env=env, stdout=sink, stderr=sink, timeout=args.timeout, check=False)
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout,
+                              check=False)
+        sys.stderr.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench at TP={tp} failed with exit code {proc.returncode}: {' '.join(cmd)}")
+    with open(out) as f:
+        child = json.load(f)
+    engine = child["figures"]["engine"]
+    return {"tp": tp, "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
+            "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"), "wall_s": time.perf_counter() - t0,
+            "command": cmd, "child_environment": child["environment"], "child_config": child["config"]}
+
+
+def table(result: dict) -> str:
+    w, c, f = result["workload"], result["config"], result["figures"]
+    rows = [[f"TP={r['tp']}", r["tok_s"], f"{r['seconds']:.3f}", f"{f['scaling'][str(r['tp'])]:.2f}x",
+             f"{f['efficiency'][str(r['tp'])]:.0%}"] for r in f["runs"]]
+    title = (f"bench_tp: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, output "
+             f"{w['output_len_min']}..{w['output_len_max']}, {c['model_source']}, {c['threads_per_rank']} thread(s) "
+             f"per rank, median of {c['repeats']}")
+    return bc.format_table(["TP", "output tok/s", "seconds", f"vs TP={f['base_tp']}", "efficiency"], rows, title)
+
+
+def draw(result: dict):
+    def _draw(plt):
+        f = result["figures"]
+        tps = [r["tp"] for r in f["runs"]]
+        base = f["runs"][0]["tok_s"] / f["base_tp"]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot(tps, [r["tok_s"] for r in f["runs"]], "o-", label="measured")
+        ax.plot(tps, [base * t for t in tps], "k:", label="linear")
+        ax.set_xticks(tps)
+        ax.set_xlabel("tensor parallel size")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"TP scaling, {result['config']['model_source']}")
+        ax.legend()
+        return fig
+    return _draw
+
+
+def main(argv=None) -> dict:
+    args, passthrough = build_parser().parse_known_args(argv)
+    tps = sorted(set(args.tp_list or default_tp_list()))
+    if not tps or min(tps) < 1:
+        raise SystemExit(f"--tp-list needs sizes >= 1, got {args.tp_list}")
+    args.model_source = args.model or f"preset {args.preset}"
+    env = bc.environment()
+    env["OMP_NUM_THREADS_children"] = str(args.threads_per_rank)
+    out_path = bc.out_path(args, NAME)
+    if not args.model:   # make the checkpoint once, here, rather than racing in the first child
+        from nanovllm_tp.launch.make_tiny import ensure_tiny
+        ensure_tiny(args.preset)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench_tp-") as workdir:
+        for tp in tps:
+            runs.append(run_one(tp, args, passthrough, workdir))
+            bc.log(args, f"TP={tp}: {runs[-1]['tok_s']:.1f} tok/s")
+    base = runs[0]
+    figures = {"runs": runs, "base_tp": base["tp"],
+               "scaling": {str(r["tp"]): r["tok_s"] / base["tok_s"] for r in runs},
+               "efficiency": {str(r["tp"]): r["tok_s"] / base["tok_s"] * base["tp"] / r["tp"] for r in runs}}
+    config = {**bc.config_dict(args), "tp_list": tps, "passthrough": passthrough}
+    vocab = bc.model_vocab_size(base["child_config"]["model"])
+    workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
+    result = {"name": NAME, "config": config, "workload": workload.describe(),
+              "environment": bc.finish_environment(env), "figures": figures}
+    bc.save_result(args, out_path, result, draw)
+    print(table(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Rank 0's engine: the scheduler, this rank's runner, and the plan channel to the other ranks."""
+import atexit
+import contextlib
+import logging
+import time
+import weakref
+
+
+from nanovllm_tp.utils import trace
+from nanovllm_tp.config.engine_config import EngineConfig
+from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
+from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
+from nanovllm_tp.layers import cpu_kernels, kernel_choice
+from nanovllm_tp.layers.packed_linear import linear_paths
+from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
+from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
+
+log = logging.getLogger("nanovllm_tp")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from nanovllm_tp.workers.draft_runner import DraftProposer
+        from nanovllm_tp.workers.worker import build_runner, join_group
+        _check_one_multi_rank_engine(config)
+        self.config = config
+        self.children, self.writer, self.dead, self._rendezvous, self.draft = [], None, None, None, None
+        self.local_ranks, self.remote_ranks = [], []
+        self._closed = False
+        self.device, self.dtype = resolve_device_and_dtype(config)
+        with cpu_kernels.switched(config.cpu_kernels):
+            backend = resolve_attention_backend(config, self.device, self.dtype)
+        draft = _draft_config(config)     # refused before any worker starts
+        self._trace = trace.start(config, rank=0)
+        exit_on_sigterm()      # from here on: a SIGTERM while the workers start still removes what they share
+        try:
+            if config.tensor_parallel_size > 1 and not launched_by_torchrun():
+                self._rendezvous = SpawnRendezvous.create(config.tensor_parallel_size)
+                self.children = spawn_workers(config, config.tensor_parallel_size, self._rendezvous)
+            self.info = join_group(config, self.device, self._rendezvous)
+            self._tp = current_tp() if self.info.world_size > 1 else TPState()
+            if self.info.world_size > 1:
+                self._open_channel()
+            with self._scope():
+                self.draft = draft and DraftProposer(config, draft, self.device, self.dtype)
+                self.runner = build_runner(config, self.device, self.dtype, backend,
+                                           self.draft.kv_block_bytes() if self.draft else 0)
+                if self.draft:
+                    self.draft.allocate(self.runner.num_kv_blocks)
+        except BaseException as exc:
+            if self.writer is not None and isinstance(exc, Exception):
+                self._fail(exc)
+            self.close()
+            raise
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.runner.num_kv_blocks), self.draft)
+        from nanovllm_tp.layers.sampler import Sampler
+        self.sampler = Sampler(config.model_config.eos_token_ids)
+        atexit.register(self.close)
+        _live_engines.add(self)
+        log.info("engine ready: %s%s", self.runner.describe(), f"; {self.draft.describe()}" if self.draft else "")
+
+    @contextlib.contextmanager
+    def _scope(self):
+        """This engine's process-wide settings (its TP group, its cpu_kernels) while it builds or steps: other
+        engines of the process keep theirs."""
+        with tp_scope(self._tp), cpu_kernels.switched(self.config.cpu_kernels):
+            yield
+
+    def _open_channel(self) -> None:
+        from nanovllm_tp.distributed import shm_allreduce
+        from nanovllm_tp.distributed.channel import PlanWriter
+        from nanovllm_tp.distributed.launch import node_ranks
+        nodes = node_ranks(self.info.world_size, self.info.node_rank)
+        local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
+        remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
+        self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host, secret=self.info.secret)
+        shm_allreduce.setup(self.info, not remote, self.device, self.config.shm_allreduce)  # only when all are local
+        self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
+
+    def add(self, seq: Sequence) -> None:
+        if self.dead:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               num_completion_tokens: int | None = None) -> None:
+        """End a request between steps (abort, stop string); its blocks are free at once."""
+        self.scheduler.finish(seq, reason, stop_reason, num_completion_tokens)
+
+    def stats(self) -> dict:
+        """What this engine runs on and lifetime counters of what it has done (LLM.stats documents the keys)."""
+        if self.runner is None:
+            raise RuntimeError("the engine is closed")
+        graphs, sched = self.runner.graphs, self.scheduler
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
+                "num_kv_blocks": self.runner.num_kv_blocks, "kv_cache_dtype": self.runner.kv_cache_format(),
+                "quantization": self.runner.quantization,
+                "linear": linear_paths(self.runner.model),
+                "linear_kernels": kernel_choice.report(self.runner.model),
+                "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
+                "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
+                "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
+                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
+                "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "kv_cache_usage": sched.block_manager.usage()}
+
+    def step(self) -> tuple[list[Sequence], int, bool]:
+        """Run one step: (sequences that got a token or an embedding, tokens computed, whether it was a prefill)."""
+        from nanovllm_tp.layers.sampler import prompt_logprobs
+        from nanovllm_tp.pooling.embeddings import pool_sums
+        sched = self.scheduler
+        try:
+            with trace.span("schedule"):
+                step = sched.schedule()          # a draft model proposes in here
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
+        if step is None:
+            return [], 0, False
+        plan, prompt_lp, pooled = step.plan, None, None
+        step.sampling.start_masks()          # structured outputs: grammar masks made while the model runs
+        try:
+            with self._scope():
+                if self.writer is not None:
+                    with trace.span("encode_plan"):
+                        payload = plan.encode()
+                    with trace.span("publish"):
+                        self.writer.publish(payload)
+                with trace.plan_span("execute", plan):
+                    logits = self.runner.execute(plan)
+                if self.draft is not None:
+                    self.draft.follow(plan)
+                with trace.span("sample"):
+                    tokens, lp = ([], None) if logits is None else self.sampler(logits, step.sampling)
+                if step.prompt_chunks:
+                    with trace.span("prompt_logprobs"):
+                        prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+                if step.pool_chunks:
+                    with trace.span("pool"):
+                        pooled = pool_sums(self.runner.take_hidden(), step.pool_chunks)
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
+        with trace.span("postprocess"):
+            progressed = sched.postprocess(tokens, lp, prompt_lp, pooled)
+        return progressed, plan.num_tokens, plan.is_prefill
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """Every request ends (aborted) and the engine stops: no rank is left waiting for a plan."""
+        self.scheduler.abort_all()
+        if self.writer is not None and isinstance(exc, Exception):
+            self._fail(exc)
+        else:
+            self.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed with other ranks involved: name the rank at fault if one is, and stop the engine."""
+        from nanovllm_tp.distributed.channel import PeerError
+        peer = exc if isinstance(exc, PeerError) else None
+        deadline = time.monotonic() + 5.0
+        while peer is None and time.monotonic() < deadline:
+            try:
+                self.writer.check_readers()
+                time.sleep(0.05)
+            except PeerError as found:
+                peer = found
+        self.dead = str(peer or exc)
+        self.close()
+        if peer is not None and peer is not exc:
+            raise peer from exc
+
+    def close(self) -> None:
+        """Stop every rank: shutdown message first (idle workers leave at once), then this rank's graphs and
+        KV cache (NCCL cannot destroy a communicator that live graphs captured), then the process group (a
+        worker stuck in a collective with us errors out), then wait for spawned workers."""
+        if self._closed:
+            return
+        self._closed = True
+        failed = self.dead is not None
+        self.dead = self.dead or "the engine was closed"
+        atexit.unregister(self.close)
+        import torch.distributed as dist
+        from nanovllm_tp.distributed import shm_allreduce
+        from nanovllm_tp.distributed.launch import stop_children
+        from nanovllm_tp.distributed.parallel_state import set_tp
+        if self.writer is not None:
+            try:
+                self.writer.shutdown("rank 0 closed the engine")
+            except Exception:
+                pass
+        draft, self.draft = self.draft, None
+        if draft is not None:
+            draft.release()
+        runner, self.runner = getattr(self, "runner", None), None
+        if runner is not None:      # free the weights, KV cache and graph pools now, not at process exit
+            try:
+                runner.release(hand_back=not failed)
+            except Exception:       # a broken device must not keep the other ranks running
+                log.exception("releasing this rank's model and KV cache failed")
+        if self.config.tensor_parallel_size > 1:    # the process group is this engine's (one per process)
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:
+                    pass
+            shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
+            set_tp(0, 1, None)
+        stop_children(self.children)
+        trace.finish(self._trace, wait_s=0.0 if self.children else 10.0)   # spawned ranks have left by now
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        if self.writer is not None:
+            self.writer.close()
+        _live_engines.discard(self)
+
+
+def _draft_config(config: EngineConfig) -> EngineConfig | None:
+    """The draft model's config when speculative_config asks for one (checked against the target)."""
+    from nanovllm_tp.scheduler.speculative import SpeculativeConfig
+    spec = SpeculativeConfig.from_dict(config.speculative_config, config.tensor_parallel_size)
+    if spec is None or spec.method != "draft_model":
+        return None
+    from nanovllm_tp.workers.draft_runner import draft_config
+    return draft_config(config)
+
+
+_live_engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+def _check_one_multi_rank_engine(config: EngineConfig) -> None:
+    """A multi-rank engine owns this process's process group: a second one is refused before anything is
+    touched, so the engine already running keeps serving. TP = 1 engines share nothing process-wide (each
+    step runs in its own engine's TP scope), so any number of them live beside it."""
+    for other in list(_live_engines):
+        multi = other.config.tensor_parallel_size
+        if not other._closed and multi > 1 and config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"this process already runs an engine with tensor_parallel_size={multi}, and a process holds "
+                "one multi-rank engine at a time (TP = 1 engines can live beside it): close the first "
+                "(llm.close()) or start the second in another process")
+

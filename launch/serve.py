@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from nanovllm_tp import envs
 from nanovllm_tp.config.engine_config import add_engine_args
@@ -37,12 +38,15 @@ from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, lor
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
+WATCH_S = 0.2                 # how often a data-parallel server looks at its replicas and HTTP process
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     add_server_args(parser)
+    # a data-parallel replica's own process (serving/replica_processes.py starts it): index and sockets
+    parser.add_argument("--replica", help=argparse.SUPPRESS)
     return parser
 
 
@@ -57,18 +61,21 @@ def engine_threads(args) -> bool:
     return on_cpu
 
 
-def start_front(server: ServerConfig, name: str, commands: str, outputs: str, idle: bool) -> subprocess.Popen:
+def start_front(server: ServerConfig, name: str, endpoints: list[tuple[str, str]], idle: bool) -> subprocess.Popen:
     """The HTTP process (at idle priority if asked): it imports and connects while the engine loads, and serves
-    once told what. The API key goes in its environment, never on its command line."""
+    once told what; `endpoints`: each replica's (commands, outputs). The API key goes in its environment, never
+    on its command line."""
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
     if server.api_key:
         env["NANOVLLM_TP_API_KEY"] = server.api_key
     return subprocess.Popen(
-        [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", commands, "--outputs", outputs,
-         "--name", name, "--config", server.to_json(), *(["--idle-priority"] if idle else [])], env=env)
+        [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", *(c for c, _ in endpoints),
+         "--outputs", *(o for _, o in endpoints), "--name", name, "--config", server.to_json(),
+         *(["--idle-priority"] if idle else [])], env=env)
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         server = server_config(args)
@@ -80,8 +87,14 @@ def main(argv=None) -> None:
     server.api_key = server.api_key or envs.get("NANOVLLM_TP_API_KEY") or None
     if args.device != "cuda":            # before torch loads libgomp (a GPU rank hardly runs OpenMP regions)
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    on_cpu = engine_threads(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.replica is not None:
+        serve_replica(args, server, loras)
+        return
+    if server.data_parallel_size > 1:
+        serve_replicas(args, server, argv)
+        return
+    on_cpu = engine_threads(args)
     if int(os.environ.get("RANK", "0")) != 0:
         serve_plans(args)          # under torchrun, ranks > 0 serve plans in here and exit with rank 0
         return
@@ -92,7 +105,7 @@ def main(argv=None) -> None:
     front, llm, loop, signals = None, None, None, None
     try:
         idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
-        front = start_front(server, server.served_model_name or args.model or "tiny", commands, outputs, idle)
+        front = start_front(server, server.served_model_name or args.model or "tiny", [(commands, outputs)], idle)
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
@@ -117,6 +130,71 @@ def main(argv=None) -> None:
         raise SystemExit(f"the HTTP process exited with {front.returncode}")
     logging.getLogger("nanovllm_tp").info("rank 0: stopped by %s", signal.Signals(signals.received[0]).name)
     sys.exit(0)
+
+
+def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
+    """--data-parallel-size D: the HTTP process and D replica processes (serving/replica_processes.py), which
+    share this node's cores; this process only watches them. Exits as a one-engine server does."""
+    from nanovllm_tp.distributed.launch import launched_by_torchrun, stop_children
+    from nanovllm_tp.serving.replica_processes import ReplicaProcesses
+    if launched_by_torchrun():
+        raise SystemExit("serve: --data-parallel-size under torchrun is not implemented yet: start it with "
+                         "python -m nanovllm_tp.launch.serve (or nanovllm-tp serve) on one node")
+    size = server.data_parallel_size
+    if args.threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        args.threads = envs.cores_per_rank(size * args.tensor_parallel_size)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not _cuda())
+    rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
+    endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
+    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+    replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas)
+    front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
+    signals = StopSignals(server.shutdown_timeout, lambda: (replicas.kill(), stop_children([front], timeout=0),
+                                                           shutil.rmtree(rundir, ignore_errors=True)))
+    log = logging.getLogger("nanovllm_tp")
+    try:
+        replicas.start_all()
+        while not signals.received and front.poll() is None and replicas.watch():
+            time.sleep(WATCH_S)
+    finally:
+        stop_children([front], timeout=0)
+        replicas.stop(server.shutdown_timeout)
+        shutil.rmtree(rundir, ignore_errors=True)
+        signals.finished()
+    if not signals.received:
+        raise SystemExit(f"the HTTP process exited with {front.returncode}" if front.returncode is not None
+                         else "serve: no replica could be kept running")
+    log.info("serve: stopped by %s", signal.Signals(signals.received[0]).name)
+    sys.exit(0)
+
+
+def serve_replica(args, server: ServerConfig, loras) -> None:
+    """One data-parallel replica: its LLM and engine loop on the sockets it was given, until SIGTERM or until
+    the process that started it is gone."""
+    from nanovllm_tp.serving.engine_loop import EngineLoop
+    index, commands, outputs = args.replica.split(",", 2)
+    engine_threads(args)
+    supervisor = os.getppid()
+    llm, loop, signals = None, None, None
+    try:
+        llm = build_llm(args)
+        signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(None, llm, None))
+        loop = EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras)
+        loop.run(lambda: not signals.received)
+        if signals.received:
+            loop.stop(f"replica {index} is shutting down ({signal.Signals(signals.received[0]).name})")
+    finally:
+        if loop is not None:
+            loop.close()
+        if llm is not None:
+            llm.close()
+        if signals is not None:
+            signals.finished()
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def serve_plans(args) -> None:

@@ -8,7 +8,7 @@ import hmac
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm_tp import __version__
@@ -47,7 +47,7 @@ class ApiKeyCheck:
 def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name, tokenizer = model.name, model.tokenizer
-    metrics = ServingMetrics(lambda: engine.stats, model_name)
+    metrics = ServingMetrics(lambda: engine.stats, model_name, engine if hasattr(engine, "router") else None)
     engine.on_finished = metrics.on_finished
     encoder = PromptEncoder(tokenizer, model.max_model_len)
 
@@ -100,6 +100,11 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
             return error_response(503, f"the engine loop has not answered for {silent:.0f} s "
                                        f"(--engine-iteration-timeout {config.engine_iteration_timeout:g})",
                                   "service_unavailable")
+        states = getattr(engine, "replica_states", None)
+        alive = None if states is None else sum(r["alive"] for r in states())
+        if alive is not None and alive < len(engine.replicas):    # data-parallel: some replicas are down
+            return JSONResponse({"status": "degraded", "replicas_alive": alive, "replicas": len(engine.replicas),
+                                 "down": [r["why"] for r in states() if not r["alive"]]})
         return Response(status_code=200)
 
     @app.get("/version")

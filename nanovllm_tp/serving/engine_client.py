@@ -81,9 +81,14 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, commands: str, outputs: str, max_waiting_requests: int = 1024, on_finished=None):
+    def __init__(self, commands: str, outputs: str, max_waiting_requests: int = 1024, on_finished=None,
+                 name: str = "engine", on_gone=None):
+        """`on_gone`: a data-parallel replica's engine process may die and come back: its socket's disconnection
+        fails its open requests at once and calls on_gone(); its "ready" on the same sockets revives it. Without
+        (one engine), the HTTP process leaves when its engine's process is gone (frontend.py)."""
         self.max_waiting = max_waiting_requests
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
+        self.name, self.on_gone = name, on_gone
         self.dead: str | None = None
         self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
                       "accepted_tokens": 0, "accepted_per_pos": []}
@@ -98,6 +103,7 @@ class EngineClient:
         self._accepting: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._receiver: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._last_heard = time.monotonic()
 
     async def wait_ready(self) -> dict:
@@ -111,11 +117,23 @@ class EngineClient:
     def start(self) -> None:
         """Start receiving (on the running event loop)."""
         self._receiver = asyncio.ensure_future(self._receive())
+        if self.on_gone is not None:
+            self._watcher = asyncio.ensure_future(self._watch_peer(self._outputs.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED)))
 
     def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
+        for task in (self._receiver, self._watcher):
+            if task is not None:
+                task.cancel()
         self._ctx.destroy(linger=0)
+
+    async def _watch_peer(self, monitor) -> None:
+        """The engine process's end of the outputs socket closed: it died (a clean stop says so first)."""
+        while True:
+            await monitor.recv_multipart()
+            if self.dead is None:
+                self.fail_all(f"{self.name} stopped: its engine process is gone")
+            self.on_gone()
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -195,6 +213,9 @@ class EngineClient:
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
             elif op == "dead":
                 self.fail_all(msg["why"], msg.get("shutdown", False))
+            elif op == "ready" and self.dead is not None:      # a replica restarted on the same sockets
+                log.warning("%s is back", self.name)
+                self.dead = None
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)
@@ -215,7 +236,7 @@ class EngineClient:
         if self.dead:
             return
         self.dead = why
-        (log.info if shutdown else log.error)("engine loop: %s", why)
+        (log.info if shutdown else log.error)("%s loop: %s", self.name, why)
         exc = EngineDead(why)
         for stream in self._open.values():
             stream.fail(exc)

@@ -3,6 +3,8 @@
     python -m nanovllm_tp.serving.frontend --commands ipc://... --outputs ipc://... --name NAME
         --config SERVER_CONFIG_JSON [--idle-priority]
 
+With data-parallel replicas, one --commands and one --outputs endpoint each, in replica order (replica_set.py).
+
 It imports and connects at once, then waits for the engine's "ready" message (model path, max_model_len) to load
 the tokenizer and start serving.
 
@@ -20,6 +22,7 @@ import signal
 from nanovllm_tp import envs
 from nanovllm_tp.serving.app import ServedModel, build_app
 from nanovllm_tp.serving.engine_client import EngineClient
+from nanovllm_tp.serving.replica_set import ReplicaSet
 from nanovllm_tp.serving.server_config import ServerConfig
 
 PARENT_CHECK_S = 0.5
@@ -27,8 +30,8 @@ PARENT_CHECK_S = 0.5
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--commands", required=True)
-    p.add_argument("--outputs", required=True)
+    p.add_argument("--commands", required=True, nargs="+", help="each replica's commands endpoint")
+    p.add_argument("--outputs", required=True, nargs="+", help="each replica's outputs endpoint, in the same order")
     p.add_argument("--name", required=True, help="the model name clients use")
     p.add_argument("--config", type=ServerConfig.from_json, default=ServerConfig(),
                    help="launch/serve's server flags as JSON (ServerConfig's fields; no API key)")
@@ -59,8 +62,13 @@ def main(argv=None) -> None:
         lower_priority()                 # first: before ZMQ and uvicorn start threads, so they inherit it
     import uvicorn
     from nanovllm_tp.checkpoint.loader import load_tokenizer
-    parent, rundir = os.getppid(), os.path.dirname(args.commands.removeprefix("ipc://"))
-    engine = EngineClient(args.commands, args.outputs, config.max_waiting_requests)
+    parent, rundir = os.getppid(), os.path.dirname(args.commands[0].removeprefix("ipc://"))
+    if len(args.commands) != len(args.outputs):
+        raise SystemExit("frontend: one --outputs endpoint per --commands endpoint")
+    if len(args.commands) == 1:
+        engine = EngineClient(args.commands[0], args.outputs[0], config.max_waiting_requests)
+    else:
+        engine = ReplicaSet(list(zip(args.commands, args.outputs)), config.max_waiting_requests, config.router)
     state = {"server": None}
 
     def orphaned() -> bool:

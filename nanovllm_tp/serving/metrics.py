@@ -42,10 +42,36 @@ class _SchedulerCollector:
         yield c
 
 
+class _RouterCollector:
+    """Data-parallel serving: what the router did and each replica's state."""
+    def __init__(self, replicas, model_name: str):
+        self.replicas, self.model_name = replicas, model_name       # a ReplicaSet
+
+    def collect(self):
+        counters = self.replicas.router.counters()
+        routed = CounterMetricFamily(PREFIX + "router_requests_routed", "Requests sent to each replica.",
+                                     labels=["model_name", "dp_rank", "policy"])
+        for rank, count in enumerate(counters["routed"]):
+            routed.add_metric([self.model_name, str(rank), counters["policy"]], count)
+        yield routed
+        hits = CounterMetricFamily(PREFIX + "router_prefix_affinity_hits", "Requests sent to a replica because it "
+                                   "likely held their prompt's first blocks.", labels=["model_name", "policy"])
+        hits.add_metric([self.model_name, counters["policy"]], counters["prefix_hits"])
+        yield hits
+        up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
+                               labels=["model_name", "dp_rank"])
+        for rank, state in enumerate(self.replicas.replica_states()):
+            up.add_metric([self.model_name, str(rank)], 1.0 if state["alive"] else 0.0)
+        yield up
+
+
 class ServingMetrics:
-    def __init__(self, stats, model_name: str):
+    def __init__(self, stats, model_name: str, replicas=None):
+        """`replicas`: the ReplicaSet of a data-parallel server (router counters, replicas up)."""
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(stats, model_name))
+        if replicas is not None:
+            self.registry.register(_RouterCollector(replicas, model_name))
         labels = ["model_name"]
         self.model_name = model_name
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,

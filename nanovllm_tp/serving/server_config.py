@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from nanovllm_tp.config.knobs import add_args, check_knobs, knob, kwargs_of
 from nanovllm_tp.serving.reasoning import PARSERS
+from nanovllm_tp.serving.router import POLICIES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -49,6 +50,16 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = knob(help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                                   "(default from $NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING)",
                                              default_factory=lambda: _env_on("NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING"))
+    # data-parallel replicas behind this one endpoint (replica_set.py, router.py)
+    data_parallel_size: int = knob(1, help="engine replicas, each with --tensor-parallel-size ranks, its own "
+                                           "scheduler and KV cache, behind this one endpoint",
+                                   flags=("--data-parallel-size", "-dp"), minimum=1)
+    router: str = knob("prefix-aware", help="how a request picks its replica: prefix-aware (the replica most "
+                                            "likely to hold its prompt's first blocks, unless far busier than the "
+                                            "least loaded), least-load, round-robin",
+                       choices=tuple(POLICIES))
+    restart_dead_replicas: bool = knob(True, help="start a replica again when its process dies (the others serve "
+                                                  "meanwhile)")
     # liveness and shutdown
     engine_iteration_timeout: float = knob(60.0, help="seconds the engine loop may go silent (one step, or a "
                                                       "stuck one) before /health answers 503", minimum=0.0,

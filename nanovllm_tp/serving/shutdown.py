@@ -59,7 +59,7 @@ class StopSignals:
             os._exit(128 + signal.SIGTERM)
 
 
-def hard_stop(front, llm, rundir: str) -> None:
+def hard_stop(front, llm, rundir: str | None) -> None:
     """Rank 0 cannot finish its step: stop the HTTP process, kill the ranks rank 0 spawned, remove the engine's
     shared memory (named after this pid), the spawn store and the sockets' directory. Ranks started by torchrun
     see rank 0 gone and leave on their own."""
@@ -75,4 +75,5 @@ def hard_stop(front, llm, rundir: str) -> None:
     rendezvous = getattr(engine, "_rendezvous", None)
     if rendezvous is not None:
         rendezvous.close()
-    shutil.rmtree(rundir, ignore_errors=True)
+    if rundir is not None:          # a data-parallel replica's sockets are in its server's directory
+        shutil.rmtree(rundir, ignore_errors=True)

@@ -1,0 +1,162 @@
+"""The HTTP process's handle on D data-parallel replicas (`serve --data-parallel-size D`): one EngineClient per
+replica, and a router (router.py) that sends each request to one of them. It answers the EngineClient calls the
+routes make (submit, abort, lora, stats, dead, silent_for), so that the routes serve one replica or many alike.
+
+A batch of prompts submitted together goes to one replica (all or none there); a request's later aborts follow
+it. Replicas share nothing: a replica that dies fails its own open requests only (EngineDead, with its reason);
+the others keep serving and new requests go to the live ones. When the server restarts it, the replica says
+"ready" again on the same sockets and takes requests again, its prefix record in the router forgotten. Adapter
+loads and unloads go to every live replica.
+"""
+import asyncio
+import logging
+
+from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
+from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
+
+log = logging.getLogger("nanovllm_tp")
+
+
+class ReplicaSet:
+    def __init__(self, endpoints: list[tuple[str, str]], max_waiting_requests: int, policy: str,
+                 block_size: int = 16):
+        """`endpoints`: (commands, outputs) of each replica's engine loop, in replica order."""
+        self.max_waiting = max_waiting_requests
+        self.replicas = [EngineClient(c, o, max_waiting_requests, name=f"replica {i}",
+                                      on_gone=lambda i=i: self.replica_died(i))
+                         for i, (c, o) in enumerate(endpoints)]
+        self.router = make_router(policy, len(self.replicas), block_size)
+        self._owner: dict[str, int] = {}         # open request id -> its replica
+        self._sent = [0] * len(self.replicas)   # batches handed to each replica and not yet accepted
+        self._loras: list[set[int]] = [set() for _ in self.replicas]     # adapters each replica has run
+
+    @property
+    def on_finished(self):
+        return self.replicas[0].on_finished
+
+    @on_finished.setter
+    def on_finished(self, callback) -> None:
+        def finished(out, _callback=callback):
+            self._owner.pop(out.request_id, None)
+            if _callback is not None:
+                _callback(out)
+        for client in self.replicas:
+            client.on_finished = finished
+
+    @property
+    def dead(self) -> str | None:
+        """Why nothing can be served: every replica is dead (None while one lives)."""
+        if any(c.dead is None for c in self.replicas):
+            return None
+        return "; ".join(c.dead for c in self.replicas)
+
+    @property
+    def stats(self) -> dict:
+        """The replicas' figures summed (kv_usage: their mean), as one engine's."""
+        live = [c.stats for c in self.replicas]
+        out = {k: sum(s[k] for s in live) for k in ("running", "waiting", "preemptions", "draft_tokens",
+                                                     "accepted_tokens")}
+        out["kv_usage"] = sum(s["kv_usage"] for s in live) / len(live)
+        width = max(len(s["accepted_per_pos"]) for s in live)
+        out["accepted_per_pos"] = [sum(s["accepted_per_pos"][i] for s in live if i < len(s["accepted_per_pos"]))
+                                   for i in range(width)]
+        return out
+
+    def replica_states(self) -> list[dict]:
+        """Per replica: alive, and its latest figures (/health, /metrics)."""
+        return [{"alive": c.dead is None, "why": c.dead, **c.stats} for c in self.replicas]
+
+    async def wait_ready(self) -> dict:
+        """The first replica's "ready" (what it serves): the server takes requests from then on; the replicas
+        still loading count as dead until their own "ready" arrives."""
+        waits = {asyncio.ensure_future(c.wait_ready()): c for c in self.replicas}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+            waits[task].dead = f"{waits[task].name} is starting"
+        return next(iter(done)).result()
+
+    def start(self) -> None:
+        for client in self.replicas:
+            client.start()
+
+    def close(self) -> None:
+        for client in self.replicas:
+            client.close()
+
+    def new_request_id(self, prefix: str) -> str:
+        return self.replicas[0].new_request_id(prefix)
+
+    def num_waiting(self) -> int:
+        return sum(c.num_waiting() for c in self.replicas)
+
+    def silent_for(self) -> float:
+        """The longest silence of a live replica: one stuck replica makes /health say so."""
+        return max((c.silent_for() for c in self.replicas if c.dead is None), default=0.0)
+
+    def _loads(self, lora_id: int | None) -> list[ReplicaLoad]:
+        return [ReplicaLoad(running=c.stats["running"], waiting=c.num_waiting() + self._sent[i],
+                            kv_usage=c.stats["kv_usage"], alive=c.dead is None, loras=frozenset(self._loras[i]))
+                for i, c in enumerate(self.replicas)]
+
+    async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
+                     priority: int = 0, lora: list | None = None) -> list[RequestStream]:
+        """As EngineClient.submit, on the replica the router picks; a replica that dies before it accepted the
+        batch hands it to another live one (nothing of it was sent to the client yet)."""
+        if self.num_waiting() >= self.max_waiting:
+            raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
+                             f"{self.max_waiting}); try again later")
+        lora_id = lora[1] if lora else None
+        tried = set()
+        while True:
+            loads = self._loads(lora_id)
+            for i in tried:
+                loads[i].alive = False
+            try:
+                replica = self.router.route(prompts[0], loads, lora_id)
+            except NoReplica:
+                raise EngineDead(self.dead or "no replica could take the request") from None
+            self._sent[replica] += 1
+            try:
+                streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora)
+            except EngineDead:
+                tried.add(replica)
+                continue
+            finally:
+                self._sent[replica] -= 1
+            for rid in request_ids:
+                self._owner[rid] = replica
+            if lora_id is not None:
+                self._loras[replica].add(lora_id)
+            return streams
+
+    async def lora(self, op: str, lora: list) -> None:
+        """Every live replica loads (checks) or unloads the adapter; the first refusal propagates."""
+        live = [c for c in self.replicas if c.dead is None]
+        if not live:
+            raise EngineDead(self.dead)
+        await asyncio.gather(*(c.lora(op, lora) for c in live))
+        if op == "lora_unload":
+            for held in self._loras:
+                held.discard(lora[1])
+
+    def abort(self, request_ids) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            replica = self._owner.pop(rid, None)
+            if replica is not None:
+                by_replica.setdefault(replica, []).append(rid)
+        for replica, ids in by_replica.items():
+            self.replicas[replica].abort(ids)
+
+    def fail_all(self, why: str, shutdown: bool = False) -> None:
+        for client in self.replicas:
+            client.fail_all(why, shutdown)
+
+    def replica_died(self, replica: int) -> None:
+        """Its requests failed (EngineClient did that); its cache is gone: the router forgets it."""
+        self.router.forget_replica(replica)
+        self._loras[replica].clear()
+        for rid in [r for r, i in self._owner.items() if i == replica]:
+            del self._owner[rid]

@@ -1,0 +1,197 @@
+"""Which data-parallel replica serves a request. The front end holds D engine replicas; each has its own scheduler
+and its own prefix cache of KV blocks, and they share nothing. A request (a batch of prompts submitted together
+goes to one replica, routed by its first prompt) is sent to the replica a policy picks from the loads the replicas
+last reported (ReplicaLoad); a dead or restarting replica is never picked.
+
+Policies:
+  round-robin   the next live replica in turn. Blind to load and cache: the baseline to compare against.
+  least-load    the live replica with the fewest requests (running + waiting). Ties go to a replica that has the
+                request's LoRA adapter loaded already (it need not load it), then to the lower KV usage, then to the
+                replica this router has sent fewer requests to: loads arrive with a lag, so a burst of requests
+                routed before the next report would otherwise all land on one replica. Then the lowest index.
+  prefix-aware  (the server's default) the replica most likely to hold the prompt's first KV blocks in its
+                prefix cache, so that its prefill skips them: requests that share a system prompt or a
+                conversation's history stick to one replica, and each replica's cache holds its own share of the
+                prefixes instead of every replica holding all of them.
+
+How prefix-aware knows: it cannot see the replicas' caches, so it remembers what it sent where. A prompt's leading
+full blocks of `block_size` tokens are hashed as a chain (block i's hash covers blocks 0..i, as the engine's prefix
+cache keys them, and is seeded with the LoRA adapter, since a prefix cached under one adapter is of no use to
+another). Only the first `max_blocks` blocks are hashed: a route's cost (microseconds) does not grow with the prompt,
+and the first blocks are what requests share. Each replica keeps an LRU of at most `capacity` hashes (an
+approximation of its cache: bounded, it forgets what the replica has likely evicted); an index from hash to the
+replicas holding it finds the longest match by walking the prompt's chain once, whatever the number of replicas.
+
+Affinity yields to load: only replicas at most `load_threshold` requests busier than the least loaded compete on
+their match (a cache hit saves a prefill, a long queue costs more than that); the longest match among them wins,
+ties by least-load's order; with no match among them, least-load. The chosen replica then records the prompt's
+hashes, its first block last so that a prompt's head, the part others share, is evicted after its tail.
+"""
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ReplicaLoad", "Router", "RoundRobinRouter", "LeastLoadRouter", "PrefixAwareRouter", "NoReplica",
+           "POLICIES", "make_router", "block_hashes"]
+
+
+class NoReplica(RuntimeError):
+    """No replica is alive to take the request."""
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a replica last reported (every engine step, and every second when idle)."""
+    running: int = 0                # sequences running
+    waiting: int = 0                # sequences waiting, plus requests sent to the replica and not yet accepted
+    kv_usage: float = 0.0           # fraction of its KV blocks in use, 0..1
+    alive: bool = True              # False: dead (or restarting): never routed to
+    loras: frozenset = frozenset()  # lora_int_ids of the adapters this replica has loaded or used recently
+
+
+def block_hashes(prompt: Sequence[int], block_size: int, max_blocks: int, lora_id: int | None = None) -> list[int]:
+    """The chained hashes of the prompt's leading full blocks (at most max_blocks), seeded with the adapter."""
+    parent = hash((lora_id is not None, lora_id or 0))    # ints and tuples of ints hash the same in every process
+    hashes = []
+    for start in range(0, min(len(prompt) // block_size, max_blocks) * block_size, block_size):
+        parent = hash((parent, tuple(prompt[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class Router:
+    """The interface: route() picks a live replica for a request; subclasses implement _choose()."""
+    policy: str = ""
+
+    def __init__(self, num_replicas: int, block_size: int = 16):
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_replicas, self.block_size = num_replicas, block_size
+        self._routed = [0] * num_replicas
+        self._prefix_hits = 0
+
+    def route(self, prompt: Sequence[int], loads: Sequence[ReplicaLoad], lora_id: int | None = None) -> int:
+        """The replica for a request whose (first) prompt is these token ids. Raises NoReplica when no replica is
+        alive."""
+        if len(loads) != self.num_replicas:
+            raise ValueError(f"{len(loads)} loads for {self.num_replicas} replicas")
+        alive = [i for i, load in enumerate(loads) if load.alive]
+        if not alive:
+            raise NoReplica(f"none of the {self.num_replicas} replicas is alive")
+        replica, hit = self._choose(prompt, loads, alive, lora_id)
+        self._routed[replica] += 1
+        self._prefix_hits += hit
+        return replica
+
+    def _choose(self, prompt: Sequence[int], loads: Sequence[ReplicaLoad], alive: list[int],
+                lora_id: int | None) -> tuple[int, bool]:
+        """(replica among `alive`, whether it was chosen for holding the prompt's prefix)."""
+        raise NotImplementedError
+
+    def forget_replica(self, replica: int) -> None:
+        """The replica lost its cache (it died, or was restarted): drop what the router remembers of it."""
+
+    def counters(self) -> dict:
+        return {"routed": list(self._routed), "prefix_hits": self._prefix_hits, "policy": self.policy}
+
+    def _load_order(self, loads: Sequence[ReplicaLoad], lora_id: int | None):
+        """Sort key of least-load's order: the smallest key is the replica to pick."""
+        def key(i: int) -> tuple:
+            load = loads[i]
+            has_adapter = lora_id is not None and lora_id in load.loras
+            return load.running + load.waiting, not has_adapter, load.kv_usage, self._routed[i], i
+        return key
+
+
+class RoundRobinRouter(Router):
+    policy = "round-robin"
+
+    def __init__(self, num_replicas: int, block_size: int = 16):
+        super().__init__(num_replicas, block_size)
+        self._next = 0
+
+    def _choose(self, prompt, loads, alive, lora_id):
+        replica = next((i for i in alive if i >= self._next), alive[0])
+        self._next = (replica + 1) % self.num_replicas
+        return replica, False
+
+
+class LeastLoadRouter(Router):
+    policy = "least-load"
+
+    def _choose(self, prompt, loads, alive, lora_id):
+        return min(alive, key=self._load_order(loads, lora_id)), False
+
+
+class PrefixAwareRouter(Router):
+    policy = "prefix-aware"
+
+    def __init__(self, num_replicas: int, block_size: int = 16, *, max_blocks: int = 32, capacity: int = 50_000,
+                 load_threshold: float = 8):
+        super().__init__(num_replicas, block_size)
+        if max_blocks < 1 or capacity < 1 or load_threshold < 0:
+            raise ValueError(f"max_blocks and capacity must be at least 1 and load_threshold at least 0, got "
+                             f"{max_blocks}, {capacity}, {load_threshold}")
+        self.max_blocks, self.capacity, self.load_threshold = max_blocks, capacity, load_threshold
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._holders: dict[int, int] = {}      # block hash -> bit mask of the replicas whose LRU holds it
+
+    def blocks_held(self, replica: int) -> int:
+        """How many block hashes the router remembers for the replica (at most `capacity`)."""
+        return len(self._lru[replica])
+
+    def _choose(self, prompt, loads, alive, lora_id):
+        hashes = block_hashes(prompt, self.block_size, self.max_blocks, lora_id)
+        order = self._load_order(loads, lora_id)
+        least = min(loads[i].running + loads[i].waiting for i in alive)
+        eligible = [i for i in alive if loads[i].running + loads[i].waiting <= least + self.load_threshold]
+        candidates = sum(1 << i for i in eligible)
+        matched = 0
+        for h in hashes:         # narrow to the replicas that hold the chain one block further
+            holding = candidates & self._holders.get(h, 0)
+            if not holding:
+                break
+            candidates, matched = holding, matched + 1
+        if matched:
+            replica = min((i for i in eligible if candidates >> i & 1), key=order)
+        else:
+            replica = min(eligible, key=order)
+        self._record(replica, hashes)
+        return replica, matched > 0
+
+    def _record(self, replica: int, hashes: list[int]) -> None:
+        lru, bit = self._lru[replica], 1 << replica
+        for h in reversed(hashes):      # the head last: most recent, evicted last
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                self._holders[h] = self._holders.get(h, 0) | bit
+        while len(lru) > self.capacity:
+            self._drop(lru.popitem(last=False)[0], bit)
+
+    def _drop(self, h: int, bit: int) -> None:
+        mask = self._holders[h] & ~bit
+        if mask:
+            self._holders[h] = mask
+        else:
+            del self._holders[h]
+
+    def forget_replica(self, replica: int) -> None:
+        lru, bit = self._lru[replica], 1 << replica
+        for h in lru:
+            self._drop(h, bit)
+        lru.clear()
+
+
+POLICIES: dict[str, type[Router]] = {cls.policy: cls for cls in (RoundRobinRouter, LeastLoadRouter, PrefixAwareRouter)}
+
+
+def make_router(policy: str, num_replicas: int, block_size: int = 16, **kwargs) -> Router:
+    """The router of that policy; kwargs go to its constructor (prefix-aware: max_blocks, capacity,
+    load_threshold)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown router policy {policy!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[policy](num_replicas, block_size, **kwargs)

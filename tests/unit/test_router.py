@@ -1,0 +1,231 @@
+"""The data-parallel request router (nanovllm_tp/serving/router.py): each policy's choice from the replicas' loads,
+prefix affinity and its limits (load, adapter, forgetting, a bounded record), the errors, the counters, the cost."""
+import time
+
+import pytest
+
+from nanovllm_tp.serving.router import (POLICIES, LeastLoadRouter, NoReplica, PrefixAwareRouter, ReplicaLoad,
+                                        block_hashes, make_router)
+
+BS = 16
+
+
+def idle(n: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad() for _ in range(n)]
+
+
+def prompt(seed: int, blocks: int = 4, tail: int = 0) -> list[int]:
+    """`blocks` full blocks of tokens that only prompts of the same seed share, then `tail` more tokens."""
+    return [seed * 100_000 + t for t in range(blocks * BS)] + [7] * tail
+
+
+def test_round_robin_cycles_and_skips_dead():
+    router = make_router("round-robin", 3)
+    assert [router.route([1], idle(3)) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    loads = idle(3)
+    loads[1].alive = False
+    assert [router.route([1], loads) for _ in range(4)] == [0, 2, 0, 2]
+    loads[0].alive = False
+    assert [router.route([1], loads) for _ in range(2)] == [2, 2]
+    assert router.counters() == {"routed": [4, 2, 6], "prefix_hits": 0, "policy": "round-robin"}
+
+
+def test_least_load_picks_least_loaded():
+    router = make_router("least-load", 3)
+    loads = [ReplicaLoad(running=4, waiting=1), ReplicaLoad(running=1, waiting=3), ReplicaLoad(running=2)]
+    assert router.route([1], loads) == 2
+    loads[2].alive = False
+    assert router.route([1], loads) == 1         # 4 requests against 5
+    loads[1].kv_usage, loads[0] = 0.9, ReplicaLoad(running=4, kv_usage=0.2)
+    assert router.route([1], loads) == 0         # equal load: the lower KV usage
+
+
+def test_least_load_spreads_a_burst_of_equal_loads():
+    router = make_router("least-load", 2)
+    loads = idle(2)          # the replicas have not reported the burst yet
+    picks = [router.route([1], loads) for _ in range(4)]
+    assert sorted(picks) == [0, 0, 1, 1]
+    assert router.counters()["routed"] == [2, 2]
+
+
+def test_least_load_lora_breaks_ties_only():
+    router = make_router("least-load", 3)
+    loads = [ReplicaLoad(running=2), ReplicaLoad(running=2, loras=frozenset({5})), ReplicaLoad(running=2)]
+    assert router.route([1], loads, lora_id=5) == 1
+    assert router.route([1], loads, lora_id=5) == 1          # fewer routed elsewhere, but the adapter wins the tie
+    loads[1] = ReplicaLoad(running=3, loras=frozenset({5}))
+    assert router.route([1], loads, lora_id=5) != 1           # a busier replica loses despite the adapter
+    assert router.route([1], idle(3), lora_id=9) in (0, 2)    # an adapter nobody has: plain least-load
+
+
+def test_prefix_aware_sticks_to_the_replica_of_a_shared_prefix():
+    router = make_router("prefix-aware", 4, BS)
+    first = router.route(prompt(1, tail=5), idle(4))
+    for i in range(8):       # same 4 leading blocks, different tails; the loads do not change between routes
+        assert router.route(prompt(1, tail=5) + [i] * (i * 20), idle(4)) == first
+    assert router.counters()["prefix_hits"] == 8
+    assert router.counters()["routed"][first] == 9
+
+
+def test_prefix_aware_spreads_distinct_prefixes():
+    router = make_router("prefix-aware", 4, BS)
+    picks = [router.route(prompt(seed), idle(4)) for seed in range(8)]
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert router.counters()["prefix_hits"] == 0
+    assert [router.route(prompt(seed), idle(4)) for seed in range(8)] == picks    # each prefix where it went
+
+
+def test_prefix_aware_prefers_the_longest_match():
+    router = make_router("prefix-aware", 2, BS)
+    full = prompt(3, blocks=6)
+    assert router.route(full[:2 * BS], idle(2)) == 0
+    assert router.route(full[:5 * BS], [ReplicaLoad(alive=False), ReplicaLoad()]) == 1
+    assert router.route(full, [ReplicaLoad(waiting=3), ReplicaLoad(waiting=4)]) == 1    # 5 blocks beat 2
+    assert router.route(full[:2 * BS + 3], [ReplicaLoad(waiting=3), ReplicaLoad(waiting=4)]) == 0   # tie: load
+
+
+def test_prefix_aware_falls_back_to_least_load_past_the_threshold():
+    router = make_router("prefix-aware", 3, BS, load_threshold=4)
+    home = router.route(prompt(2), idle(3))
+    loads = idle(3)
+    loads[home].waiting = 4          # at the threshold: affinity holds
+    assert router.route(prompt(2), loads) == home
+    loads[home].waiting = 5          # past it: the least loaded instead
+    other = router.route(prompt(2), loads)
+    assert other != home
+    hits = router.counters()["prefix_hits"]
+    assert hits == 1
+    loads = idle(3)
+    loads[other].running = 1         # both now hold it: the less loaded of them, a hit again
+    assert router.route(prompt(2), loads) == home
+    assert router.counters()["prefix_hits"] == hits + 1
+
+
+def test_prefix_aware_default_threshold_is_eight_requests():
+    router = PrefixAwareRouter(2, BS)
+    assert router.route(prompt(4), idle(2)) == 0
+    assert router.route(prompt(4), [ReplicaLoad(running=5, waiting=3), ReplicaLoad()]) == 0
+    assert router.route(prompt(4), [ReplicaLoad(running=5, waiting=4), ReplicaLoad()]) == 1
+
+
+def test_prefix_aware_a_different_adapter_is_not_a_hit():
+    router = make_router("prefix-aware", 2, BS)
+    assert router.route(prompt(5), idle(2), lora_id=1) == 0
+    assert router.route(prompt(5), idle(2), lora_id=2) == 1       # same tokens, other adapter: by load
+    assert router.route(prompt(5), idle(2)) == 0 and router.counters()["prefix_hits"] == 0    # nor no adapter
+    assert router.route(prompt(5), idle(2), lora_id=2) == 1 and router.counters()["prefix_hits"] == 1
+
+
+def test_forget_replica_drops_the_affinity():
+    router = make_router("prefix-aware", 2, BS)
+    home = router.route(prompt(6), idle(2))
+    assert router.route(prompt(6), idle(2)) == home
+    assert router.blocks_held(home) == 4
+    router.forget_replica(home)
+    assert router.blocks_held(home) == 0
+    assert router.route(prompt(6), idle(2)) != home          # by load now: `home` was routed to more
+    assert router.counters()["prefix_hits"] == 1
+    for policy in ("round-robin", "least-load"):
+        other = make_router(policy, 2)
+        other.forget_replica(1)
+        assert other.route([1], idle(2)) == 0
+
+
+def test_dead_replica_is_never_chosen_even_holding_the_prefix():
+    router = make_router("prefix-aware", 2, BS)
+    home = router.route(prompt(7), idle(2))
+    loads = idle(2)
+    loads[home].alive = False
+    assert router.route(prompt(7), loads) == 1 - home
+
+
+def test_record_stays_within_capacity():
+    router = make_router("prefix-aware", 2, BS, capacity=10, max_blocks=4)
+    for seed in range(200):
+        router.route(prompt(seed, blocks=6), idle(2))
+        assert router.blocks_held(0) <= 10 and router.blocks_held(1) <= 10
+        assert len(router._holders) <= 20      # the hash -> replicas index is bounded with them
+    home = router.route(prompt(0, blocks=6), idle(2))      # evicted long ago: a miss
+    assert router.counters()["prefix_hits"] == 0
+    assert router.route(prompt(0, blocks=6), idle(2)) == home
+    assert router.counters()["prefix_hits"] == 1
+
+
+def test_eviction_keeps_a_prompts_head_longest():
+    router = make_router("prefix-aware", 2, BS, capacity=4)
+    only_0 = [ReplicaLoad(), ReplicaLoad(alive=False)]
+    router.route(prompt(1, blocks=4), only_0)
+    router.route(prompt(2, blocks=2), only_0)        # evicts two of prompt 1's four blocks: its last two
+    assert router.blocks_held(0) == 4
+    assert router.route(prompt(1, blocks=4), [ReplicaLoad(waiting=1), ReplicaLoad()]) == 0   # its head: a hit
+    assert router.counters()["prefix_hits"] == 1
+
+
+def test_short_prompt_routes_by_load_and_records_nothing():
+    router = make_router("prefix-aware", 2, BS)
+    assert router.route(list(range(BS - 1)), [ReplicaLoad(waiting=2), ReplicaLoad()]) == 1
+    assert router.route([], [ReplicaLoad(), ReplicaLoad(waiting=2)]) == 0
+    assert router.blocks_held(0) == router.blocks_held(1) == 0
+    assert router.counters()["prefix_hits"] == 0
+
+
+def test_block_hashes_chain_limit_and_adapter_seed():
+    a, b = prompt(1, blocks=3), prompt(1, blocks=2) + prompt(2, blocks=1)
+    ha, hb = block_hashes(a, BS, 32), block_hashes(b, BS, 32)
+    assert len(ha) == 3 and ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert block_hashes(a + [1] * (BS - 1), BS, 32) == ha              # a partial block is not hashed
+    assert len(block_hashes(prompt(1, blocks=50), BS, 32)) == 32
+    assert block_hashes(a, BS, 32, lora_id=3)[0] != ha[0]
+    assert block_hashes(a, BS, 32, lora_id=0)[0] != ha[0]
+
+
+def test_no_replica_when_all_dead():
+    dead = [ReplicaLoad(alive=False), ReplicaLoad(alive=False)]
+    for policy in POLICIES:
+        router = make_router(policy, 2)
+        with pytest.raises(NoReplica):
+            router.route(prompt(1), dead)
+        assert router.counters()["routed"] == [0, 0]
+    assert issubclass(NoReplica, RuntimeError)
+
+
+def test_make_router_refuses_bad_arguments():
+    assert set(POLICIES) == {"round-robin", "least-load", "prefix-aware"}
+    with pytest.raises(ValueError) as err:
+        make_router("random", 2)
+    for name in POLICIES:
+        assert name in str(err.value)
+    with pytest.raises(ValueError):
+        make_router("least-load", 0)
+    with pytest.raises(ValueError):
+        make_router("least-load", 2).route([1], idle(3))      # a load per replica
+    assert isinstance(make_router("least-load", 2), LeastLoadRouter)
+
+
+def test_counters_count_routed_and_prefix_hits():
+    router = make_router("prefix-aware", 2, BS)
+    for seed in (1, 2, 1, 1, 3):
+        router.route(prompt(seed), idle(2))
+    counters = router.counters()
+    assert counters["policy"] == "prefix-aware"
+    assert sum(counters["routed"]) == 5 and counters["prefix_hits"] == 2
+    counters["routed"][0] += 100                 # a copy
+    assert sum(router.counters()["routed"]) == 5
+
+
+def test_routing_is_deterministic():
+    def run() -> list[int]:
+        router = make_router("prefix-aware", 3, BS)
+        return [router.route(prompt(seed % 5, tail=seed), idle(3)) for seed in range(30)]
+    assert run() == run()
+
+
+def test_route_cost_does_not_grow_with_the_prompt():
+    router = make_router("prefix-aware", 64, BS)
+    long_prompt = list(range(4000))
+    loads = idle(64)
+    router.route(long_prompt, loads)
+    start = time.perf_counter()
+    for _ in range(1000):
+        router.route(long_prompt, loads)
+    assert (time.perf_counter() - start) / 1000 < 1e-3     # tens of microseconds: generous for a loaded machine

@@ -13,7 +13,7 @@ import pathlib
 
 from nanovllm_tp.bench.env import environment, finish_environment
 from nanovllm_tp.bench.report import (default_out_path, fmt, format_table, log, median, percentile, plot_path,
-                                             save_plot, save_result, summarize, write_json)
+                                      save_plot, save_result, summarize, write_json)
 from nanovllm_tp.bench.workload import MAX_TOKEN_ID, Workload, make_workload, warmup_prompts
 
 __all__ = ["environment", "finish_environment", "default_out_path", "fmt", "format_table", "log", "median",

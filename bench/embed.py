@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.bench import common as bc
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.launch.make_tiny import CORPUS
 
 NAME = "bench_embed"

@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.bench import common as bc
 from nanovllm_tp.bench import compare as bench_compare
 from nanovllm_tp.bench.engine import run_engine, summarize_runs, warm_up_engine
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 
 NAME = "bench_kv"
 

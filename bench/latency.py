@@ -25,8 +25,8 @@ import math
 import random
 import time
 
-from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.bench import common as bc
+from nanovllm_tp.config.engine_config import add_engine_args
 
 NAME = "bench_latency"
 QUANTILES = ("mean", "p50", "p90", "p99")

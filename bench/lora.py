@@ -18,8 +18,8 @@ import os
 import tempfile
 import time
 
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.bench import common as bc
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 
 NAME = "bench_lora"
 

@@ -4,14 +4,19 @@
     python -m nanovllm_tp.bench.serve --base-url URL --api-key K --model NAME --request-rate 1 4 inf
     python -m nanovllm_tp.bench.serve --launch --compare-offline --concurrency 64 --repeats 3
     python -m nanovllm_tp.bench.serve --launch --compare-offline --request-rate 1 --repeats 3
+    python -m nanovllm_tp.bench.serve --launch --data-parallel-size 2 --router prefix-aware round-robin \
+        --dataset shared-prefix --num-prefixes 8 --prefix-len 600 --num-requests 128 --concurrency 16
 
 Workload as in the other bench scripts (random prompt ids sent as token-id lists, or `--dataset text`: word
 windows sampled from nanovllm_tp/data/corpus.txt sent as strings), each request with ignore_eos (vLLM's extra
-field) and its max_tokens. Load as in bench_latency: Poisson arrivals at --request-rate (inf = all at once,
+field) and its max_tokens; `--dataset shared-prefix`: each random prompt after one of --num-prefixes random
+"system prompts" of --prefix-len tokens (the prefix cache's case; the hit rate, from the server's
+prefix_cache_hits / prefix_cache_queries counters, is reported per load point). Load as in bench_latency: Poisson arrivals at --request-rate (inf = all at once,
 --concurrency then caps the requests in flight) or a closed loop of --concurrency requests.
 
 --launch starts our own server (launch/serve, through launch/serve_process) on a free 127.0.0.1 port with the
-engine flags given here, waits for /health and stops it with SIGTERM at the end. --compare-offline (with --launch)
+engine flags given here (and --data-parallel-size D replicas; with several --router policies, one server
+each, run in turn on the same prompts), waits for /health and stops it with SIGTERM at the end. --compare-offline (with --launch)
 also runs every load point through the offline engine in this process (bench_latency.run_point: add_request/step,
 same workload, same flags), interleaved with the server runs over --repeats; medians are reported with the
 server/offline ratio.
@@ -29,11 +34,12 @@ import random
 import time
 
 from nanovllm_tp.bench import common as bc
-from nanovllm_tp.launch import serve_process
 from nanovllm_tp.bench import latency as bench_latency
 from nanovllm_tp.bench.latency import QUANTILES, arrival_offsets, label, load_points, run_point
 from nanovllm_tp.config.engine_config import add_engine_args, engine_argv
+from nanovllm_tp.launch import serve_process
 from nanovllm_tp.launch.make_tiny import CORPUS
+from nanovllm_tp.serving.router import POLICIES
 from nanovllm_tp.utils.trace import sibling_path
 
 NAME = "bench_serve"
@@ -48,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     srv.add_argument("--launch", action="store_true", help="start our own server on a free port for the run")
     srv.add_argument("--compare-offline", action="store_true", help="with --launch: also run offline generation")
+    srv.add_argument("--data-parallel-size", type=int, default=1, help="with --launch: engine replicas")
+    srv.add_argument("--router", nargs="+", choices=list(POLICIES), default=["prefix-aware"],
+                     help="with --launch and --data-parallel-size > 1: the routing policies compared")
     bc.add_workload_args(parser, num_requests=64)
-    parser.add_argument("--dataset", choices=["random", "text"], default="random")
+    parser.add_argument("--dataset", choices=["random", "text", "shared-prefix"], default="random")
+    parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct prefixes")
+    parser.add_argument("--prefix-len", type=int, default=600, help="shared-prefix: tokens in each prefix")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, nargs="+", help="Poisson arrival rate(s), requests/s (inf ok)")
     load.add_argument("--concurrency", type=int, nargs="+", help="requests in flight (closed loop, or a cap)")
@@ -71,8 +82,37 @@ def text_prompts(workload: bc.Workload, draw: int) -> list[str]:
     return out
 
 
+def shared_prefix_prompts(args, workload: bc.Workload, draw: int) -> list[list[int]]:
+    """Each of the workload's random prompts after one of --num-prefixes fixed prefixes (the same in every draw:
+    what a later draw finds cached is the prefix, never the random rest)."""
+    rng = random.Random(f"{workload.seed}/prefixes")
+    top = min(bc.MAX_TOKEN_ID, workload.vocab_size - 1)
+    prefixes = [[rng.randint(0, top) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+    pick = random.Random(f"{workload.seed}/pick/{draw}")
+    return [prefixes[pick.randrange(len(prefixes))] + list(p) for p in workload.prompts(draw)]
+
+
 def prompts_for(args, workload: bc.Workload, draw: int):
+    if args.dataset == "shared-prefix":
+        return shared_prefix_prompts(args, workload, draw)
     return text_prompts(workload, draw) if args.dataset == "text" else workload.prompts(draw)
+
+
+def prefix_counters(args) -> tuple[float, float]:
+    """(prefix_cache_hits, prefix_cache_queries) in tokens, summed over the server's replicas; (0, 0) for a
+    server without them (a peer)."""
+    import httpx
+    root = args.base_url.removesuffix("/v1")
+    try:
+        text = httpx.get(f"{root}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    total = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        for key in total:
+            if line.startswith(f"nanovllm_tp:prefix_cache_{key}_total"):
+                total[key] += float(line.rsplit(" ", 1)[1])
+    return total["hits"], total["queries"]
 
 
 # =============================================================================================== client
@@ -171,6 +211,8 @@ def medians(runs: list[dict]) -> dict:
            "output_tok_s": bc.median([r["output_tok_s"] for r in runs]),
            "request_throughput": bc.median([r["request_throughput"] for r in runs]),
            "lengths_ok": all(r["lengths_ok"] for r in runs)}
+    rates = [r["prefix_hit_rate"] for r in runs if r.get("prefix_hit_rate") is not None]
+    out["prefix_hit_rate"] = bc.median(rates) if rates else None
     for m in ("ttft", "tpot", "itl", "e2e"):
         if m in runs[0]:
             out[m] = {q: bc.median([r[m][q] for r in runs]) for q in QUANTILES}
@@ -179,12 +221,15 @@ def medians(runs: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     rows = []
+    hit_rates = any(p["server"].get("prefix_hit_rate") is not None for p in result["figures"]["points"])
     for p in result["figures"]["points"]:
         s, o = p["server"], p.get("offline")
         ms = [None if s[m][q] is None else s[m][q] * 1e3 for m in ("ttft", "tpot", "itl") for q in QUANTILES]
         extra = [o["output_tok_s"], s["output_tok_s"] / o["output_tok_s"], o["ttft"]["p50"] * 1e3] if o else []
-        rows.append([p["label"], s["request_throughput"], s["output_tok_s"], *ms, *extra])
-    headers = ["load", "req/s", "out tok/s"] + [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES]
+        hit = [] if not hit_rates else [None if s["prefix_hit_rate"] is None else 100 * s["prefix_hit_rate"]]
+        rows.append([p["label"], s["request_throughput"], s["output_tok_s"], *hit, *ms, *extra])
+    headers = ["load", "req/s", "out tok/s"] + (["prefix hit %"] if hit_rates else []) + \
+        [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES]
     if result["figures"]["points"] and result["figures"]["points"][0].get("offline"):
         headers += ["offline tok/s", "server/offline", "offline TTFT p50"]
     w = result["workload"]
@@ -214,52 +259,70 @@ def main(argv=None) -> dict:
         args.model = bc.resolve_model(args)
     env = bc.environment()
     out_path = bc.out_path(args, NAME)
-    server_runs = [[] for _ in points]
-    offline_runs = [[] for _ in points]
+    routers = args.router if args.launch and args.data_parallel_size > 1 else [None]
+    if len(routers) > 1 and args.compare_offline:
+        raise SystemExit("--compare-offline compares one server: give one --router")
+    combos = [(router, point) for router in routers for point in points]
+    server_runs = [[] for _ in combos]
+    offline_runs = [[] for _ in combos]
+    workload = None
     try:
-        if args.launch:
-            proc, args.base_url = serve_process.start(engine_argv(args), args.api_key)
-            bc.log(args, f"server at {args.base_url}")
-        card = served_model(args)
-        by_name = args.model and not args.launch and not os.path.isdir(args.model)
-        args.model_name = args.model if by_name else card["id"]
-        vocab = prompt_vocab_size(args, card)
-        workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed,
-                                    vocab)
-        warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
-        warm_workload = bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab)
-        asyncio.run(run_server_point(args, warm_workload, warm_workload.prompts(), warm))
-        if args.compare_offline:           # built while the server idles
-            from nanovllm_tp.bench.engine import warm_up_engine
-            from nanovllm_tp.launch.generate import build_llm
-            if args.trace_path:                 # the server writes args.trace_path; this engine writes beside it
-                args.trace_path = sibling_path(args.trace_path, "offline")
-            llm = build_llm(args)
-            warm_up_engine(llm, vocab, args.seed, args.temperature)
-        draw_no = 0
-        for r in range(args.repeats):
-            for k, point in enumerate(points):
-                draw_no += 1
-                prompts = prompts_for(args, workload, draw_no)
-                run = asyncio.run(run_server_point(args, workload, prompts, point))
-                server_runs[k].append(run)
-                bc.log(args, f"[{r + 1}/{args.repeats}] server {run['label']}: {run['output_tok_s']:.1f} tok/s, "
-                             f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, "
-                             f"client CPU {run['client_cpu_s']:.1f} s, "
-                             f"errors {run['errors']}")
-                if llm is not None:
-                    off = run_point(llm, workload, prompts, point, args.temperature, args.seed)
-                    off.pop("requests")
-                    offline_runs[k].append(off)
-                    bc.log(args, f"[{r + 1}/{args.repeats}] offline {off['label']}: {off['output_tok_s']:.1f} "
-                                 f"tok/s, TTFT p50 {off['ttft']['p50'] * 1e3:.1f} ms")
+        for ri, router in enumerate(routers):       # one server per policy, in turn, on the same prompts
+            if args.launch:
+                dp = ["--data-parallel-size", str(args.data_parallel_size), "--router", router] if router else []
+                proc, args.base_url = serve_process.start(engine_argv(args) + dp, args.api_key)
+                bc.log(args, f"server at {args.base_url}" + (f" ({args.data_parallel_size} replicas, {router})"
+                                                             if router else ""))
+            if workload is None:
+                card = served_model(args)
+                by_name = args.model and not args.launch and not os.path.isdir(args.model)
+                args.model_name = args.model if by_name else card["id"]
+                vocab = prompt_vocab_size(args, card)
+                workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                                            args.seed, vocab)
+            warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
+            warm_workload = bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab)
+            asyncio.run(run_server_point(args, warm_workload, warm_workload.prompts(), warm))
+            if args.compare_offline and llm is None:           # built while the server idles
+                from nanovllm_tp.bench.engine import warm_up_engine
+                from nanovllm_tp.launch.generate import build_llm
+                if args.trace_path:                 # the server writes args.trace_path; this engine writes beside it
+                    args.trace_path = sibling_path(args.trace_path, "offline")
+                llm = build_llm(args)
+                warm_up_engine(llm, vocab, args.seed, args.temperature)
+            draw_no = 0
+            for r in range(args.repeats):
+                for k, point in enumerate(points):
+                    draw_no += 1
+                    prompts = prompts_for(args, workload, draw_no)
+                    hits, queries = prefix_counters(args)
+                    run = asyncio.run(run_server_point(args, workload, prompts, point))
+                    hits2, queries2 = prefix_counters(args)
+                    run["prefix_hit_rate"] = (hits2 - hits) / (queries2 - queries) if queries2 > queries else None
+                    if router:
+                        run["label"] = f"{router} {run['label']}"
+                    server_runs[ri * len(points) + k].append(run)
+                    bc.log(args, f"[{r + 1}/{args.repeats}] server {run['label']}: {run['output_tok_s']:.1f} tok/s, "
+                                 f"TTFT p50 {(run['ttft']['p50'] or 0) * 1e3:.1f} ms, "
+                                 f"client CPU {run['client_cpu_s']:.1f} s, errors {run['errors']}"
+                                 + ("" if run["prefix_hit_rate"] is None else
+                                    f", prefix hits {run['prefix_hit_rate']:.1%}"))
+                    if llm is not None:
+                        off = run_point(llm, workload, prompts, point, args.temperature, args.seed)
+                        off.pop("requests")
+                        offline_runs[ri * len(points) + k].append(off)
+                        bc.log(args, f"[{r + 1}/{args.repeats}] offline {off['label']}: {off['output_tok_s']:.1f} "
+                                     f"tok/s, TTFT p50 {off['ttft']['p50'] * 1e3:.1f} ms")
+            if proc is not None:
+                serve_process.stop(proc)
+                proc = None
     finally:
         if llm is not None:
             llm.close()
         if proc is not None:
             serve_process.stop(proc)
     figures = []
-    for k in range(len(points)):
+    for k in range(len(combos)):
         p = {"label": server_runs[k][0]["label"], "server": medians(server_runs[k]), "server_runs": server_runs[k]}
         if offline_runs[k]:
             p["offline"] = medians(offline_runs[k])

@@ -36,9 +36,9 @@ from __future__ import annotations
 import argparse
 import random
 
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.bench import common as bc
 from nanovllm_tp.bench import vllm as bench_vllm
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.launch.make_tiny import CORPUS
 
 NAME = "bench_spec"

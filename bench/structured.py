@@ -17,8 +17,8 @@ import argparse
 import json
 import time
 
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 from nanovllm_tp.bench import common as bc
+from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 
 NAME = "bench_struct"
 SCHEMA = {"type": "object", "properties": {

@@ -28,10 +28,10 @@ import argparse
 import sys
 import time
 
-from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.bench import common as bc
 from nanovllm_tp.bench.engine import run_engine, summarize_runs, warm_up_engine
 from nanovllm_tp.bench.hf import HFRunner
+from nanovllm_tp.config.engine_config import add_engine_args
 
 NAME = "bench"
 

@@ -14,8 +14,8 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
-from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.checkpoint.gguf import find_gguf, hf_config, iter_weights, load_tokenizer
+from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.launch.make_tiny import write_json
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 from nanovllm_tp import SamplingParams
-from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.bench.common import apply_threads
+from nanovllm_tp.config.engine_config import add_engine_args
 
 
 @dataclass(slots=True)

@@ -31,8 +31,8 @@ import tempfile
 import time
 
 from nanovllm_tp import envs
-from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.bench.common import apply_threads
+from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.generate import build_llm
 from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, lora_modules, server_config
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop

@@ -47,7 +47,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = R
             raise SystemExit(f"{what} exited with {proc.returncode} before it was ready")
         try:
             with open_local(url, timeout=1) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and not resp.read():   # a body: data-parallel replicas still starting
                     return
         except (OSError, http.client.HTTPException):       # refused, 503 (HTTPError), a reset, a timeout
             pass

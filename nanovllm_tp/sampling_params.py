@@ -4,8 +4,8 @@ import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
-from nanovllm_tp.utils.checks import flag as _flag, integer as _integer, number as _number
 from nanovllm_tp.structured.params import StructuredOutputsParams
+from nanovllm_tp.utils.checks import flag as _flag, integer as _integer, number as _number
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5

@@ -76,6 +76,7 @@ class BlockManager:
         # Ordered so that the least recently freed block is reused (and its cache entry evicted) first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_hit_tokens = 0   # lifetime count, for tests and stats
+        self.num_prefix_query_tokens = 0   # tokens whose KV was looked up in the cache (vLLM's queries)
 
     @property
     def num_blocks(self) -> int:
@@ -134,6 +135,7 @@ class BlockManager:
             seq.block_table.append(self.take_block())
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_prefix_hit_tokens += seq.num_cached_tokens
+        self.num_prefix_query_tokens += len(seq)
 
     def share(self, block_id: int) -> None:
         """One more owner of an allocated block (a forked sequence reading its sibling's prompt KV)."""

@@ -3,9 +3,9 @@ rows too (one new token over num_tokens - 1 cached, and in a speculative step th
 it). Pure decode plans come from DecodeBatch."""
 import numpy as np
 
+from nanovllm_tp.pooling.params import CLS, MEAN
 from nanovllm_tp.scheduler.plan import StepPlan, lora_slots, slot_mapping
 from nanovllm_tp.scheduler.rows import SamplingBatch, rows_of
-from nanovllm_tp.pooling.params import CLS, MEAN
 from nanovllm_tp.scheduler.scheduled_step import PoolChunk, PromptChunk, ScheduledStep
 from nanovllm_tp.scheduler.sequence import Sequence
 

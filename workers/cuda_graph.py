@@ -11,8 +11,8 @@ import math
 import numpy as np
 import torch
 
-from nanovllm_tp.utils.context import Context, reset_context, set_context
 from nanovllm_tp.scheduler.plan import PREFILL, StepPlan
+from nanovllm_tp.utils.context import Context, reset_context, set_context
 from nanovllm_tp.workers.kv_cache import gpu_kv_budget
 
 log = logging.getLogger("nanovllm_tp")

@@ -17,14 +17,14 @@ import dataclasses
 import numpy as np
 import torch
 
-from nanovllm_tp.utils import trace
 from nanovllm_tp.config.engine_config import LORA_DEFAULTS, EngineConfig
-from nanovllm_tp.utils.context import reset_context
+from nanovllm_tp.config.platform import resolve_attention_backend
 from nanovllm_tp.distributed.parallel_state import TPState, tp_scope
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.config.platform import resolve_attention_backend
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan, slot_mapping
 from nanovllm_tp.scheduler.speculative import Proposer, SpeculativeConfig, wanting
+from nanovllm_tp.utils import trace
+from nanovllm_tp.utils.context import reset_context
 
 
 def draft_config(config: EngineConfig) -> EngineConfig:

@@ -7,18 +7,18 @@ import logging
 
 import torch
 
-from nanovllm_tp.utils import trace
 from nanovllm_tp.config.engine_config import EngineConfig
-from nanovllm_tp.utils.context import Context, reset_context, set_context
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
+from nanovllm_tp.utils import trace
+from nanovllm_tp.utils.context import Context, reset_context, set_context
 import numpy as np
 
-from nanovllm_tp.layers import cpu_kernels, kernel_choice
-from nanovllm_tp.layers.attention import Attention, AttentionBackend
-from nanovllm_tp.layers.quant import INT8
-from nanovllm_tp.layers.packed_linear import linear_paths, pack_cpu_weights, quantization_of
 from nanovllm_tp.checkpoint.gguf import keep_gguf_blocks
 from nanovllm_tp.checkpoint.loader import load_model
+from nanovllm_tp.layers import cpu_kernels, kernel_choice
+from nanovllm_tp.layers.attention import Attention, AttentionBackend
+from nanovllm_tp.layers.packed_linear import linear_paths, pack_cpu_weights, quantization_of
+from nanovllm_tp.layers.quant import INT8
 from nanovllm_tp.models import model_class
 from nanovllm_tp.models.blocks import DecoderModel
 from nanovllm_tp.models.fused_decode import FusedDecode

@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from nanovllm_tp import envs
-
-from nanovllm_tp.utils import trace
 from nanovllm_tp.config.engine_config import EngineConfig
+from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed import shm_allreduce
 from nanovllm_tp.distributed import trust
 from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, exit_on_sigterm, init_process_group,
@@ -25,9 +24,9 @@ from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, exit_on_sigterm
                                             share_store, torchrun_secret)
 from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.layers import cpu_kernels
-from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler.block_manager import check_holds_a_sequence
 from nanovllm_tp.scheduler.plan import StepPlan
+from nanovllm_tp.utils import trace
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
 from nanovllm_tp.workers.model_runner import ModelRunner
 

@@ -4,7 +4,7 @@ it); validate() runs each knob's own check, then the checks across knobs and aga
 from dataclasses import dataclass, field
 
 from nanovllm_tp.config.config_checks import (check_against_model, check_model_path, check_sub_configs, check_trace,
-                                       lora_defaults)
+                                              lora_defaults)
 from nanovllm_tp.config.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 from nanovllm_tp.config.model_config import ModelConfig
 

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanovllm_tp.utils import trace
 from nanovllm_tp.distributed.shm_allreduce import installed as _shm_installed
+from nanovllm_tp.utils import trace
 
 
 @dataclass(slots=True)

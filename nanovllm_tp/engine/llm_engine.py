@@ -6,14 +6,14 @@ import time
 import weakref
 
 
-from nanovllm_tp.utils import trace
 from nanovllm_tp.config.engine_config import EngineConfig
+from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
 from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.packed_linear import linear_paths
-from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
+from nanovllm_tp.utils import trace
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -107,6 +107,7 @@ class LLMEngine:
                 "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
                 "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
+                "prefix_cache_query_tokens": sched.block_manager.num_prefix_query_tokens,
                 "num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": sched.block_manager.usage()}
 

@@ -38,8 +38,8 @@ class LLM:
             # leave when it shuts down, so the rest of the script only ever runs on rank 0.
             from nanovllm_tp.workers.worker import run_worker
             sys.exit(run_worker(config))
-        from nanovllm_tp.engine.llm_engine import LLMEngine
         from nanovllm_tp.checkpoint.loader import load_tokenizer
+        from nanovllm_tp.engine.llm_engine import LLMEngine
         from nanovllm_tp.structured.backend import GrammarBackend
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
@@ -169,7 +169,8 @@ class LLM:
         row-count bucket with the timings that chose it, the extra bytes of second layouts: kernel_choice.report;
         else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and
-        num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens, num_running and
+        num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens and
+        prefix_cache_query_tokens (tokens found in the prefix cache, of those looked up), num_running and
         num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
         in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled
         grammar masks, masks filled, time spent filling them). RuntimeError once closed."""

@@ -3,11 +3,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm_tp.utils.context import get_context
 from nanovllm_tp.distributed.parallel_state import all_reduce, gather_last_dim_to_rank0, tp_rank, tp_size
 from nanovllm_tp.layers.packed_linear import matmul
-from nanovllm_tp.layers.weight_loading import load_rows, shape_of, take_rows
 from nanovllm_tp.layers.quant import quant_embedding
+from nanovllm_tp.layers.weight_loading import load_rows, shape_of, take_rows
+from nanovllm_tp.utils.context import get_context
 
 
 class VocabParallelEmbedding(nn.Module):

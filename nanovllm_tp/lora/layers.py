@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.lora.peft_dir import load_tensors
 
 # our module name -> the HF modules it holds, with the shard id its weight_loader takes

@@ -26,14 +26,14 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from nanovllm_tp.utils.context import get_context
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import ChosenWeight, bucket
-from nanovllm_tp.layers.packed_linear import C_KERNEL, BlockedWeight
 from nanovllm_tp.layers.norm_rope_act import RMSNorm, SiluAndMul
+from nanovllm_tp.layers.packed_linear import C_KERNEL, BlockedWeight
 from nanovllm_tp.layers.quant import QuantWeight
 from nanovllm_tp.models.blocks import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP
+from nanovllm_tp.utils.context import get_context
 
 LINEAR_QUANT, LINEAR_DENSE = 1, 2     # decoder.c's kinds of linear_desc
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from nanovllm_tp.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm_tp.layers.linear import ReplicatedLinear
-from nanovllm_tp.layers.weight_loading import copy_checked, take_cols, take_rows
 from nanovllm_tp.layers.norm_rope_act import SiluAndMul
+from nanovllm_tp.layers.weight_loading import copy_checked, take_cols, take_rows
 
 
 class ExpertWeights(nn.Module):

@@ -11,8 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from nanovllm_tp.utils.checks import flag, integer
 from nanovllm_tp.sampling_params import RequestOutputKind
+from nanovllm_tp.utils.checks import flag, integer
 
 LAST, MEAN, CLS = "LAST", "MEAN", "CLS"
 _MODES = {"pooling_mode_lasttoken": LAST, "pooling_mode_mean_tokens": MEAN, "pooling_mode_cls_token": CLS}

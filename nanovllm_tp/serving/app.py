@@ -47,7 +47,7 @@ class ApiKeyCheck:
 def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name, tokenizer = model.name, model.tokenizer
-    metrics = ServingMetrics(lambda: engine.stats, model_name, engine if hasattr(engine, "router") else None)
+    metrics = ServingMetrics(engine.labelled_stats, model_name, engine if hasattr(engine, "router") else None)
     engine.on_finished = metrics.on_finished
     encoder = PromptEncoder(tokenizer, model.max_model_len)
 

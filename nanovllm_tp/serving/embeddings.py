@@ -4,8 +4,8 @@ input, as floats or as base64 of little-endian float32, with the prompt tokens c
 import base64
 from typing import Literal
 
-from nanovllm_tp.pooling.params import PoolingParams
 from nanovllm_tp.entrypoints.prompts import prompt_list
+from nanovllm_tp.pooling.params import PoolingParams
 from nanovllm_tp.serving.body import Int, Prompt, TextBody
 from nanovllm_tp.serving.wire import float32_bytes
 

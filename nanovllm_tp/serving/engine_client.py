@@ -91,7 +91,7 @@ class EngineClient:
         self.name, self.on_gone = name, on_gone
         self.dead: str | None = None
         self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
-                      "accepted_tokens": 0, "accepted_per_pos": []}
+                      "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0}
         self._ctx = zmq.asyncio.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._outputs = self._ctx.socket(zmq.PULL)
@@ -134,6 +134,10 @@ class EngineClient:
             if self.dead is None:
                 self.fail_all(f"{self.name} stopped: its engine process is gone")
             self.on_gone()
+
+    def labelled_stats(self) -> list[tuple[dict, dict]]:
+        """[(extra metric labels, the engine's latest figures)]: one engine, no extra label (/metrics)."""
+        return [({}, self.stats)]
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"

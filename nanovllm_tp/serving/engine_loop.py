@@ -43,7 +43,8 @@ def scheduler_stats(llm) -> dict:
     s = llm.stats()
     return {"running": s["num_running"], "waiting": s["num_waiting"], "preemptions": s["num_preemptions"],
             "kv_usage": s["kv_cache_usage"], "draft_tokens": s["num_draft_tokens"],
-            "accepted_tokens": s["num_accepted_tokens"], "accepted_per_pos": s["num_accepted_tokens_per_pos"]}
+            "accepted_tokens": s["num_accepted_tokens"], "accepted_per_pos": s["num_accepted_tokens_per_pos"],
+            "prefix_queries": s["prefix_cache_query_tokens"], "prefix_hits": s["prefix_cache_hit_tokens"]}
 
 
 class EngineLoop:

@@ -14,31 +14,37 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 class _SchedulerCollector:
     def __init__(self, stats, model_name: str):
-        self.stats, self.labels = stats, {"model_name": model_name}     # stats(): the engine's latest figures
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
-        g.add_metric(list(self.labels.values()), value)
-        return g
+        """`stats()`: the engines' latest figures, as [(extra labels, figures)]: one engine's with no extra label,
+        or a data-parallel server's replicas', each labelled dp_rank="i"."""
+        self.stats, self.model_name = stats, model_name
 
     def collect(self):
-        s = self.stats()
-        yield self._gauge("num_requests_running", "Sequences in the running queue.", s["running"])
-        yield self._gauge("num_requests_waiting", "Sequences waiting (new or preempted).", s["waiting"])
-        yield self._gauge("kv_cache_usage_perc", "Share of KV blocks held by live sequences (1 = full).",
-                          s["kv_usage"])
+        engines = self.stats()
+        names = ["model_name", *engines[0][0]]
+
+        def family(kind, name: str, doc: str, key: str):
+            f = kind(PREFIX + name, doc, labels=names)
+            for extra, s in engines:
+                f.add_metric([self.model_name, *extra.values()], s[key])
+            return f
+        yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running queue.", "running")
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting (new or preempted).", "waiting")
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Share of KV blocks held by live sequences (1 = full).",
+                     "kv_usage")
         for name, doc, key in (("num_preemptions", "Preemptions by recompute.", "preemptions"),
                                ("spec_decode_num_draft_tokens", "Tokens proposed (speculative decoding).",
                                 "draft_tokens"),
                                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted (speculative decoding).",
-                                "accepted_tokens")):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
-            c.add_metric(list(self.labels.values()), s[key])
-            yield c
+                                "accepted_tokens"),
+                               ("prefix_cache_queries", "Tokens looked up in the prefix cache.", "prefix_queries"),
+                               ("prefix_cache_hits", "Tokens found in the prefix cache (their prefill skipped).",
+                                "prefix_hits")):
+            yield family(CounterMetricFamily, name, doc, key)
         c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
-                                "their place in the draft (speculative decoding).", labels=[*self.labels, "position"])
-        for position, count in enumerate(s["accepted_per_pos"]):
-            c.add_metric([*self.labels.values(), str(position)], count)
+                                "their place in the draft (speculative decoding).", labels=[*names, "position"])
+        for extra, s in engines:
+            for position, count in enumerate(s["accepted_per_pos"]):
+                c.add_metric([self.model_name, *extra.values(), str(position)], count)
         yield c
 
 
@@ -67,7 +73,8 @@ class _RouterCollector:
 
 class ServingMetrics:
     def __init__(self, stats, model_name: str, replicas=None):
-        """`replicas`: the ReplicaSet of a data-parallel server (router counters, replicas up)."""
+        """`stats()`: the engines' figures as EngineClient.labelled_stats gives them; `replicas`: a data-parallel
+        server's ReplicaSet (the router's counters, the replicas up)."""
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(stats, model_name))
         if replicas is not None:

@@ -56,12 +56,16 @@ class ReplicaSet:
         """The replicas' figures summed (kv_usage: their mean), as one engine's."""
         live = [c.stats for c in self.replicas]
         out = {k: sum(s[k] for s in live) for k in ("running", "waiting", "preemptions", "draft_tokens",
-                                                     "accepted_tokens")}
+                                                     "accepted_tokens", "prefix_queries", "prefix_hits")}
         out["kv_usage"] = sum(s["kv_usage"] for s in live) / len(live)
         width = max(len(s["accepted_per_pos"]) for s in live)
         out["accepted_per_pos"] = [sum(s["accepted_per_pos"][i] for s in live if i < len(s["accepted_per_pos"]))
                                    for i in range(width)]
         return out
+
+    def labelled_stats(self) -> list[tuple[dict, dict]]:
+        """Each replica's latest figures, labelled dp_rank (/metrics)."""
+        return [({"dp_rank": str(i)}, c.stats) for i, c in enumerate(self.replicas)]
 
     def replica_states(self) -> list[dict]:
         """Per replica: alive, and its latest figures (/health, /metrics)."""

@@ -5,10 +5,10 @@ import time
 
 from fastapi.responses import JSONResponse
 
-from nanovllm_tp.utils.checks import did_you_mean
 from nanovllm_tp.outputs import CompletionOutput, RequestOutput
 from nanovllm_tp.serving.body import INT64, UNION_MEMBERS
 from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS
+from nanovllm_tp.utils.checks import did_you_mean
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:

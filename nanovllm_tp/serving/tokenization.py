@@ -5,9 +5,9 @@ from typing import Annotated
 
 from pydantic import Discriminator, Field, Tag
 
-from nanovllm_tp.serving.inputs import render
 from nanovllm_tp.serving.body import Body, Int
 from nanovllm_tp.serving.chat_request import ChatMessage
+from nanovllm_tp.serving.inputs import render
 
 
 class TokenizeCompletionRequest(Body):

@@ -11,7 +11,6 @@ import torch
 
 import nanovllm_tp.layers.attention as attention_pkg
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.distributed.channel_common import PeerError
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention.base import BACKENDS, AttentionBackend
@@ -19,6 +18,7 @@ from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
 from nanovllm_tp.layers.attention.flash import FlashBackend
 from nanovllm_tp.layers.attention.registry import backend_names, select_backend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
+from nanovllm_tp.utils.context import Context
 from tests.helpers import hf_greedy, mixed_prompts
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

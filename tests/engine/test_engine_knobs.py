@@ -10,13 +10,12 @@ import re
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams, envs
-
+from nanovllm_tp.bench import throughput as bench, latency as bench_latency, serve as bench_serve
 from nanovllm_tp.config import knobs
 from nanovllm_tp.config.engine_config import EngineConfig, add_engine_args, engine_argv, engine_kwargs
-from nanovllm_tp.distributed.launch import config_to_json
 from nanovllm_tp.config.knobs import knob, knob_fields
+from nanovllm_tp.distributed.launch import config_to_json
 from nanovllm_tp.launch import generate, serve
-from nanovllm_tp.bench import throughput as bench, latency as bench_latency, serve as bench_serve
 from tests.helpers import hf_greedy, mixed_prompts
 
 COMMANDS = {"generate": generate.build_parser, "bench": bench.build_parser, "bench_latency": bench_latency.build_parser,

@@ -15,8 +15,8 @@ import uuid
 import pytest
 import torch
 
-from nanovllm_tp.launch import gpu_check
 from nanovllm_tp.bench.hf import hf_greedy
+from nanovllm_tp.launch import gpu_check
 from tests.procs import segments_of, started
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -163,8 +163,8 @@ def test_parts_of_a_merged_weight_keep_their_types():
     """A merged layer (q, k, v) keeps its parts' blocks: one type as one weight; Q4_0 beside Q8_0 as Q8_0 (no
     loss); Q4_0 beside Q4_1 as runs of rows of each (parts written in any order); one part dense: dequantized
     whole."""
-    from nanovllm_tp.layers.weight_loading import load_rows
     from nanovllm_tp.layers.quant import MixedBlocks
+    from nanovllm_tp.layers.weight_loading import load_rows
     a, b, c = (random_blocks(4, 64, "Q4_0", seed=0), random_blocks(2, 64, "Q8_0", seed=1),
                random_blocks(2, 64, "Q4_1", seed=2))
     same = torch.nn.Parameter(torch.empty(8, 64), requires_grad=False)

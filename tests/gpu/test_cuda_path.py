@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.utils.context import Context, reset_context
 from nanovllm_tp.layers.attention import store_kvcache
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
 from nanovllm_tp.scheduler import Sequence
 from nanovllm_tp.scheduler.plan import DECODE, StepPlan
+from nanovllm_tp.utils.context import Context, reset_context
 from tests.helpers import hf_greedy, mixed_prompts, random_paged_cache, written_slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

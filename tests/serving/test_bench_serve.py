@@ -67,3 +67,22 @@ def test_bench_serve_against_a_running_server_with_text_prompts(tiny_model_dir, 
     for path in (out, ids, card):
         (point,) = json.loads(path.read_text())["figures"]["points"]
         assert point["server"]["lengths_ok"] and point["server_runs"][0]["errors"] == 0 and "offline" not in point
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_bench_serve_compares_routers_of_replicas_on_shared_prefixes(tiny_model_dir, capsys):
+    """Two replicas, one server per policy in turn on the same prompts: each prompt after one of two 64-token
+    prefixes; the prefix cache's hit rate per point from the servers' counters, in the table too."""
+    result = bench_serve.main(["--launch", "--model", tiny_model_dir, "--num-requests", "8", *TINY[2:],
+                               "--data-parallel-size", "2", "--router", "prefix-aware", "round-robin",
+                               "--dataset", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "64",
+                               "--concurrency", "1", "--quiet"])
+    points = result["figures"]["points"]
+    assert [p["label"].split()[0] for p in points] == ["prefix-aware", "round-robin"]
+    for p in points:
+        assert p["server_runs"][0]["errors"] == 0 and p["server"]["lengths_ok"]
+        assert 0 < p["server"]["prefix_hit_rate"] < 1
+    # one at a time: prefix-aware sends each prefix to one replica, round-robin to both (each misses it once)
+    assert points[0]["server"]["prefix_hit_rate"] > points[1]["server"]["prefix_hit_rate"]
+    assert "prefix hit %" in capsys.readouterr().out

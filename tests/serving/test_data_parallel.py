@@ -72,6 +72,12 @@ def test_two_replicas_answer_as_one_engine(tiny_model_dir, tiny_llm):
             assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].text)["n"], int)
         counts = routed(port)
         assert counts[0] >= 6 and counts[1] >= 6, counts       # round-robin: every other request
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text     # each replica's own figures
+        for rank in (0, 1):
+            queried = re.search(rf'nanovllm_tp:prefix_cache_queries_total{{dp_rank="{rank}",model_name="tiny"}} '
+                                r'(\S+)', text)
+            assert queried and float(queried.group(1)) > 0, text
+            assert f'nanovllm_tp:num_requests_running{{dp_rank="{rank}",model_name="tiny"}} 0.0' in text
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
 
 

@@ -444,3 +444,15 @@ def test_request_priority_needs_the_priority_policy(server, tiny_model_dir, tiny
                                                extra_body={"priority": rank}).choices[0].text
                for rank, p in zip((3, -1, 0, 7), PROMPTS)]
     assert got == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS, max_tokens=8)]
+
+
+def test_prefix_cache_counters_count_tokens_found_of_those_looked_up(server):
+    """vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: a prompt sent again finds its full blocks."""
+    prompt = " ".join(f"word{i}" for i in range(60))
+    before = metrics(server)
+    for _ in range(2):
+        client(server).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    after = metrics(server)
+    queries, hits = (after[f'prefix_cache_{k}_total{{model_name="tiny"}}'] -
+                     before.get(f'prefix_cache_{k}_total{{model_name="tiny"}}', 0) for k in ("queries", "hits"))
+    assert queries >= 2 * 60 and 16 <= hits < queries / 2

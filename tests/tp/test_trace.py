@@ -12,7 +12,6 @@ import time
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
-
 from nanovllm_tp.utils import trace
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import TORCHRUN, GONE_WITHIN, alive, python_cmd, segments_of, started, wait_gone
@@ -212,8 +211,8 @@ def test_torchrun_ranks_merge_into_one_trace(tiny_model_dir, tiny_llm, tmp_path)
 @pytest.mark.spawn
 @pytest.mark.slow
 def test_launchers_take_trace_flags(tiny_model_dir, tmp_path):
-    from nanovllm_tp.launch import generate, serve
     from nanovllm_tp.bench import throughput as bench, latency as bench_latency, serve as bench_serve, tp as bench_tp
+    from nanovllm_tp.launch import generate, serve
     tiny = ["--model", tiny_model_dir, "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "4", "8",
             "--kv-cache-memory", str(32 << 20), "--quiet"]
     bench.main([*tiny, "--out", str(tmp_path / "bench.json"), "--trace", str(tmp_path / "b.json"),

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers import cpu_build, cpu_kernels
 from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
+from nanovllm_tp.utils.context import Context
 from tests.helpers import random_paged_decode
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")

@@ -7,7 +7,6 @@ import shutil
 import pytest
 import torch
 
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.attention import AttentionBackend
 from nanovllm_tp.layers.attention.base import BACKENDS, register_backend
@@ -15,6 +14,7 @@ from nanovllm_tp.layers.attention.cpu_paged import CpuBackend
 from nanovllm_tp.layers.attention.kv_quant import KV_CACHE_DTYPES, dequantize, quantize, store_quantized
 from nanovllm_tp.layers.attention.registry import select_backend
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
 from tests.helpers import random_paged_cache
 from tests.kv_reference import FORMATS, query_as_read, roundtrip

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.layers.sampler import Sampler
 from nanovllm_tp.checkpoint.loader import load_tokenizer
+from nanovllm_tp.layers.sampler import Sampler
 from nanovllm_tp.sampling_params import MAX_BAD_WORDS, SamplingParams
 from tests.unit.test_sampler import batch_of, chi_square_ok, draws, softmax
 

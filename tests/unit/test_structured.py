@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.layers.sampler import Sampler, mask_bits
 from nanovllm_tp.checkpoint.loader import load_tokenizer
+from nanovllm_tp.layers.sampler import Sampler, mask_bits
 from nanovllm_tp.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm_tp.scheduler import Sequence
 from nanovllm_tp.structured.backend import GrammarBackend

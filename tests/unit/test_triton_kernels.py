@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers.attention.torch_sdpa import TorchBackend
+from nanovllm_tp.utils.context import Context
 from nanovllm_tp.workers.cuda_graph import DecodeInputs
 from tests.helpers import random_paged_cache, random_paged_decode
 from tests.unit.test_gpu_path_cpu import make_decode_plan

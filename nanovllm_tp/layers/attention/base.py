@@ -20,8 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers.attention.kv_quant import dense_cache
+from nanovllm_tp.utils.context import Context
 
 BACKENDS: dict[str, type["AttentionBackend"]] = {}
 HALF = (torch.float16, torch.bfloat16)

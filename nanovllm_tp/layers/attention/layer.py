@@ -3,9 +3,9 @@ backend the runner bound (one per engine: two engines in a process may use diffe
 import torch
 from torch import nn
 
-from nanovllm_tp.utils.context import get_context
 from nanovllm_tp.layers.attention.base import AttentionBackend
 from nanovllm_tp.layers.attention.kv_quant import store_quantized
+from nanovllm_tp.utils.context import get_context
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -3,9 +3,9 @@ quantized cache is dequantized as it is gathered (kv_quant.py)."""
 import torch
 import torch.nn.functional as F
 
-from nanovllm_tp.utils.context import Context
 from nanovllm_tp.layers.attention.base import AttentionBackend, register_backend
 from nanovllm_tp.layers.attention.kv_quant import ALL_KV_DTYPES, gather_blocks, gather_slots
+from nanovllm_tp.utils.context import Context
 
 
 AS_DECODE = 16     # a row of at most this many new tokens over cached KV runs as that many decode rows

@@ -50,13 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_threads(args) -> bool:
-    """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its ranks.
-    Returns whether the engine runs on CPU (then --http-priority auto means idle)."""
+def engine_threads(args, ranks: int | None = None) -> bool:
+    """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its `ranks`
+    (default: torchrun's local world size, else --tensor-parallel-size). Returns whether the engine runs on CPU
+    (then --http-priority auto means idle)."""
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
-        args.threads = envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size)))
+        if ranks is None:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))
+        args.threads = envs.cores_per_rank(ranks)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
 
@@ -141,9 +144,7 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
         raise SystemExit("serve: --data-parallel-size under torchrun is not implemented yet: start it with "
                          "python -m nanovllm_tp.launch.serve (or nanovllm-tp serve) on one node")
     size = server.data_parallel_size
-    if args.threads is None and not os.environ.get("OMP_NUM_THREADS"):
-        args.threads = envs.cores_per_rank(size * args.tensor_parallel_size)
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not _cuda())
+    on_cpu = engine_threads(args, size * args.tensor_parallel_size)
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
     idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
@@ -190,11 +191,6 @@ def serve_replica(args, server: ServerConfig, loras) -> None:
             llm.close()
         if signals is not None:
             signals.finished()
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def serve_plans(args) -> None:

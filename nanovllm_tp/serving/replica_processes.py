@@ -59,9 +59,6 @@ class ReplicaProcesses:
             self.start(i)
         return len(self.given_up) < len(self.procs)
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p is not None and p.poll() is None]
-
     def stop(self, timeout: float) -> None:
         """SIGTERM to every replica (each stops between two steps), then SIGKILL to what is left after timeout."""
         live = [p for p in self.procs if p is not None and p.poll() is None]

@@ -1,6 +1,6 @@
 """The HTTP process's handle on D data-parallel replicas (`serve --data-parallel-size D`): one EngineClient per
 replica, and a router (router.py) that sends each request to one of them. It answers the EngineClient calls the
-routes make (submit, abort, lora, stats, dead, silent_for), so that the routes serve one replica or many alike.
+routes make (submit, abort, lora, dead, silent_for, labelled_stats), so that the routes serve one replica or many alike.
 
 A batch of prompts submitted together goes to one replica (all or none there); a request's later aborts follow
 it. Replicas share nothing: a replica that dies fails its own open requests only (EngineDead, with its reason);
@@ -50,18 +50,6 @@ class ReplicaSet:
         if any(c.dead is None for c in self.replicas):
             return None
         return "; ".join(c.dead for c in self.replicas)
-
-    @property
-    def stats(self) -> dict:
-        """The replicas' figures summed (kv_usage: their mean), as one engine's."""
-        live = [c.stats for c in self.replicas]
-        out = {k: sum(s[k] for s in live) for k in ("running", "waiting", "preemptions", "draft_tokens",
-                                                     "accepted_tokens", "prefix_queries", "prefix_hits")}
-        out["kv_usage"] = sum(s["kv_usage"] for s in live) / len(live)
-        width = max(len(s["accepted_per_pos"]) for s in live)
-        out["accepted_per_pos"] = [sum(s["accepted_per_pos"][i] for s in live if i < len(s["accepted_per_pos"]))
-                                   for i in range(width)]
-        return out
 
     def labelled_stats(self) -> list[tuple[dict, dict]]:
         """Each replica's latest figures, labelled dp_rank (/metrics)."""

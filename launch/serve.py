@@ -6,6 +6,9 @@ talk over ZMQ on local sockets in a directory only this user can enter.
     python -m nanovllm_tp.launch.serve                                  # the embedded tiny checkpoint
     python -m nanovllm_tp.launch.serve --model DIR --port 8000 --api-key KEY
     ./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 --model DIR     # rank 0 serves HTTP, rank 1 plans
+    python -m nanovllm_tp.launch.serve --model DIR -dp 2               # two replicas, one endpoint
+
+With --data-parallel-size D the processes are those of launch/serve_replicas.py, on one node or under torchrun.
 
 Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the server and every rank between two
 steps: open requests end with an error (not drained), the command exits with 0. A step that does not end within
@@ -28,7 +31,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from nanovllm_tp import envs
 from nanovllm_tp.bench.common import apply_threads
@@ -36,9 +38,9 @@ from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.generate import build_llm
 from nanovllm_tp.serving.server_config import ServerConfig, add_server_args, lora_modules, server_config
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
+from nanovllm_tp.utils.proctitle import PREFIX, rank_title, set_title
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
-WATCH_S = 0.2                 # how often a data-parallel server looks at its replicas and HTTP process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,13 +66,17 @@ def engine_threads(args, ranks: int | None = None) -> bool:
     return on_cpu
 
 
-def start_front(server: ServerConfig, name: str, endpoints: list[tuple[str, str]], idle: bool) -> subprocess.Popen:
+def start_front(server: ServerConfig, name: str, endpoints: list[tuple[str, str]], idle: bool,
+                secret: bytes | None = None) -> subprocess.Popen:
     """The HTTP process (at idle priority if asked): it imports and connects while the engine loads, and serves
-    once told what; `endpoints`: each replica's (commands, outputs). The API key goes in its environment, never
-    on its command line."""
-    env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_TP_API_KEY"}
+    once told what; `endpoints`: each replica's (commands, outputs). The API key, and the secret of replicas on
+    other nodes, go in its environment, never on its command line."""
+    private = ("NANOVLLM_TP_API_KEY", "NANOVLLM_TP_SECRET", "NANOVLLM_TP_SECRET_FILE")
+    env = {k: v for k, v in os.environ.items() if k not in private}
     if server.api_key:
         env["NANOVLLM_TP_API_KEY"] = server.api_key
+    if secret is not None:
+        env["NANOVLLM_TP_SECRET"] = secret.decode()
     return subprocess.Popen(
         [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", *(c for c, _ in endpoints),
          "--outputs", *(o for _, o in endpoints), "--name", name, "--config", server.to_json(),
@@ -91,35 +97,56 @@ def main(argv=None) -> None:
     if args.device != "cuda":            # before torch loads libgomp (a GPU rank hardly runs OpenMP regions)
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from nanovllm_tp.distributed.launch import launched_by_torchrun
+    from nanovllm_tp.launch import serve_replicas
     if args.replica is not None:
-        serve_replica(args, server, loras)
-        return
-    if server.data_parallel_size > 1:
-        serve_replicas(args, server, argv)
-        return
-    on_cpu = engine_threads(args)
-    if int(os.environ.get("RANK", "0")) != 0:
+        serve_replicas.serve_replica(args, server, loras)
+    elif server.data_parallel_size > 1 and launched_by_torchrun():
+        serve_replicas.serve_torchrun_rank(args, server, loras)
+    elif server.data_parallel_size > 1:
+        serve_replicas.serve_replicas(args, server, argv)
+    elif int(os.environ.get("RANK", "0")) != 0:
+        engine_threads(args)
+        set_title(rank_title(int(os.environ["RANK"])))
         serve_plans(args)          # under torchrun, ranks > 0 serve plans in here and exit with rank 0
-        return
+    else:
+        set_title(f"{PREFIX}::serve" if not launched_by_torchrun() else rank_title(0))
+        serve_engine(args, server, loras, engine_threads(args))
+
+
+def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes | None = None) -> None:
+    """Rank 0 of the one engine, with the HTTP process beside it, until a signal or the HTTP process's death.
+    Under torchrun with data-parallel replicas (torchrun_replicas.py), rank 0 of replica 0: the other replicas
+    register in torchrun's store, and the HTTP process starts once every one has (with `secret`, which their
+    sockets' keys come from); stopping tells them to stop."""
+    from nanovllm_tp.distributed import torchrun_replicas
     from nanovllm_tp.distributed.launch import stop_children
     from nanovllm_tp.serving.engine_loop import EngineLoop
+    replicas = torchrun_replicas.current()
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
+    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+    name = server.served_model_name or args.model or "tiny"
     front, llm, loop, signals = None, None, None, None
     try:
-        idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
-        front = start_front(server, server.served_model_name or args.model or "tiny", [(commands, outputs)], idle)
+        if replicas is None:             # its imports overlap the engine's loading
+            front = start_front(server, name, [(commands, outputs)], idle)
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
         try:
-            loop = EngineLoop(llm, commands, outputs, lambda: front.poll() is None, loras)
+            loop = EngineLoop(llm, commands, outputs, lambda: front is None or front.poll() is None, loras)
         except ValueError as exc:       # an adapter of --lora-modules
             raise SystemExit(f"serve: --lora-modules: {exc}") from None
+        if replicas is not None:
+            endpoints = [(commands, outputs), *(tuple(e) for e in torchrun_replicas.others_endpoints())]
+            front = start_front(server, name, endpoints, idle, secret)
         loop.run(lambda: not signals.received)
         if signals.received:
             loop.stop(f"the server is shutting down ({signal.Signals(signals.received[0]).name})")
     finally:
+        if replicas is not None:
+            torchrun_replicas.stop_all("rank 0 stopped")
         if front is not None:
             stop_children([front], timeout=0)        # SIGTERM, then SIGKILL if it lingers
         if loop is not None:
@@ -133,64 +160,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"the HTTP process exited with {front.returncode}")
     logging.getLogger("nanovllm_tp").info("rank 0: stopped by %s", signal.Signals(signals.received[0]).name)
     sys.exit(0)
-
-
-def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
-    """--data-parallel-size D: the HTTP process and D replica processes (serving/replica_processes.py), which
-    share this node's cores; this process only watches them. Exits as a one-engine server does."""
-    from nanovllm_tp.distributed.launch import launched_by_torchrun, stop_children
-    from nanovllm_tp.serving.replica_processes import ReplicaProcesses
-    if launched_by_torchrun():
-        raise SystemExit("serve: --data-parallel-size under torchrun is not implemented yet: start it with "
-                         "python -m nanovllm_tp.launch.serve (or nanovllm-tp serve) on one node")
-    size = server.data_parallel_size
-    on_cpu = engine_threads(args, size * args.tensor_parallel_size)
-    rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
-    endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
-    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
-    replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas)
-    front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
-    signals = StopSignals(server.shutdown_timeout, lambda: (replicas.kill(), stop_children([front], timeout=0),
-                                                           shutil.rmtree(rundir, ignore_errors=True)))
-    log = logging.getLogger("nanovllm_tp")
-    try:
-        replicas.start_all()
-        while not signals.received and front.poll() is None and replicas.watch():
-            time.sleep(WATCH_S)
-    finally:
-        stop_children([front], timeout=0)
-        replicas.stop(server.shutdown_timeout)
-        shutil.rmtree(rundir, ignore_errors=True)
-        signals.finished()
-    if not signals.received:
-        raise SystemExit(f"the HTTP process exited with {front.returncode}" if front.returncode is not None
-                         else "serve: no replica could be kept running")
-    log.info("serve: stopped by %s", signal.Signals(signals.received[0]).name)
-    sys.exit(0)
-
-
-def serve_replica(args, server: ServerConfig, loras) -> None:
-    """One data-parallel replica: its LLM and engine loop on the sockets it was given, until SIGTERM or until
-    the process that started it is gone."""
-    from nanovllm_tp.serving.engine_loop import EngineLoop
-    index, commands, outputs = args.replica.split(",", 2)
-    engine_threads(args)
-    supervisor = os.getppid()
-    llm, loop, signals = None, None, None
-    try:
-        llm = build_llm(args)
-        signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(None, llm, None))
-        loop = EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras)
-        loop.run(lambda: not signals.received)
-        if signals.received:
-            loop.stop(f"replica {index} is shutting down ({signal.Signals(signals.received[0]).name})")
-    finally:
-        if loop is not None:
-            loop.close()
-        if llm is not None:
-            llm.close()
-        if signals is not None:
-            signals.finished()
 
 
 def serve_plans(args) -> None:

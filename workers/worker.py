@@ -18,15 +18,16 @@ from nanovllm_tp import envs
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed import shm_allreduce
-from nanovllm_tp.distributed import trust
-from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, exit_on_sigterm, init_process_group,
-                                            join_spawned, launched_by_torchrun, multi_node, node_ranks, rank0_host,
-                                            share_store, torchrun_secret)
+from nanovllm_tp.distributed import torchrun_replicas, trust
+from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, engine_rank, exit_on_sigterm,
+                                            init_process_group, join_spawned, launched_by_torchrun, multi_node,
+                                            node_ranks, rank0_host, share_store, torchrun_secret)
 from nanovllm_tp.distributed.parallel_state import tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.scheduler.block_manager import check_holds_a_sequence
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.utils import trace
+from nanovllm_tp.utils.proctitle import REPLICA_ENV, rank_title, set_title
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
 from nanovllm_tp.workers.model_runner import ModelRunner
 
@@ -41,8 +42,11 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
     if tp == 1:     # touches no process-wide state: a multi-rank engine may live beside it
         return DistInfo(rank=0, world_size=1, mode="single")
     torchrun = launched_by_torchrun()
-    rank = int(os.environ.get("RANK", 0)) if (torchrun or SPAWN_ENV in os.environ) else 0
+    placement = torchrun_replicas.current()      # a data-parallel replica's ranks: a group of their own
+    rank = engine_rank()
     world = int(os.environ.get("WORLD_SIZE", tp)) if (torchrun or SPAWN_ENV in os.environ) else tp
+    if placement is not None:
+        world = placement.size
     if world != tp:
         raise ValueError(f"tensor_parallel_size={tp} but WORLD_SIZE={world}: launch one process per TP rank")
     if torchrun:
@@ -56,7 +60,8 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
         join_spawned(info)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    init_process_group(rank, world, device, info.store if info.mode == "spawn" else None)
+    init_process_group(rank, world, device, info.store if info.mode == "spawn" else
+                       torchrun_replicas.group_store() if placement is not None else None)
     if info.mode == "torchrun":
         share_store(info)
         torchrun_secret(info)
@@ -171,6 +176,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     config = EngineConfig(**json.loads(args.config))
     config.validate()
+    set_title(rank_title(int(os.environ.get("RANK", 0)), os.environ.get(REPLICA_ENV)))
     sys.exit(run_worker(config))
 
 

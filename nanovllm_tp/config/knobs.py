@@ -81,10 +81,20 @@ def check_knobs(config) -> None:
         check_value(f.name, getattr(config, f.name), f)
 
 
+# vLLM names whose feature is not an engine argument here, and where it is
+NOT_ENGINE_ARGUMENTS = {
+    "data_parallel_size": "data-parallel replicas are a server feature: `nanovllm-tp serve MODEL "
+                          "--data-parallel-size D` (one endpoint, requests routed among D engines); offline, run one "
+                          "LLM per process",
+}
+
+
 def config_from_kwargs(cls, model, kwargs: dict):
     """cls(model=model, **kwargs), with an unknown keyword refused by name and the closest knob offered."""
     names = [f.name for f in knob_fields(cls)]
     for key in kwargs:
+        if key in NOT_ENGINE_ARGUMENTS and key not in names:
+            raise TypeError(f"{key!r} is not an engine argument: {NOT_ENGINE_ARGUMENTS[key]}")
         if key not in names or key == "model":
             hint = checks.did_you_mean(key, names) or f"; the engine's knobs: {', '.join(names)}"
             raise TypeError(f"unknown engine argument {key!r}{hint}")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm_tp import envs
-from nanovllm_tp.distributed import trust
+from nanovllm_tp.distributed import torchrun_replicas, trust
 from nanovllm_tp.distributed.parallel_state import set_tp
 
 log = logging.getLogger("nanovllm_tp")
@@ -139,7 +139,19 @@ def launched_by_torchrun() -> bool:
                                                    and SPAWN_ENV not in os.environ)
 
 
+def engine_rank() -> int:
+    """This process's rank in its engine: under torchrun with data-parallel replicas its rank inside its replica
+    (torchrun_replicas.py), else RANK (torchrun, or a worker rank 0 spawned), else 0."""
+    placement = torchrun_replicas.current()
+    if placement is not None:
+        return placement.rank
+    return int(os.environ.get("RANK", 0)) if launched_by_torchrun() or SPAWN_ENV in os.environ else 0
+
+
 def rank0_host() -> str:
+    """Where rank 0's services bind and are reached; a data-parallel replica's ranks share a node: loopback."""
+    if torchrun_replicas.current() is not None:
+        return "127.0.0.1"
     host = envs.get("NANOVLLM_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return socket.gethostbyname(host)
 

@@ -57,6 +57,14 @@ class ChannelKeys:
         """(public, secret) of one reader rank."""
         return self._pair(f"client {int(rank)}")
 
+    def replica(self, index: int) -> tuple[bytes, bytes]:
+        """(public, secret) of a data-parallel replica's engine-loop sockets (serving/replica_link.py)."""
+        return self._pair(f"replica {int(index)}")
+
+    def front(self) -> tuple[bytes, bytes]:
+        """(public, secret) of the HTTP process, the one client a replica's engine loop admits."""
+        return self._pair("front")
+
 
 def new_secret() -> bytes:
     return secrets.token_hex(32).encode()

@@ -5,7 +5,6 @@ sequence per completion), runs the engine step by step (outputs detokenized, sto
 advanced) and answers embeddings through the same engine."""
 import itertools
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterable
@@ -32,8 +31,8 @@ class LLM:
         with vLLM's names where vLLM has one). Unknown names are refused with the closest knob."""
         config = EngineConfig.from_kwargs(model, **kwargs)
         config.validate()
-        from nanovllm_tp.distributed.launch import launched_by_torchrun
-        if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ.get("RANK", 0)) != 0:
+        from nanovllm_tp.distributed.launch import engine_rank, launched_by_torchrun
+        if config.tensor_parallel_size > 1 and launched_by_torchrun() and engine_rank() != 0:
             # Under torchrun every rank runs the user's script: ranks > 0 serve rank 0's plans here and
             # leave when it shuts down, so the rest of the script only ever runs on rank 0.
             from nanovllm_tp.workers.worker import run_worker

@@ -32,7 +32,7 @@ class Overloaded(RuntimeError):
 class RequestStream:
     """One request's outputs as its handler reads them. `ready` is set whenever there is something to read;
     handlers reading several streams at once give them one shared event."""
-    __slots__ = ("merge", "ready", "pending", "ended", "error")
+    __slots__ = ("merge", "ready", "pending", "ended", "error", "read")
 
     def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None):
         self.merge = kind == RequestOutputKind.DELTA
@@ -40,6 +40,7 @@ class RequestStream:
         self.pending: RequestOutput | None = None
         self.ended = False                    # the last output was put (it may still be pending)
         self.error: BaseException | None = None
+        self.read = False                     # its handler took an output: something may have reached the client
 
     def put(self, out: RequestOutput) -> None:
         if self.pending is not None and self.merge:
@@ -68,7 +69,12 @@ class RequestStream:
         out, self.pending = self.pending, None
         if out is None and self.error is not None and not self.ended:
             raise self.error
+        self.read = self.read or out is not None
         return out
+
+    def restart(self) -> None:
+        """Forget what arrived unread: the request runs again from its start elsewhere (nothing was read)."""
+        self.pending, self.ended = None, False
 
     async def next(self) -> RequestOutput | None:
         """The next output, waiting for it; None once the request has finished and all is read."""
@@ -82,13 +88,16 @@ class RequestStream:
 
 class EngineClient:
     def __init__(self, commands: str, outputs: str, max_waiting_requests: int = 1024, on_finished=None,
-                 name: str = "engine", on_gone=None):
+                 name: str = "engine", on_gone=None, rescue=None, curve: tuple | None = None):
         """`on_gone`: a data-parallel replica's engine process may die and come back: its socket's disconnection
         fails its open requests at once and calls on_gone(); its "ready" on the same sockets revives it. Without
-        (one engine), the HTTP process leaves when its engine's process is gone (frontend.py)."""
+        (one engine), the HTTP process leaves when its engine's process is gone (frontend.py). `rescue(streams,
+        why)`: when the engine stops, it is handed the open requests none of whose output was read yet ({id:
+        stream}) before the rest fail, and returns the ids it took over (run elsewhere). `curve`: (this side's
+        public key, its secret key, the engine loop's public key) for an engine loop on another node (tcp://)."""
         self.max_waiting = max_waiting_requests
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
-        self.name, self.on_gone = name, on_gone
+        self.name, self.on_gone, self.rescue = name, on_gone, rescue
         self.dead: str | None = None
         self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
                       "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0}
@@ -97,10 +106,13 @@ class EngineClient:
         self._outputs = self._ctx.socket(zmq.PULL)
         for sock, endpoint in ((self._commands, commands), (self._outputs, outputs)):
             sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
             sock.connect(endpoint)
         self._open: dict[str, RequestStream] = {}
         self._prompts: dict[str, tuple] = {}      # running requests' (prompt, prompt ids), from their first output
         self._accepting: dict[str, asyncio.Future] = {}
+        self._unaccepted: set[str] = set()        # ids of the batches in _accepting (submit's caller retries them)
         self._ids = itertools.count()
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -146,23 +158,27 @@ class EngineClient:
         return self.stats["waiting"] + len(self._accepting)
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
-                     priority: int = 0, lora: list | None = None) -> list[RequestStream]:
+                     priority: int = 0, lora: list | None = None,
+                     streams: list[RequestStream] | None = None) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
         nothing was queued. A batch counts once against max_waiting_requests. `lora`: the adapter's [name, id,
-        path], or None."""
+        path], or None. `streams`: the requests' streams already (they ran on another engine, which stopped before
+        any of their output was read)."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
-        ready = asyncio.Event()
-        streams = [RequestStream(params.output_kind, ready) for _ in request_ids]
+        if streams is None:
+            ready = asyncio.Event()
+            streams = [RequestStream(params.output_kind, ready) for _ in request_ids]
         key = request_ids[0]
         accepted = asyncio.get_running_loop().create_future()
         self._open.update(zip(request_ids, streams))
         self._accepting[key] = accepted
+        self._unaccepted.update(request_ids)
         try:
             await self._commands.send(wire.pack({"op": "add", "ids": request_ids, "prompts": prompts,
                                                  "params": wire.params_to_wire(params), "priority": priority,
@@ -174,6 +190,7 @@ class EngineClient:
             raise
         finally:
             self._accepting.pop(key, None)
+            self._unaccepted.difference_update(request_ids)
         return streams
 
     async def lora(self, op: str, lora: list) -> None:
@@ -242,8 +259,13 @@ class EngineClient:
         self.dead = why
         (log.info if shutdown else log.error)("%s loop: %s", self.name, why)
         exc = EngineDead(why)
-        for stream in self._open.values():
-            stream.fail(exc)
+        taken = set()
+        if self.rescue is not None and not shutdown:
+            taken = self.rescue({rid: s for rid, s in self._open.items()
+                                 if not s.read and not s.done and rid not in self._unaccepted}, why)
+        for rid, stream in self._open.items():
+            if rid not in taken:
+                stream.fail(exc)
         self._open.clear()
         self._prompts.clear()
         for future in self._accepting.values():

@@ -48,19 +48,33 @@ def scheduler_stats(llm) -> dict:
 
 
 class EngineLoop:
-    def __init__(self, llm, commands: str, outputs: str, http_alive, loras=()):
-        """`commands` and `outputs`: the ipc:// endpoints to bind (in a directory only this user can enter);
+    def __init__(self, llm, commands: str, outputs: str, http_alive, loras=(), keys=None, replica: int = 0,
+                 exit_when_dead: bool = False):
+        """`commands` and `outputs`: the endpoints to bind: ipc:// in a directory only this user can enter, or, for
+        a data-parallel replica on another node than the HTTP process, tcp://ADDRESS:* (a free port each; see
+        `endpoints`) secured with `keys` (ChannelKeys: CURVE, admitting only the HTTP process; replica_link.py).
         `http_alive()`: whether the HTTP process still runs; `loras`: the (name, path) adapters served from the
-        start (ids 1, 2, ...), checked here (ValueError)."""
+        start (ids 1, 2, ...), checked here (ValueError). `exit_when_dead`: a replica's loop ends once its engine
+        failed (its process exits, to be started again) instead of waiting to be stopped."""
         self.llm = llm
         self._http_alive = http_alive
+        self.exit_when_dead = exit_when_dead
+        self.failed: str | None = None           # why the engine stopped, once it did
         adapters = [llm.loras.check(LoRARequest(name, i + 1, path)) for i, (name, path) in enumerate(loras)]
         self._ctx = zmq.Context()
+        self._gate = None
+        if keys is not None:
+            from nanovllm_tp.serving.replica_link import ReplicaGate
+            self._gate = ReplicaGate(self._ctx, keys, replica)
         self._commands = self._ctx.socket(zmq.PULL)
         self._outputs = self._ctx.socket(zmq.PUSH)
+        self.endpoints = []
         for sock, endpoint in ((self._commands, commands), (self._outputs, outputs)):
             sock.setsockopt(zmq.LINGER, 0)
+            if self._gate is not None:
+                self._gate.secure(sock)
             sock.bind(endpoint)
+            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
@@ -93,9 +107,11 @@ class EngineLoop:
             try:
                 outs = self.llm.step()
             except Exception as exc:       # a dead rank, a bug: the HTTP side fails every open request
-                why = f"the engine stopped: {exc}"
+                why = self.failed = f"the engine stopped: {exc}"
                 log.error("engine loop: %s", why)
                 self._send({"op": "dead", "why": why})
+                if self.exit_when_dead:
+                    return
                 dead = True
                 continue
             self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs],
@@ -122,6 +138,8 @@ class EngineLoop:
         return wire.output_to_wire(out, with_prompt=first)
 
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
         self._ctx.destroy(linger=0)
 
     def _send(self, msg: dict) -> None:

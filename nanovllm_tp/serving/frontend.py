@@ -3,7 +3,9 @@
     python -m nanovllm_tp.serving.frontend --commands ipc://... --outputs ipc://... --name NAME
         --config SERVER_CONFIG_JSON [--idle-priority]
 
-With data-parallel replicas, one --commands and one --outputs endpoint each, in replica order (replica_set.py).
+With data-parallel replicas, one --commands and one --outputs endpoint each, in replica order (replica_set.py);
+a replica on another node has tcp:// endpoints, reached with CURVE keys derived from the engine secret (given in
+this process's environment, NANOVLLM_TP_SECRET; replica_link.py).
 
 It imports and connects at once, then waits for the engine's "ready" message (model path, max_model_len) to load
 the tokenizer and start serving.
@@ -20,10 +22,13 @@ import shutil
 import signal
 
 from nanovllm_tp import envs
+from nanovllm_tp.distributed import trust
 from nanovllm_tp.serving.app import ServedModel, build_app
 from nanovllm_tp.serving.engine_client import EngineClient
+from nanovllm_tp.serving.replica_link import client_keys, is_remote
 from nanovllm_tp.serving.replica_set import ReplicaSet
 from nanovllm_tp.serving.server_config import ServerConfig
+from nanovllm_tp.utils.proctitle import PREFIX, set_title
 
 PARENT_CHECK_S = 0.5
 
@@ -53,6 +58,18 @@ def lower_priority() -> None:
             logging.getLogger("nanovllm_tp").warning("the HTTP process keeps its priority: %s", exc)
 
 
+def replica_curves(commands: list[str]) -> list:
+    """Each replica's CURVE keys for EngineClient: those of replicas on other nodes (tcp://), from the engine
+    secret; None for local ones (and for every one under NANOVLLM_TP_INSECURE=1)."""
+    if not any(is_remote(c) for c in commands) or trust.insecure():
+        return [None] * len(commands)
+    secret = trust.secret_from_env()
+    if secret is None:
+        raise SystemExit(f"frontend: replicas on other nodes need the engine secret: {trust.HOW_TO}")
+    keys = trust.ChannelKeys(secret)
+    return [client_keys(keys, i) if is_remote(c) else None for i, c in enumerate(commands)]
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     config = args.config
@@ -65,10 +82,12 @@ def main(argv=None) -> None:
     parent, rundir = os.getppid(), os.path.dirname(args.commands[0].removeprefix("ipc://"))
     if len(args.commands) != len(args.outputs):
         raise SystemExit("frontend: one --outputs endpoint per --commands endpoint")
+    set_title(f"{PREFIX}::http")
     if len(args.commands) == 1:
         engine = EngineClient(args.commands[0], args.outputs[0], config.max_waiting_requests)
     else:
-        engine = ReplicaSet(list(zip(args.commands, args.outputs)), config.max_waiting_requests, config.router)
+        engine = ReplicaSet(list(zip(args.commands, args.outputs)), config.max_waiting_requests, config.router,
+                            curve=replica_curves(args.commands))
     state = {"server": None}
 
     def orphaned() -> bool:

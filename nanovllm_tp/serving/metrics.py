@@ -64,6 +64,11 @@ class _RouterCollector:
                                    "likely held their prompt's first blocks.", labels=["model_name", "policy"])
         hits.add_metric([self.model_name, counters["policy"]], counters["prefix_hits"])
         yield hits
+        moved = CounterMetricFamily(PREFIX + "router_requests_resubmitted", "Requests run again on another replica "
+                                    "because theirs stopped before any of their output was read.",
+                                    labels=["model_name"])
+        moved.add_metric([self.model_name], self.replicas.num_resubmitted)
+        yield moved
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
                                labels=["model_name", "dp_rank"])
         for rank, state in enumerate(self.replicas.replica_states()):

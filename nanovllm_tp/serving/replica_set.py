@@ -3,13 +3,16 @@ replica, and a router (router.py) that sends each request to one of them. It ans
 routes make (submit, abort, lora, dead, silent_for, labelled_stats), so that the routes serve one replica or many alike.
 
 A batch of prompts submitted together goes to one replica (all or none there); a request's later aborts follow
-it. Replicas share nothing: a replica that dies fails its own open requests only (EngineDead, with its reason);
-the others keep serving and new requests go to the live ones. When the server restarts it, the replica says
-"ready" again on the same sockets and takes requests again, its prefix record in the router forgotten. Adapter
-loads and unloads go to every live replica.
+it. Replicas share nothing. When a replica stops (its process died, or its engine failed), its open requests of
+which nothing was read yet (so nothing reached the client: a non-streamed request before its answer, a stream
+before its first chunk) run again from their start on another live replica, the client none the wiser; the others
+end with the replica's error (EngineDead, with its reason). New requests go to the live replicas. When the server
+restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix record in the
+router forgotten. Adapter loads and unloads go to every live replica.
 """
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
@@ -18,16 +21,29 @@ from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
 log = logging.getLogger("nanovllm_tp")
 
 
+@dataclass(slots=True)
+class Placed:
+    """An open request: where it runs, and what it takes to run it again elsewhere."""
+    replica: int
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    lora: list | None
+
+
 class ReplicaSet:
     def __init__(self, endpoints: list[tuple[str, str]], max_waiting_requests: int, policy: str,
-                 block_size: int = 16):
-        """`endpoints`: (commands, outputs) of each replica's engine loop, in replica order."""
+                 block_size: int = 16, curve: list | None = None):
+        """`endpoints`: (commands, outputs) of each replica's engine loop, in replica order; `curve`: each
+        replica's CURVE keys for EngineClient (None where its sockets are local)."""
         self.max_waiting = max_waiting_requests
+        curve = curve or [None] * len(endpoints)
         self.replicas = [EngineClient(c, o, max_waiting_requests, name=f"replica {i}",
-                                      on_gone=lambda i=i: self.replica_died(i))
+                                      on_gone=lambda i=i: self.replica_died(i), rescue=self._rescue, curve=curve[i])
                          for i, (c, o) in enumerate(endpoints)]
         self.router = make_router(policy, len(self.replicas), block_size)
-        self._owner: dict[str, int] = {}         # open request id -> its replica
+        self._owner: dict[str, Placed] = {}      # open request id -> where it runs
+        self.num_resubmitted = 0                  # requests moved off a stopped replica (/metrics)
         self._sent = [0] * len(self.replicas)   # batches handed to each replica and not yet accepted
         self._loras: list[set[int]] = [set() for _ in self.replicas]     # adapters each replica has run
 
@@ -99,8 +115,11 @@ class ReplicaSet:
         if self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
+        return await self._place(request_ids, prompts, params, priority, lora)
+
+    async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=()) -> list:
         lora_id = lora[1] if lora else None
-        tried = set()
+        tried = set(avoid)
         while True:
             loads = self._loads(lora_id)
             for i in tried:
@@ -111,17 +130,47 @@ class ReplicaSet:
                 raise EngineDead(self.dead or "no replica could take the request") from None
             self._sent[replica] += 1
             try:
-                streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora)
+                streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams)
             except EngineDead:
                 tried.add(replica)
                 continue
             finally:
                 self._sent[replica] -= 1
-            for rid in request_ids:
-                self._owner[rid] = replica
+            for rid, prompt in zip(request_ids, prompts):
+                self._owner[rid] = Placed(replica, prompt, params, priority, lora)
             if lora_id is not None:
                 self._loras[replica].add(lora_id)
             return streams
+
+    def _rescue(self, streams: dict[str, RequestStream], why: str) -> set[str]:
+        """A replica stopped (EngineClient.fail_all): its requests none of whose output was read go to another
+        live replica, each batch as it was submitted; returns their ids (the rest fail with `why`). One that
+        finds no replica fails then."""
+        batches: dict[tuple, list[str]] = {}
+        for rid in streams:
+            placed = self._owner.get(rid)
+            if placed is not None:
+                key = (placed.replica, id(placed.params), placed.priority, id(placed.lora))
+                batches.setdefault(key, []).append(rid)
+        for ids in batches.values():
+            first = self._owner[ids[0]]
+            for stream in (streams[rid] for rid in ids):
+                stream.restart()
+            asyncio.ensure_future(self._resubmit(ids, [self._owner[rid].prompt for rid in ids], first,
+                                                 [streams[rid] for rid in ids], why))
+        return {rid for ids in batches.values() for rid in ids}
+
+    async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str) -> None:
+        try:
+            await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
+                              avoid=(placed.replica,))
+            self.num_resubmitted += len(ids)
+            log.warning("%d request(s) of replica %d, none of whose output was read, run on another replica",
+                        len(ids), placed.replica)
+        except Exception as exc:                 # no live replica (or it refused): they end as the others did
+            for rid, stream in zip(ids, streams):
+                self._owner.pop(rid, None)
+                stream.fail(EngineDead(why if isinstance(exc, EngineDead) else f"{why}; {exc}"))
 
     async def lora(self, op: str, lora: list) -> None:
         """Every live replica loads (checks) or unloads the adapter; the first refusal propagates."""
@@ -136,9 +185,9 @@ class ReplicaSet:
     def abort(self, request_ids) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
-            replica = self._owner.pop(rid, None)
-            if replica is not None:
-                by_replica.setdefault(replica, []).append(rid)
+            placed = self._owner.pop(rid, None)
+            if placed is not None:
+                by_replica.setdefault(placed.replica, []).append(rid)
         for replica, ids in by_replica.items():
             self.replicas[replica].abort(ids)
 
@@ -147,8 +196,8 @@ class ReplicaSet:
             client.fail_all(why, shutdown)
 
     def replica_died(self, replica: int) -> None:
-        """Its requests failed (EngineClient did that); its cache is gone: the router forgets it."""
+        """Its requests failed or moved (EngineClient did that); its cache is gone: the router forgets it."""
         self.router.forget_replica(replica)
         self._loras[replica].clear()
-        for rid in [r for r, i in self._owner.items() if i == replica]:
+        for rid in [r for r, placed in self._owner.items() if placed.replica == replica]:
             del self._owner[rid]

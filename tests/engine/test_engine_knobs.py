@@ -123,6 +123,8 @@ def test_unknown_engine_arguments_are_refused_with_the_closest_knob(tiny_model_d
         LLM(tiny_model_dir, model_config=None)      # set by validation, not a knob
     with pytest.raises(TypeError, match="unknown engine argument 'zzz'; the engine's knobs: model, "):
         LLM(tiny_model_dir, zzz=1)
+    with pytest.raises(TypeError, match="'data_parallel_size' is not an engine argument: .* --data-parallel-size D"):
+        LLM(tiny_model_dir, data_parallel_size=2)      # vLLM's name, a server feature here
     with pytest.raises(ValueError, match="packed_linear must be one of 'auto', 'c\\+onednn', 'c', 'bf16', 'onednn', 'off', got 'x'"):
         LLM(tiny_model_dir, packed_linear="x")
     with pytest.raises(TypeError, match="cpu_kernels must be a bool, got str"):

@@ -5,23 +5,27 @@ import json
 import os
 import re
 import signal
+import subprocess
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.procs import wait_gone
-from tests.serving.test_serve import PROMPTS, _children, _cmdline, client, offline, start_server, wait_ready
+from tests.procs import TORCHRUN, descendants, free_port, python_cmd, started, wait_gone
+from tests.serving.test_lora_serve import adapters, complete  # noqa: F401  (adapters: a module fixture)
+from tests.serving.test_serve import (ENGINE_ARGS, PROMPTS, _children, _cmdline, client, offline, start_server,
+                                      wait_ready)
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 BACK_WITHIN = 60.0         # a restarted replica loads the tiny model again: seconds on a loaded 2-core machine
 
 
 def replicas(pid: int) -> dict[int, int]:
-    """The server's replica processes: dp rank -> pid."""
+    """The server's replica processes, by the title each gives itself (what `ps` shows): dp rank -> pid."""
     out = {}
     for child in _children(pid):
-        found = re.search(r"--replica\x00(\d+),", _cmdline(child))
+        found = re.match(r"nanovllm_tp::dp(\d+)::tp0\b", _cmdline(child))
         if found:
             out[int(found.group(1))] = child
     return out
@@ -138,3 +142,135 @@ def test_the_health_of_a_server_with_a_dead_replica_says_degraded(tiny_model_dir
         assert health.status_code == 200 and body["status"] == "degraded" and body["replicas_alive"] == 1
         assert "replica 1" in body["down"][0]
         assert client(port).completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_request_nothing_was_read_of_runs_again_on_another_replica(tiny_model_dir, tiny_llm):
+    """A non-streamed request's answer is read only once whole: its replica killed mid-generation, it runs again
+    on the other replica and the client gets the full, right answer."""
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
+                             "--no-restart-dead-replicas")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        c = client(port)
+        want = offline(tiny_llm, PROMPTS[1:2], max_tokens=300, ignore_eos=True)[0].outputs[0].text
+        result = {}
+
+        def ask():
+            result["out"] = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=300, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        asking = threading.Thread(target=ask)
+        asking.start()                                  # round-robin's first request: replica 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and 'num_requests_running{dp_rank="0",model_name="tiny"} 1.0' not in \
+                httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text:
+            time.sleep(0.05)
+        os.kill(replicas(proc.pid)[0], signal.SIGKILL)
+        asking.join(60)
+        out = result["out"].choices[0]
+        assert out.text == want and out.finish_reason == "length"
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert re.search(r'nanovllm_tp:router_requests_resubmitted_total\{model_name="tiny"\} 1\.0', text), text
+
+
+def test_replicas_of_two_ranks_each_and_their_process_titles(tiny_model_dir, tiny_llm):
+    """D=2 x T=2: four engine ranks; every process says in `ps` what it is."""
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                             "--router", "round-robin")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        want = [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        c = client(port)
+        assert [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in PROMPTS * 2] == want * 2
+        titles = sorted(_cmdline(pid).split("\x00")[0].strip() for pid in [proc.pid, *descendants(proc.pid)]
+                        if "resource_tracker" not in _cmdline(pid))     # Python's shared-memory helper
+        assert titles == ["nanovllm_tp::dp0::tp0", "nanovllm_tp::dp0::tp1", "nanovllm_tp::dp1::tp0",
+                          "nanovllm_tp::dp1::tp1", "nanovllm_tp::http", "nanovllm_tp::serve"], titles
+        with open(f"/proc/{replicas(proc.pid)[1]}/comm") as f:          # the short name top and ps -e show
+            assert f.read().strip() == "nvtp-dp1-tp0"
+        pids = [proc.pid, *descendants(proc.pid)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert wait_gone(pids, 30) is not None
+
+
+def test_adapters_through_the_router(tiny_model_dir, adapters):
+    """--lora-modules on every replica, a runtime load reaching both, each adapter's text equal to transformers +
+    peft on either replica."""
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
+                             "--enable-lora", "--max-loras", "2", "--lora-modules", f"a1={adapters['a1'][0]}",
+                             "--allow-runtime-lora-updating")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        loaded = httpx.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+                            json={"lora_name": "a3", "lora_path": adapters["a3"][0]}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        c = client(port)
+        for name in ("a1", "a1", "tiny", "tiny", "a3", "a3"):        # round-robin: each one on both replicas
+            assert complete(c, name).choices[0].text == adapters[name][1], name
+        counts = routed(port)
+        assert counts[0] == counts[1] == 3, counts
+
+
+def test_torchrun_as_two_nodes_one_replica_each(tiny_model_dir, tiny_llm, tmp_path):
+    """`serve -dp 2` launched by torchrun as two nodes on 127.0.0.1: node 1's replica registers with node 0's HTTP
+    process over CURVE, answers as one engine does, and stops when node 0 is stopped."""
+    port, master = free_port(), free_port()
+    secret = {"NANOVLLM_TP_SECRET": "two-node-replicas-secret-0123456789abcdef"}      # multi-node needs one
+    nodes = [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", str(master),
+                        "-m", "nanovllm_tp.launch.serve", "--model", tiny_model_dir, "--port", str(port),
+                        "--served-model-name", "tiny", *ENGINE_ARGS, "--data-parallel-size", "2",
+                        "--router", "round-robin") for n in (0, 1)]
+    logs = [open(tmp_path / f"node{n}.log", "w+") for n in (0, 1)]
+    with started(nodes[1], env=secret, stdout=logs[1], stderr=subprocess.STDOUT) as node1, \
+            started(nodes[0], env=secret, stdout=logs[0], stderr=subprocess.STDOUT) as node0:
+        wait_all_ready(port, node0)
+        c = client(port)
+        want = [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        assert [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in PROMPTS] == want
+        streamed = ["".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=p, max_tokens=16, temperature=0, stream=True)) for p in PROMPTS]
+        assert streamed == want
+        counts = routed(port)
+        assert counts[0] >= 3 and counts[1] >= 3, counts
+        titles = {_cmdline(pid).split("\x00")[0].strip() for pid in descendants(node1.pid)}
+        assert "nanovllm_tp::dp1::tp0" in titles, titles
+        node0.send_signal(signal.SIGTERM)              # torchrun passes it on to rank 0, which tells replica 1
+        node0.wait(timeout=60)
+        assert node1.wait(timeout=60) == 0, open(tmp_path / "node1.log").read()[-3000:]
+
+
+def test_torchrun_on_one_node_two_replicas_of_two_ranks(tiny_model_dir, tiny_llm):
+    """D=2 x T=2 as four torchrun ranks on one node, no secret given: each replica's two ranks form a group of
+    their own, replica 1 reaches the HTTP process over CURVE keys from a secret rank 0 made, and answers match."""
+    port = free_port()
+    cmd = python_cmd(*TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m", "nanovllm_tp.launch.serve",
+                     "--model", tiny_model_dir, "--port", str(port), "--served-model-name", "tiny", *ENGINE_ARGS,
+                     "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--router", "round-robin")
+    env = {k: "" for k in ("NANOVLLM_TP_SECRET", "NANOVLLM_TP_SECRET_FILE")}
+    with started(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        wait_all_ready(port, proc)
+        c = client(port)
+        want = [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
+        assert [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in PROMPTS * 2] == want * 2
+        assert routed(port) == {0: len(PROMPTS), 1: len(PROMPTS)}
+        pids = [proc.pid, *descendants(proc.pid)]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert wait_gone(pids, 30) is not None
+
+
+@pytest.mark.parametrize("world,per_node,tp,why", [
+    (4, 4, 1, "needs 2 ranks, and torchrun started 4"),
+    (4, 1, 2, "must be a multiple of --tensor-parallel-size"),
+])
+def test_a_torchrun_launch_that_does_not_fit_is_refused(monkeypatch, world, per_node, tp, why):
+    from nanovllm_tp.distributed import torchrun_replicas
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=why):
+        torchrun_replicas.place(world // tp if why.startswith("must") else 2, tp)

@@ -1,0 +1,148 @@
+"""`serve --data-parallel-size D`: D engine replicas behind one endpoint, in the three kinds of process that make
+such a server (serve.py's main picks one):
+
+- on one node, the command's own process (`serve_replicas`): it runs no engine, but starts the HTTP process and D
+  replica processes (serving/replica_processes.py), and watches them;
+- one such replica process (`serve_replica`): its LLM of --tensor-parallel-size ranks and its engine loop, on the
+  sockets the supervisor gave it;
+- under torchrun, every rank (`serve_torchrun_rank`): D x T ranks over one node or several, each in the process
+  group of its own replica (distributed/torchrun_replicas.py). Rank 0 of replica 0 runs the HTTP process as one
+  engine's server does (serve.serve_engine); rank 0 of every other replica binds its engine loop on its node's
+  address with CURVE (serving/replica_link.py), registers it in torchrun's store, and serves until rank 0 says
+  stop or is gone; the other ranks run plans.
+
+Under torchrun a replica is not started again when it dies: torchrun's agent stops that node's ranks (its policy
+for a failed rank), and the server goes on with the replicas left (/health says degraded).
+"""
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from nanovllm_tp.launch.generate import build_llm
+from nanovllm_tp.launch.serve import engine_threads, serve_engine, serve_plans, start_front
+from nanovllm_tp.serving.server_config import ServerConfig
+from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
+from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_title
+
+log = logging.getLogger("nanovllm_tp")
+WATCH_S = 0.2                 # how often the supervisor looks at its replicas and HTTP process
+STOP_CHECK_S = 1.0            # how often a torchrun replica asks torchrun's store whether rank 0 said stop
+
+
+def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
+    """One node: the HTTP process and D replica processes, which share this node's cores; this process only
+    watches them. Exits as a one-engine server does."""
+    from nanovllm_tp.distributed.launch import stop_children
+    from nanovllm_tp.serving.replica_processes import ReplicaProcesses
+    set_title(f"{PREFIX}::serve")
+    size = server.data_parallel_size
+    on_cpu = engine_threads(args, size * args.tensor_parallel_size)
+    rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
+    endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
+    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+    replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas)
+    front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
+    signals = StopSignals(server.shutdown_timeout, lambda: (replicas.kill(), stop_children([front], timeout=0),
+                                                           shutil.rmtree(rundir, ignore_errors=True)))
+    try:
+        replicas.start_all()
+        while not signals.received and front.poll() is None and replicas.watch():
+            time.sleep(WATCH_S)
+    finally:
+        stop_children([front], timeout=0)
+        replicas.stop(server.shutdown_timeout)
+        shutil.rmtree(rundir, ignore_errors=True)
+        signals.finished()
+    if not signals.received:
+        raise SystemExit(f"the HTTP process exited with {front.returncode}" if front.returncode is not None
+                         else "serve: no replica could be kept running")
+    log.info("serve: stopped by %s", signal.Signals(signals.received[0]).name)
+    sys.exit(0)
+
+
+def serve_replica(args, server: ServerConfig, loras) -> None:
+    """One replica process of a one-node server: its LLM and engine loop on the sockets it was given, until
+    SIGTERM or until the process that started it is gone. An engine that fails ends the process (exit 1), which
+    the supervisor starts again."""
+    from nanovllm_tp.serving.engine_loop import EngineLoop
+    index, commands, outputs = args.replica.split(",", 2)
+    set_title(rank_title(0, index))
+    os.environ[REPLICA_ENV] = index          # the ranks it spawns title themselves after it
+    engine_threads(args)
+    supervisor = os.getppid()
+    _run_replica(args, server, loras, f"replica {index}",
+                 lambda llm: EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras,
+                                        exit_when_dead=True))
+
+
+def serve_torchrun_rank(args, server: ServerConfig, loras) -> None:
+    """A rank of a data-parallel server under torchrun (the module docstring)."""
+    from nanovllm_tp.distributed import torchrun_replicas
+    from nanovllm_tp.distributed.trust import ChannelKeys
+    from nanovllm_tp.serving.engine_loop import EngineLoop
+    from nanovllm_tp.serving.replica_link import reachable_address
+    try:
+        placement = torchrun_replicas.place(server.data_parallel_size, args.tensor_parallel_size)
+    except ValueError as exc:
+        raise SystemExit(f"serve: {exc}") from None
+    set_title(rank_title(placement.rank, placement.replica))
+    on_cpu = engine_threads(args)
+    if placement.rank != 0:
+        serve_plans(args)
+        return
+    secret = torchrun_replicas.front_secret()
+    if placement.replica == 0:
+        serve_engine(args, server, loras, on_cpu, secret)
+        return
+    host = reachable_address(os.environ["MASTER_ADDR"])
+    where = f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
+    rank0_alive = _Every(STOP_CHECK_S, lambda: not torchrun_replicas.told_to_stop())
+
+    def loop_of(llm):
+        loop = EngineLoop(llm, where, where, rank0_alive, loras, keys=secret and ChannelKeys(secret),
+                          replica=placement.replica, exit_when_dead=True)
+        torchrun_replicas.register(loop.endpoints)
+        return loop
+    _run_replica(args, server, loras, f"replica {placement.replica}", loop_of)
+
+
+def _run_replica(args, server: ServerConfig, loras, name: str, make_loop) -> None:
+    """A replica's engine and loop (`make_loop(llm)`), until SIGTERM or until its HTTP process is gone."""
+    llm, loop, signals = None, None, None
+    try:
+        llm = build_llm(args)
+        signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(None, llm, None))
+        try:
+            loop = make_loop(llm)
+        except ValueError as exc:       # an adapter of --lora-modules
+            raise SystemExit(f"serve: {name}: --lora-modules: {exc}") from None
+        loop.run(lambda: not signals.received)
+        if signals.received:
+            loop.stop(f"{name} is shutting down ({signal.Signals(signals.received[0]).name})")
+    finally:
+        if loop is not None:
+            loop.close()
+        if llm is not None:
+            llm.close()
+        if signals is not None:
+            signals.finished()
+    if loop is not None and loop.failed:
+        raise SystemExit(f"serve: {name}: {loop.failed}")
+
+
+class _Every:
+    """A check asked often (every send wait, every idle poll) but answered at most once per `period` seconds."""
+
+    def __init__(self, period: float, check):
+        self.period, self.check = period, check
+        self._at, self._value = 0.0, True
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._at >= self.period:
+            self._at, self._value = now, self.check()
+        return self._value

@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import time
 
 from nanovllm_tp.bench import common as bc
@@ -39,7 +40,7 @@ from nanovllm_tp.bench.latency import QUANTILES, arrival_offsets, label, load_po
 from nanovllm_tp.config.engine_config import add_engine_args, engine_argv
 from nanovllm_tp.launch import serve_process
 from nanovllm_tp.launch.make_tiny import CORPUS
-from nanovllm_tp.serving.router import POLICIES
+from nanovllm_tp.serving.router import POLICIES, ReplicaLoad, make_router
 from nanovllm_tp.utils.trace import sibling_path
 
 NAME = "bench_serve"
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-parallel-size", type=int, default=1, help="with --launch: engine replicas")
     srv.add_argument("--router", nargs="+", choices=list(POLICIES), default=["prefix-aware"],
                      help="with --launch and --data-parallel-size > 1: the routing policies compared")
+    srv.add_argument("--server-args", default="", help="with --launch: more serve flags, one string "
+                                                       "(e.g. \"--http-priority normal\")")
     bc.add_workload_args(parser, num_requests=64)
     parser.add_argument("--dataset", choices=["random", "text", "shared-prefix"], default="random")
     parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct prefixes")
@@ -205,6 +208,21 @@ def prompt_vocab_size(args, card: dict) -> int:
 
 # =============================================================================================== report
 
+def router_cost_us(policy: str, replicas: int, prompts) -> float | None:
+    """The router's own cost per request: the median microseconds of building the replicas' loads and routing,
+    as the HTTP process does before it hands a request on, over this workload's prompts in order (the
+    prefix-aware record fills as it would). None for text prompts (the server routes their token ids)."""
+    if not prompts or not isinstance(prompts[0], list):
+        return None
+    router = make_router(policy, replicas)
+    times = []
+    for prompt in prompts:
+        start = time.perf_counter_ns()
+        router.route(prompt, [ReplicaLoad() for _ in range(replicas)])
+        times.append(time.perf_counter_ns() - start)
+    return bc.median(times) / 1e3
+
+
 def medians(runs: list[dict]) -> dict:
     """The median run figures over repeats (each quantile separately)."""
     out = {"label": runs[0]["label"], "repeats": len(runs),
@@ -222,14 +240,18 @@ def medians(runs: list[dict]) -> dict:
 def table(result: dict) -> str:
     rows = []
     hit_rates = any(p["server"].get("prefix_hit_rate") is not None for p in result["figures"]["points"])
+    routed = any("router_us" in p for p in result["figures"]["points"])
     for p in result["figures"]["points"]:
         s, o = p["server"], p.get("offline")
         ms = [None if s[m][q] is None else s[m][q] * 1e3 for m in ("ttft", "tpot", "itl") for q in QUANTILES]
         extra = [o["output_tok_s"], s["output_tok_s"] / o["output_tok_s"], o["ttft"]["p50"] * 1e3] if o else []
         hit = [] if not hit_rates else [None if s["prefix_hit_rate"] is None else 100 * s["prefix_hit_rate"]]
-        rows.append([p["label"], s["request_throughput"], s["output_tok_s"], *hit, *ms, *extra])
+        cost = [] if not routed else [p.get("router_us"), None if p.get("router_us") is None or not s["tpot"]["p50"]
+                                      else p["router_us"] / 1e4 / s["tpot"]["p50"]]
+        rows.append([p["label"], s["request_throughput"], s["output_tok_s"], *hit, *ms, *cost, *extra])
     headers = ["load", "req/s", "out tok/s"] + (["prefix hit %"] if hit_rates else []) + \
-        [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES]
+        [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES] + \
+        (["router us/req", "router % of TPOT p50"] if routed else [])
     if result["figures"]["points"] and result["figures"]["points"][0].get("offline"):
         headers += ["offline tok/s", "server/offline", "offline TTFT p50"]
     w = result["workload"]
@@ -270,7 +292,8 @@ def main(argv=None) -> dict:
         for ri, router in enumerate(routers):       # one server per policy, in turn, on the same prompts
             if args.launch:
                 dp = ["--data-parallel-size", str(args.data_parallel_size), "--router", router] if router else []
-                proc, args.base_url = serve_process.start(engine_argv(args) + dp, args.api_key)
+                proc, args.base_url = serve_process.start(engine_argv(args) + dp + shlex.split(args.server_args),
+                                                          args.api_key)
                 bc.log(args, f"server at {args.base_url}" + (f" ({args.data_parallel_size} replicas, {router})"
                                                              if router else ""))
             if workload is None:
@@ -324,6 +347,8 @@ def main(argv=None) -> dict:
     figures = []
     for k in range(len(combos)):
         p = {"label": server_runs[k][0]["label"], "server": medians(server_runs[k]), "server_runs": server_runs[k]}
+        if combos[k][0] is not None:
+            p["router_us"] = router_cost_us(combos[k][0], args.data_parallel_size, prompts_for(args, workload, 1))
         if offline_runs[k]:
             p["offline"] = medians(offline_runs[k])
             p["offline_runs"] = offline_runs[k]

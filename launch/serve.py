@@ -54,16 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_threads(args, ranks: int | None = None) -> bool:
     """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its `ranks`
-    (default: torchrun's local world size, else --tensor-parallel-size). Returns whether the engine runs on CPU
-    (then --http-priority auto means idle)."""
+    (default: torchrun's local world size, else --tensor-parallel-size); args.threads says it from then on.
+    Returns whether the engine runs on CPU (see http_at_idle)."""
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if args.threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
+    if args.threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        args.threads = int(os.environ["OMP_NUM_THREADS"])
+    if args.threads is None and on_cpu:
         if ranks is None:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))
         args.threads = envs.cores_per_rank(ranks)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
+
+
+def http_at_idle(server: ServerConfig, on_cpu: bool, threads: int | None) -> bool:
+    """Whether the HTTP process runs at idle priority: --http-priority idle, or auto with CPU ranks of several
+    threads each. A rank of one thread has no parallel region to hold up, and ranks that fill every core with one
+    thread each (data-parallel replicas) would leave an idle-priority HTTP process no gap at all."""
+    return server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu and threads != 1)
 
 
 def start_front(server: ServerConfig, name: str, endpoints: list[tuple[str, str]], idle: bool,
@@ -125,7 +134,7 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
     replicas = torchrun_replicas.current()
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
-    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+    idle = http_at_idle(server, on_cpu, args.threads)
     name = server.served_model_name or args.model or "tiny"
     front, llm, loop, signals = None, None, None, None
     try:

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from nanovllm_tp.launch.generate import build_llm
-from nanovllm_tp.launch.serve import engine_threads, serve_engine, serve_plans, start_front
+from nanovllm_tp.launch.serve import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_title
@@ -43,7 +43,7 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
     on_cpu = engine_threads(args, size * args.tensor_parallel_size)
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
-    idle = server.http_priority == "idle" or (server.http_priority == "auto" and on_cpu)
+    idle = http_at_idle(server, on_cpu, args.threads)
     replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas)
     front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
     signals = StopSignals(server.shutdown_timeout, lambda: (replicas.kill(), stop_children([front], timeout=0),
@@ -102,12 +102,21 @@ def serve_torchrun_rank(args, server: ServerConfig, loras) -> None:
     where = f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
     rank0_alive = _Every(STOP_CHECK_S, lambda: not torchrun_replicas.told_to_stop())
 
+    registered = False
+
     def loop_of(llm):
+        nonlocal registered
         loop = EngineLoop(llm, where, where, rank0_alive, loras, keys=secret and ChannelKeys(secret),
                           replica=placement.replica, exit_when_dead=True)
         torchrun_replicas.register(loop.endpoints)
+        registered = True
         return loop
-    _run_replica(args, server, loras, f"replica {placement.replica}", loop_of)
+    try:
+        _run_replica(args, server, loras, f"replica {placement.replica}", loop_of)
+    except BaseException as exc:
+        if not registered:              # rank 0 waits for this replica: tell it why it never will come
+            torchrun_replicas.report_failure(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def _run_replica(args, server: ServerConfig, loras, name: str, make_loop) -> None:

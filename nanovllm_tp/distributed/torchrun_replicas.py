@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -109,12 +110,27 @@ def register(endpoints: list[str]) -> None:
     torchrun_store().set(_key(f"endpoints/{_placement.replica}"), json.dumps(endpoints))
 
 
+def report_failure(why: str) -> None:
+    """A replica could not start: rank 0 stops waiting for it and says why (best effort)."""
+    try:
+        torchrun_store().set(_key(f"failed/{_placement.replica}"), why.encode()[:4000])
+    except Exception:
+        pass
+
+
 def others_endpoints() -> list[list[str]]:
-    """Rank 0: replicas 1..D-1's endpoints, waiting until each has registered (REGISTER_TIMEOUT)."""
+    """Rank 0: replicas 1..D-1's endpoints, waiting until each has registered (at most REGISTER_TIMEOUT);
+    RuntimeError as soon as one reports that it could not start."""
     store = torchrun_store()
-    keys = [_key(f"endpoints/{r}") for r in range(1, _placement.replicas)]
-    store.wait(keys, REGISTER_TIMEOUT)
-    return [json.loads(store.get(k)) for k in keys]
+    deadline = time.monotonic() + REGISTER_TIMEOUT.total_seconds()
+    for r in range(1, _placement.replicas):
+        while not store.check([_key(f"endpoints/{r}")]):
+            if store.check([_key(f"failed/{r}")]):
+                raise RuntimeError(f"replica {r} could not start: {store.get(_key(f'failed/{r}')).decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {r} did not register within {REGISTER_TIMEOUT}")
+            time.sleep(0.2)
+    return [json.loads(store.get(_key(f"endpoints/{r}"))) for r in range(1, _placement.replicas)]
 
 
 def stop_all(why: str) -> None:

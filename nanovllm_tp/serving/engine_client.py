@@ -99,6 +99,7 @@ class EngineClient:
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
         self.name, self.on_gone, self.rescue = name, on_gone, rescue
         self.dead: str | None = None
+        self._starting = False
         self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
                       "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0}
         self._ctx = zmq.asyncio.Context()
@@ -125,6 +126,10 @@ class EngineClient:
         if msg["op"] != "ready":
             raise RuntimeError(f"the engine's first message was {msg['op']!r}, not 'ready'")
         return msg
+
+    def mark_starting(self) -> None:
+        """A data-parallel replica still loading while the others serve: nothing goes to it until its "ready"."""
+        self.dead, self._starting = f"{self.name} is starting", True
 
     def start(self) -> None:
         """Start receiving (on the running event loop)."""
@@ -234,9 +239,10 @@ class EngineClient:
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
             elif op == "dead":
                 self.fail_all(msg["why"], msg.get("shutdown", False))
-            elif op == "ready" and self.dead is not None:      # a replica restarted on the same sockets
-                log.warning("%s is back", self.name)
-                self.dead = None
+            elif op == "ready" and self.dead is not None:      # a replica up late, or restarted on the same sockets
+                (log.info if self._starting else log.warning)("%s is %s", self.name,
+                                                              "ready" if self._starting else "back")
+                self.dead, self._starting = None, False
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)

@@ -12,9 +12,9 @@ Between two steps the loop takes every command that arrived (adds join the next 
 across clients; aborts leave before it), runs a step and sends its outputs in one message with the scheduler's
 figures for /metrics; idle, it still sends those figures every HEARTBEAT_S, so that a silent loop means a stuck
 one (/health). A PUSH socket whose only peer is gone blocks a send for ever, so every send waits at most
-SEND_WAIT_MS at a time and asks between two waits whether the HTTP process still lives: a killed HTTP process ends
-the loop within a fraction of a second, whether it died between two steps, during a step or just before a
-heartbeat. A batch with a structured output is added once its grammar has compiled (in the backend's threads,
+SEND_WAIT_MS at a time and asks between two waits whether the HTTP process still lives, and whether the loop was
+told to stop: a killed HTTP process ends the loop within a fraction of a second, whether it died between two
+steps, during a step or just before a heartbeat, and so does a signal that came while a send waited. A batch with a structured output is added once its grammar has compiled (in the backend's threads,
 LLM.prepare), so no step waits for a compile; a compile that fails or runs past its time limit is that request's
 400. When the engine fails, the HTTP process is told once and the loop only waits to be stopped: the server
 answers 503 from then on.
@@ -38,6 +38,11 @@ class HttpProcessGone(Exception):
     """The HTTP process died: nobody is left to send outputs to."""
 
 
+class _StopWhileSending(Exception):
+    """Told to stop while a send waited for the HTTP process (a data-parallel replica whose HTTP process was
+    stopped first: its supervisor, which `http_alive` watches, is still there)."""
+
+
 def scheduler_stats(llm) -> dict:
     """The figures /metrics shows, from LLM.stats()."""
     s = llm.stats()
@@ -58,6 +63,7 @@ class EngineLoop:
         failed (its process exits, to be started again) instead of waiting to be stopped."""
         self.llm = llm
         self._http_alive = http_alive
+        self._keep_going = lambda: True
         self.exit_when_dead = exit_when_dead
         self.failed: str | None = None           # why the engine stopped, once it did
         adapters = [llm.loras.check(LoRARequest(name, i + 1, path)) for i, (name, path) in enumerate(loras)]
@@ -85,11 +91,14 @@ class EngineLoop:
         """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS) or the HTTP
         process is gone. Idle, the loop still speaks every HEARTBEAT_S: the HTTP process reads its silence as a
         stuck engine."""
+        self._keep_going = keep_going
         try:
             self._send(self._ready)
             self._serve(keep_going)
         except HttpProcessGone:
             log.error("engine loop: the HTTP process is gone; stopping")
+        except _StopWhileSending:
+            pass
 
     def _serve(self, keep_going) -> None:
         dead = False
@@ -151,6 +160,8 @@ class EngineLoop:
             except zmq.Again:          # no peer (not connected yet, or dead), or its queue full
                 if not self._http_alive():
                     raise HttpProcessGone from None
+                if not self._keep_going():
+                    raise _StopWhileSending from None
                 self._outputs.poll(SEND_WAIT_MS, zmq.POLLOUT)
         self._last_sent = time.monotonic()
 

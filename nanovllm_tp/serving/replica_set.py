@@ -82,7 +82,7 @@ class ReplicaSet:
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
-            waits[task].dead = f"{waits[task].name} is starting"
+            waits[task].mark_starting()
         return next(iter(done)).result()
 
     def start(self) -> None:

@@ -23,9 +23,15 @@ approximation of its cache: bounded, it forgets what the replica has likely evic
 replicas holding it finds the longest match by walking the prompt's chain once, whatever the number of replicas.
 
 Affinity yields to load: only replicas at most `load_threshold` requests busier than the least loaded compete on
-their match (a cache hit saves a prefill, a long queue costs more than that); the longest match among them wins,
-ties by least-load's order; with no match among them, least-load. The chosen replica then records the prompt's
-hashes, its first block last so that a prompt's head, the part others share, is evicted after its tail.
+their match (a cache hit saves a prefill, a long queue costs more than that); the longest match among them wins;
+with no match among them, least-load. The chosen replica then records the prompt's hashes, its first block last
+so that a prompt's head, the part others share, is evicted after its tail.
+
+Among replicas that match equally, the block's owner wins — the replica that recorded it first (and, once that
+one forgot it, the next holder) — and least-load's order only when the owner is not among them. A request sent
+elsewhere because its owner was busy leaves a copy there; were ties settled by load, later requests would keep
+both copies warm, each replica's cache would end up holding every shared prefix (round-robin's waste), and under
+cache pressure the hit rate would fall toward round-robin's. Sent back to the owner, the stray copy ages out.
 """
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -137,6 +143,7 @@ class PrefixAwareRouter(Router):
         self.max_blocks, self.capacity, self.load_threshold = max_blocks, capacity, load_threshold
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._holders: dict[int, int] = {}      # block hash -> bit mask of the replicas whose LRU holds it
+        self._owner: dict[int, int] = {}        # block hash -> the replica that has held it longest
 
     def blocks_held(self, replica: int) -> int:
         """How many block hashes the router remembers for the replica (at most `capacity`)."""
@@ -155,7 +162,9 @@ class PrefixAwareRouter(Router):
                 break
             candidates, matched = holding, matched + 1
         if matched:
-            replica = min((i for i in eligible if candidates >> i & 1), key=order)
+            owner = self._owner[hashes[matched - 1]]
+            replica = owner if candidates >> owner & 1 else min((i for i in eligible if candidates >> i & 1),
+                                                                key=order)
         else:
             replica = min(eligible, key=order)
         self._record(replica, hashes)
@@ -169,6 +178,7 @@ class PrefixAwareRouter(Router):
             else:
                 lru[h] = None
                 self._holders[h] = self._holders.get(h, 0) | bit
+                self._owner.setdefault(h, replica)
         while len(lru) > self.capacity:
             self._drop(lru.popitem(last=False)[0], bit)
 
@@ -176,8 +186,11 @@ class PrefixAwareRouter(Router):
         mask = self._holders[h] & ~bit
         if mask:
             self._holders[h] = mask
+            if self._owner[h] == bit.bit_length() - 1:      # the owner forgot it: the lowest other holder owns it
+                self._owner[h] = (mask & -mask).bit_length() - 1
         else:
             del self._holders[h]
+            del self._owner[h]
 
     def forget_replica(self, replica: int) -> None:
         lru, bit = self._lru[replica], 1 << replica

@@ -26,7 +26,8 @@ class ServerConfig:
                                           "shared by its ranks; the HTTP process uses what they leave idle)",
                                minimum=1)
     http_priority: str = knob("auto", help="the HTTP process's CPU priority: idle runs it only where nothing else "
-                                           "wants a core; auto: idle when the engine runs on CPU, else normal",
+                                           "wants a core; auto: idle when the engine runs on CPU with several "
+                                           "threads per rank, else normal",
                               choices=("auto", "idle", "normal"))
     # limits: what one request may ask for
     max_n: int = knob(128, help="most completions per prompt (n) one request may ask for", minimum=1)

@@ -14,8 +14,8 @@ import pytest
 
 from tests.procs import TORCHRUN, descendants, free_port, python_cmd, started, wait_gone
 from tests.serving.test_lora_serve import adapters, complete  # noqa: F401  (adapters: a module fixture)
-from tests.serving.test_serve import (ENGINE_ARGS, PROMPTS, _children, _cmdline, client, offline, start_server,
-                                      wait_ready)
+from tests.serving.test_serve import (ENGINE_ARGS, PROMPTS, _children, _cmdline, client, metrics, offline,
+                                      start_server, wait_ready)
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 BACK_WITHIN = 60.0         # a restarted replica loads the tiny model again: seconds on a loaded 2-core machine
@@ -274,3 +274,54 @@ def test_a_torchrun_launch_that_does_not_fit_is_refused(monkeypatch, world, per_
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=why):
         torchrun_replicas.place(world // tp if why.startswith("must") else 2, tp)
+
+
+def test_embeddings_tokenize_and_aborts_through_the_router(tiny_model_dir, tmp_path):
+    """Embeddings on either replica equal transformers' pooling; /tokenize answers; a client that disconnects
+    has its request aborted on the replica that ran it."""
+    import torch
+    from transformers import AutoModel
+    from tests.embedding_helpers import cosine, hf_embedding, model_copy
+    model = model_copy(tiny_model_dir, str(tmp_path / "mean"), "pooling_mode_mean_tokens")
+    hf = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    port, ctx = start_server(model, "--data-parallel-size", "2", "--router", "round-robin", "--max-model-len",
+                             "4096", "--http-priority", "normal")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        c = client(port)
+        prompt = [5, 9, 33, 2, 71]
+        for _ in range(2):                                  # one on each replica
+            got = c.embeddings.create(model="tiny", input=prompt, encoding_format="float").data[0].embedding
+            assert cosine(got, hf_embedding(hf, prompt, "MEAN")) >= 0.9999
+        tokens = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"model": "tiny", "prompt": "hello world"},
+                            timeout=30).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = metrics(port)
+            running = [v for k, v in m.items() if k.startswith("num_requests_running{")]
+            aborted = sum(v for k, v in m.items() if k.startswith("request_success_total{")
+                          and 'finished_reason="abort"' in k)
+            if aborted == 1 and not any(running):
+                break
+            time.sleep(0.1)
+        assert aborted == 1 and not any(running), m
+        assert sum(v for k, v in m.items() if k.startswith("generation_tokens_total{")) < 4000
+
+
+def test_torchrun_a_replica_that_cannot_start_stops_the_server_with_its_reason(tiny_model_dir, tmp_path):
+    """Node 1 is given a model path that does not exist: rank 0 stops waiting for it at once and says why."""
+    port, master = free_port(), free_port()
+    secret = {"NANOVLLM_TP_SECRET": "two-node-replicas-secret-0123456789abcdef"}
+    nodes = [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", str(master),
+                        "-m", "nanovllm_tp.launch.serve", "--model", model, "--port", str(port), *ENGINE_ARGS,
+                        "--data-parallel-size", "2") for n, model in ((0, tiny_model_dir), (1, str(tmp_path / "no")))]
+    log = tmp_path / "node0.log"
+    with started(nodes[1], env=secret, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), \
+            started(nodes[0], env=secret, stdout=open(log, "w"), stderr=subprocess.STDOUT) as node0:
+        assert node0.wait(timeout=120) != 0
+    assert "replica 1 could not start" in log.read_text(), log.read_text()[-3000:]

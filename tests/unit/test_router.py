@@ -229,3 +229,16 @@ def test_route_cost_does_not_grow_with_the_prompt():
     for _ in range(1000):
         router.route(long_prompt, loads)
     assert (time.perf_counter() - start) / 1000 < 1e-3     # tens of microseconds: generous for a loaded machine
+
+
+def test_prefix_aware_a_stray_copy_does_not_keep_a_prefix_on_two_replicas():
+    """Once a busy owner made a request go elsewhere, both replicas hold the prefix; later requests go back to
+    the owner even where the other is less loaded (within the threshold), so the stray copy can age out instead
+    of each replica's cache keeping every shared prefix. The owner forgotten, the other holder owns it."""
+    router = make_router("prefix-aware", 2, BS, load_threshold=4)
+    assert router.route(prompt(7), idle(2)) == 0
+    assert router.route(prompt(7), [ReplicaLoad(waiting=5), ReplicaLoad()]) == 1        # owner too busy
+    for busier in range(5):
+        assert router.route(prompt(7), [ReplicaLoad(waiting=busier), ReplicaLoad()]) == 0
+    router.forget_replica(0)
+    assert router.route(prompt(7), [ReplicaLoad(), ReplicaLoad(waiting=3)]) == 1

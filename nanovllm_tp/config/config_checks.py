@@ -46,6 +46,28 @@ def check_sub_configs(config) -> None:
     check_backend_name(config.attention_backend)
 
 
+def check_batch_invariant(config) -> None:
+    """batch_invariant settles the kernels it needs (packed_linear c, the cpu attention backend) and refuses the
+    knobs that would take another path. A row's result must not depend on its step's other rows: csrc/linear.c
+    computes each row of a chunk with its own accumulators in the same order whatever the row count (oneDNN and
+    F.linear pick their blocking by shape), and the C decode kernel reads each query's KV in place, in the same
+    order whether the query is a decode row, one of a prefill's tokens, or a speculative proposal (SDPA's
+    blocking depends on the prompt's length)."""
+    if not config.batch_invariant:
+        return
+    import torch
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        raise ValueError("batch_invariant runs on CPU only for now: pass device='cpu'")
+    wrong = [f"{name}={getattr(config, name)!r}" for name, allowed in
+             (("packed_linear", ("auto", "c")), ("attention_backend", ("auto", "cpu")), ("cpu_kernels", (True,)),
+              ("quantization", ("auto", "none")), ("kv_cache_dtype", ("auto",)))
+             if getattr(config, name) not in allowed]
+    if wrong:
+        raise ValueError(f"batch_invariant needs the C kernels' row-independent paths; {', '.join(wrong)} would "
+                         "take another (leave them at their defaults)")
+    config.packed_linear, config.attention_backend = "c", "cpu"
+
+
 def check_against_model(config) -> None:
     """The knobs against the model read into config.model_config: length, LoRA, the TP split, quantization."""
     mc = config.model_config

@@ -3,8 +3,8 @@ it); validate() runs each knob's own check, then the checks across knobs and aga
 (config_checks.py). The model's facts are model_config.py's ModelConfig."""
 from dataclasses import dataclass, field
 
-from nanovllm_tp.config.config_checks import (check_against_model, check_model_path, check_sub_configs, check_trace,
-                                              lora_defaults)
+from nanovllm_tp.config.config_checks import (check_against_model, check_batch_invariant, check_model_path,
+                                              check_sub_configs, check_trace, lora_defaults)
 from nanovllm_tp.config.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 from nanovllm_tp.config.model_config import ModelConfig
 
@@ -115,6 +115,12 @@ class EngineConfig:
                                         "auto: the model's; bfloat16 under a float32 or quantized model halves the "
                                         "bytes a step reads (sums still in float32), not bit-exact against peft",
                            choices=("auto", "bfloat16", "float32"))
+    batch_invariant: bool = knob(False, help="a request's tokens and logprobs do not depend on what else the "
+                                             "engine runs: batch company, chunked-prefill sizes, prefix-cache "
+                                             "hits, preemption, speculation (at a fixed TP size and dtype). Every "
+                                             "linear runs csrc/linear.c's row-independent kernel (packed_linear c) "
+                                             "and every attention row the C decode kernel, prefill included. CPU "
+                                             "only; slower (BENCHMARKS.md); vLLM's VLLM_BATCH_INVARIANT")
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -129,6 +135,7 @@ class EngineConfig:
         check_knobs(self)
         check_trace(self)
         check_sub_configs(self)
+        check_batch_invariant(self)
         self.model_config = ModelConfig.from_pretrained(self.model)
         check_against_model(self)
 

@@ -37,4 +37,5 @@ def resolve_attention_backend(config, device: torch.device, dtype: torch.dtype) 
                              config.kv_cache_dtype)
     config.kvcache_block_size = backend.fit_block_size(config.kvcache_block_size)
     config.attention_backend = backend.name
+    backend.every_row_as_decode = config.batch_invariant
     return backend

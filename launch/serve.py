@@ -54,15 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_threads(args, ranks: int | None = None) -> bool:
     """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its `ranks`
-    (default: torchrun's local world size, else --tensor-parallel-size); args.threads says it from then on.
-    Returns whether the engine runs on CPU (see http_at_idle)."""
+    (default: torchrun's local world size, else --tensor-parallel-size x --pipeline-parallel-size); args.threads
+    says it from then on. Returns whether the engine runs on CPU (see http_at_idle)."""
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if args.threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         args.threads = int(os.environ["OMP_NUM_THREADS"])
     if args.threads is None and on_cpu:
         if ranks is None:
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size * args.pipeline_parallel_size))
         args.threads = envs.cores_per_rank(ranks)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
@@ -97,6 +97,9 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
         server = server_config(args)
+        if server.data_parallel_size > 1 and args.pipeline_parallel_size > 1:
+            raise ValueError("--data-parallel-size with --pipeline-parallel-size is not implemented yet: run "
+                             "pipeline-parallel replicas as separate servers")
         loras = lora_modules(server)
         if (loras or server.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

@@ -17,6 +17,10 @@ VARIABLES = {
     "NANOVLLM_TP_SECRET": "the engine secret of a torchrun launch (its contents)",
     "NANOVLLM_TP_SECRET_FILE": "the engine secret of a torchrun launch (a 0600 file holding it)",
     "NANOVLLM_TP_INSECURE": "1: the plan channel is neither authenticated nor encrypted (benchmarks only)",
+    # pipeline parallelism (distributed/pp_partition.py)
+    "NANOVLLM_TP_PP_LAYER_PARTITION": "decoder layers per pipeline stage, comma-separated (\"3,5\"): overrides "
+                                      "the even split (vLLM's VLLM_PP_LAYER_PARTITION); as many numbers as stages, "
+                                      "summing to the model's layers",
     "NANOVLLM_TP_HOST": "the address other nodes reach rank 0 at (default MASTER_ADDR, else 127.0.0.1)",
     # serving and files
     "NANOVLLM_TP_API_KEY": "the server's API key (launch/serve --api-key's default)",

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from nanovllm_tp.config.engine_config import EngineConfig
+from nanovllm_tp.distributed import pipeline
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
 from nanovllm_tp.utils import trace
 from nanovllm_tp.utils.context import Context, reset_context, set_context
@@ -64,6 +65,7 @@ class ModelRunner:
         self.kv_scales = None
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
         self._hidden = None   # rank 0: the last step's final hidden states, when it had embedding rows
+        self.rank0 = tp_rank() == 0 and pipeline.is_first_stage()    # the engine's rank 0, which samples
 
     def _int8(self, config: EngineConfig) -> bool:
         """quantization "int8": through csrc/linear_q.c, or its torch reference with cpu_kernels off; dense where
@@ -167,6 +169,8 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.prepare(plan)
         try:
+            if pipeline.pp_size() > 1:
+                return self._execute_stage(plan, input_ids, positions)
             with trace.span("forward"):
                 hidden = self.model(input_ids, positions)
             if plan.hidden_rows is not None:
@@ -178,6 +182,27 @@ class ModelRunner:
                 return self.model.compute_logits(hidden)
         finally:
             reset_context()
+
+    def _execute_stage(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """One pipeline stage's part of a step: the previous stage's activations in (after the first), this stage's
+        layers, the activations out to the next stage, or on the last its logits to rank 0, which waits for them
+        (rank 0 is on the first stage). Logits on rank 0, None elsewhere."""
+        carried = None
+        if not pipeline.is_first_stage():
+            carried = pipeline.recv_activations(plan.step_id, plan.num_tokens, self.model.hidden_size, self.dtype,
+                                                self.device)
+        with trace.span("forward"):
+            out = self.model(input_ids, positions, carried)
+        if not pipeline.is_last_stage():
+            pipeline.send_activations(plan.step_id, *out)
+            if self.rank0:
+                return pipeline.recv_logits(plan.step_id, pipeline.last_stage_leader(), self.dtype, self.device)
+            return None
+        with trace.span("lm_head"):
+            logits = self.model.compute_logits(out)
+        if logits is not None:        # the stage's TP rank 0 holds them gathered
+            pipeline.send_logits(plan.step_id, logits.to(self.dtype))
+        return None
 
     def release(self, hand_back: bool = True) -> None:
         """Drop graphs, KV cache and weights; called before the process group is destroyed, which NCCL cannot
@@ -197,7 +222,10 @@ class ModelRunner:
     def describe(self) -> str:
         table = kernel_choice.table_of(self.model)
         kernels = f" (per bucket: {kernel_choice.summary(table)})" if table else ""
-        return (f"rank {tp_rank()}/{tp_size()} on {self.device} ({self.dtype}), attention "
+        stage = (f", pipeline stage {pipeline.pp_stage()}/{pipeline.pp_size()} (layers "
+                 f"{self.model.model.stage_layers.start}..{self.model.model.stage_layers.stop - 1})"
+                 if pipeline.pp_size() > 1 else "")
+        return (f"rank {tp_rank()}/{tp_size()}{stage} on {self.device} ({self.dtype}), attention "
                 f"{self.backend.name}, linear {linear_paths(self.model)}{kernels}, quantization {self.quantization}, "
                 f"{self.num_kv_blocks} KV blocks of {self.block_size} ({self.kv_cache_format()}"
                 f"{' + fp32 scales' if self.config.kv_cache_dtype != 'auto' else ''})"

@@ -22,7 +22,8 @@ from nanovllm_tp.distributed import torchrun_replicas, trust
 from nanovllm_tp.distributed.launch import (DistInfo, SPAWN_ENV, engine_rank, exit_on_sigterm,
                                             init_process_group, join_spawned, launched_by_torchrun, multi_node,
                                             node_ranks, rank0_host, share_store, torchrun_secret)
-from nanovllm_tp.distributed.parallel_state import tp_size
+from nanovllm_tp.distributed import pipeline
+from nanovllm_tp.distributed.parallel_state import current_tp, set_tp, tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.scheduler.block_manager import check_holds_a_sequence
 from nanovllm_tp.scheduler.plan import StepPlan
@@ -38,17 +39,19 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistInfo:
     """Process group + shared store (+ the plan channel's secret) for a TP > 1 engine; a no-op DistInfo for
     TP = 1. ``spawn``: rank 0's SpawnRendezvous when it started the workers itself."""
-    tp = config.tensor_parallel_size
-    if tp == 1:     # touches no process-wide state: a multi-rank engine may live beside it
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    ranks = tp * pp
+    if ranks == 1:     # touches no process-wide state: a multi-rank engine may live beside it
         return DistInfo(rank=0, world_size=1, mode="single")
     torchrun = launched_by_torchrun()
     placement = torchrun_replicas.current()      # a data-parallel replica's ranks: a group of their own
     rank = engine_rank()
-    world = int(os.environ.get("WORLD_SIZE", tp)) if (torchrun or SPAWN_ENV in os.environ) else tp
+    world = int(os.environ.get("WORLD_SIZE", ranks)) if (torchrun or SPAWN_ENV in os.environ) else ranks
     if placement is not None:
         world = placement.size
-    if world != tp:
-        raise ValueError(f"tensor_parallel_size={tp} but WORLD_SIZE={world}: launch one process per TP rank")
+    if world != ranks:
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} is {ranks} ranks but "
+                         f"WORLD_SIZE={world}: launch one process per rank")
     if torchrun:
         trust.require_secret_for(multi_node())      # refuse before joining anything
     info = DistInfo(rank=rank, world_size=world, mode="torchrun" if torchrun else "spawn",
@@ -62,6 +65,10 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
         torch.set_num_threads(envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     init_process_group(rank, world, device, info.store if info.mode == "spawn" else
                        torchrun_replicas.group_store() if placement is not None else None)
+    if pp > 1:      # the stages' TP groups and the TP ranks' pipeline groups (distributed/pipeline.py)
+        tp_rank, tp_group, stage = pipeline.build_groups(rank, tp, pp)
+        set_tp(tp_rank, tp, tp_group)
+        pipeline.set_pp(stage)
     if info.mode == "torchrun":
         share_store(info)
         torchrun_secret(info)
@@ -85,7 +92,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         else:
             budget = DEFAULT_CPU_KV_BYTES
     num_blocks = blocks_for_budget(budget, block_bytes)
-    if tp_size() > 1:
+    if tp_size() > 1 or pipeline.pp_size() > 1:      # every stage's rank too: one block table serves them all
         agreed = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed[0])
@@ -136,7 +143,8 @@ def _run_worker(config: EngineConfig) -> int:
         recording = trace.start(config, info.rank)
         nodes = node_ranks(info.world_size, info.node_rank)
         reader = PlanReader(info.store, info.rank, local=nodes[info.rank] == nodes[0], secret=info.secret)
-        shm_allreduce.setup(info, all(n == nodes[0] for n in nodes), device, config.shm_allreduce)
+        shm_allreduce.setup_stage(info, all(n == nodes[0] for n in nodes), device, config.shm_allreduce,
+                                  current_tp(), pipeline.current_pp())
         backend = resolve_attention_backend(config, device, dtype)
         runner = build_runner(config, device, dtype, backend)
         serve(runner, reader)

@@ -85,6 +85,8 @@ def load_model(model: nn.Module, model_dir: str, keep_blocks: bool = False) -> N
         for ckpt_name, tensor in model.checkpoint_parts(whole_name, whole):
             target, shard = model.checkpoint_target(ckpt_name)
             param = params.get(target)
+            if param is None and not model.holds(target):
+                continue        # another pipeline stage's
             if param is None:
                 raise ValueError(f"checkpoint tensor {whole_name!r} in {source} has no matching parameter in the "
                                  "model")

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from nanovllm_tp.config.config_checks import (check_against_model, check_batch_invariant, check_model_path,
                                               check_sub_configs, check_trace, lora_defaults)
+from nanovllm_tp.config.pipeline_checks import check_pipeline, check_pipeline_against_model
 from nanovllm_tp.config.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 from nanovllm_tp.config.model_config import ModelConfig
 
@@ -32,6 +33,11 @@ class EngineConfig:
                            "the embedded tiny checkpoint)", path=True)
     tensor_parallel_size: int = knob(1, help="tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp", "--tp"),
                                      minimum=1)
+    pipeline_parallel_size: int = knob(1, help="pipeline stages: each holds a contiguous range of the decoder layers "
+                                              "(and its KV cache) over its own tensor_parallel_size ranks, so the "
+                                              "engine runs tensor_parallel_size x pipeline_parallel_size ranks; "
+                                              "split evenly, or by $NANOVLLM_TP_PP_LAYER_PARTITION",
+                                       flags=("--pipeline-parallel-size", "-pp", "--pp"), minimum=1)
     dtype: str = knob("auto", help="weights and activations; auto: float32 on CPU, the checkpoint's dtype on CUDA",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = knob("auto", help="auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
@@ -123,6 +129,11 @@ class EngineConfig:
                                              "only; slower (BENCHMARKS.md); vLLM's VLLM_BATCH_INVARIANT")
     model_config: ModelConfig | None = field(default=None, init=False, repr=False, compare=False)
 
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     @classmethod
     def from_kwargs(cls, model, **kwargs) -> "EngineConfig":
         """What LLM(model, **kwargs) builds: unknown names are refused with the closest knob."""
@@ -136,8 +147,10 @@ class EngineConfig:
         check_trace(self)
         check_sub_configs(self)
         check_batch_invariant(self)
+        check_pipeline(self)
         self.model_config = ModelConfig.from_pretrained(self.model)
         check_against_model(self)
+        check_pipeline_against_model(self)
 
 
 LORA_DEFAULTS = lora_defaults(EngineConfig)

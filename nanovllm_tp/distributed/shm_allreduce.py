@@ -210,3 +210,15 @@ def teardown() -> None:
     ar, _installed = _installed, None
     if ar is not None:
         ar.close()
+
+
+
+def setup_stage(info, all_local: bool, device: torch.device, enabled: bool, tp, pp) -> ShmAllReduce | None:
+    """`setup` for this rank's TP group (`tp`: its TPState, `pp`: its PPState): every rank of the engine, or under
+    pipeline parallelism its stage's TP ranks only (a segment per stage, made by the stage's TP rank 0: each stage
+    all-reduces apart)."""
+    if pp.size == 1:
+        return setup(info, all_local, device, enabled)
+    from types import SimpleNamespace
+    stage = SimpleNamespace(rank=tp.rank, world_size=tp.size, store=info.store)
+    return setup(stage, all_local, device, enabled, key=f"nvtp_ar/name/stage{pp.stage}")

@@ -10,6 +10,7 @@ from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
 from nanovllm_tp.distributed.parallel_state import TPState, current_tp, tp_scope
+from nanovllm_tp.distributed.pipeline import PPState, current_pp, pp_scope
 from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.packed_linear import linear_paths
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -34,11 +35,12 @@ class LLMEngine:
         self._trace = trace.start(config, rank=0)
         exit_on_sigterm()      # from here on: a SIGTERM while the workers start still removes what they share
         try:
-            if config.tensor_parallel_size > 1 and not launched_by_torchrun():
-                self._rendezvous = SpawnRendezvous.create(config.tensor_parallel_size)
-                self.children = spawn_workers(config, config.tensor_parallel_size, self._rendezvous)
+            if config.world_size > 1 and not launched_by_torchrun():
+                self._rendezvous = SpawnRendezvous.create(config.world_size)
+                self.children = spawn_workers(config, config.world_size, self._rendezvous)
             self.info = join_group(config, self.device, self._rendezvous)
             self._tp = current_tp() if self.info.world_size > 1 else TPState()
+            self._pp = current_pp() if self.info.world_size > 1 else PPState()
             if self.info.world_size > 1:
                 self._open_channel()
             with self._scope():
@@ -63,7 +65,7 @@ class LLMEngine:
     def _scope(self):
         """This engine's process-wide settings (its TP group, its cpu_kernels) while it builds or steps: other
         engines of the process keep theirs."""
-        with tp_scope(self._tp), cpu_kernels.switched(self.config.cpu_kernels):
+        with tp_scope(self._tp), pp_scope(self._pp), cpu_kernels.switched(self.config.cpu_kernels):
             yield
 
     def _open_channel(self) -> None:
@@ -74,7 +76,8 @@ class LLMEngine:
         local = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
         remote = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
         self.writer = PlanWriter(self.info.store, local, remote, host=self.info.host, secret=self.info.secret)
-        shm_allreduce.setup(self.info, not remote, self.device, self.config.shm_allreduce)  # only when all are local
+        shm_allreduce.setup_stage(self.info, not remote, self.device, self.config.shm_allreduce,  # all local only
+                                  self._tp, self._pp)
         self.local_ranks, self.remote_ranks = local, remote    # shared-memory readers, ZMQ readers
 
     def add(self, seq: Sequence) -> None:
@@ -97,6 +100,7 @@ class LLMEngine:
         graphs, sched = self.runner.graphs, self.scheduler
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                "pipeline_parallel_size": self.config.pipeline_parallel_size,
                 "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
                 "num_kv_blocks": self.runner.num_kv_blocks, "kv_cache_dtype": self.runner.kv_cache_format(),
                 "quantization": self.runner.quantization,
@@ -190,6 +194,7 @@ class LLMEngine:
         from nanovllm_tp.distributed import shm_allreduce
         from nanovllm_tp.distributed.launch import stop_children
         from nanovllm_tp.distributed.parallel_state import set_tp
+        from nanovllm_tp.distributed.pipeline import set_pp
         if self.writer is not None:
             try:
                 self.writer.shutdown("rank 0 closed the engine")
@@ -204,7 +209,7 @@ class LLMEngine:
                 runner.release(hand_back=not failed)
             except Exception:       # a broken device must not keep the other ranks running
                 log.exception("releasing this rank's model and KV cache failed")
-        if self.config.tensor_parallel_size > 1:    # the process group is this engine's (one per process)
+        if self.config.world_size > 1:    # the process group is this engine's (one per process)
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
@@ -212,6 +217,7 @@ class LLMEngine:
                     pass
             shm_allreduce.teardown()        # peers stuck in it raise; rank 0 unlinks it
             set_tp(0, 1, None)
+            set_pp(PPState())
         stop_children(self.children)
         trace.finish(self._trace, wait_s=0.0 if self.children else 10.0)   # spawned ranks have left by now
         if self._rendezvous is not None:
@@ -239,10 +245,10 @@ def _check_one_multi_rank_engine(config: EngineConfig) -> None:
     touched, so the engine already running keeps serving. TP = 1 engines share nothing process-wide (each
     step runs in its own engine's TP scope), so any number of them live beside it."""
     for other in list(_live_engines):
-        multi = other.config.tensor_parallel_size
-        if not other._closed and multi > 1 and config.tensor_parallel_size > 1:
+        multi = other.config.world_size
+        if not other._closed and multi > 1 and config.world_size > 1:
             raise ValueError(
-                f"this process already runs an engine with tensor_parallel_size={multi}, and a process holds "
+                f"this process already runs an engine of {multi} ranks, and a process holds "
                 "one multi-rank engine at a time (TP = 1 engines can live beside it): close the first "
                 "(llm.close()) or start the second in another process")
 

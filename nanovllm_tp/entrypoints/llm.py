@@ -32,7 +32,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model, **kwargs)
         config.validate()
         from nanovllm_tp.distributed.launch import engine_rank, launched_by_torchrun
-        if config.tensor_parallel_size > 1 and launched_by_torchrun() and engine_rank() != 0:
+        if config.world_size > 1 and launched_by_torchrun() and engine_rank() != 0:
             # Under torchrun every rank runs the user's script: ranks > 0 serve rank 0's plans here and
             # leave when it shuts down, so the rest of the script only ever runs on rank 0.
             from nanovllm_tp.workers.worker import run_worker
@@ -430,6 +430,9 @@ class LLM:
     def _embedding_inputs(self, prompts: list, params: list) -> tuple[list, list]:
         """Checked and tokenized prompts, and one resolved pooling per prompt (`params`: one for all, or one each),
         before anything is queued."""
+        if self.config.pipeline_parallel_size > 1:      # the hidden states are the last stage's, not rank 0's
+            raise ValueError("embeddings are not implemented with pipeline_parallel_size="
+                             f"{self.config.pipeline_parallel_size} yet: run pipeline_parallel_size=1")
         if self._model_pooling is None:
             self._model_pooling = ModelPooling.read(self.config.model, self.config.pooler_config)
         params = params * len(prompts) if len(params) == 1 else params

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from nanovllm_tp.distributed.pipeline import pp_size, pp_stage
+from nanovllm_tp.distributed.pp_partition import stage_layers
 from nanovllm_tp.layers.attention import Attention
 from nanovllm_tp.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_tp.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -85,26 +87,50 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands where a decoder layer of another pipeline stage would be: keeps the layers' indices (and so the
+    checkpoint's names) of the stage's own, holds nothing, and is never called."""
+
+    def forward(self, *args):
+        raise RuntimeError("a decoder layer of another pipeline stage was called")
+
+
 class DecoderModel(nn.Module):
+    """The embedding, decoder layers and final norm; under pipeline parallelism only this rank's stage of them
+    (`stage_layers`): the embedding on the first stage, the final norm on the last, MissingLayer elsewhere."""
     fused = None     # a models.fused_decode.FusedDecode (set by the runner): its C layers for the steps it runs
 
     def __init__(self, cfg: ModelConfig, make_mlp, layer_class: type[nn.Module] = DecoderLayer,
                  norm: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_class(cfg, make_mlp(cfg, i), i) for i in range(cfg.num_hidden_layers))
-        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        stage, stages = pp_stage(), pp_size()
+        self.first_stage, self.last_stage = stage == 0, stage == stages - 1
+        self.stage_layers = stage_layers(cfg.num_hidden_layers, stage, stages)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.first_stage else None
+        self.layers = nn.ModuleList(layer_class(cfg, make_mlp(cfg, i), i) if i in self.stage_layers
+                                    else MissingLayer() for i in range(cfg.num_hidden_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps) if self.last_stage else None
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
 
-    def forward(self, input_ids, positions):
-        hidden, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:      # Gemma: times sqrt(hidden_size), rounded to the activations' dtype
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if self.fused is not None and (out := self.fused(hidden, positions)) is not None:
+    def own_layers(self) -> list[nn.Module]:
+        return [self.layers[i] for i in self.stage_layers]
+
+    def forward(self, input_ids, positions, carried=None):
+        """The final hidden states, or on a stage before the last its (hidden, residual) for the next stage;
+        `carried`: the previous stage's (hidden, residual) on a stage after the first."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:      # Gemma: times sqrt(hidden_size), rounded to the activations' dtype
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden, residual = carried
+        if self.fused is not None and (out := self.fused(hidden, positions, residual)) is not None:
             hidden, residual = out
         else:
-            for layer in self.layers:
+            for layer in self.own_layers():
                 hidden, residual = layer(positions, hidden, residual)
+        if not self.last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -141,7 +167,10 @@ class CausalLM(nn.Module):
         yield name, loaded
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple]:
-        """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader."""
+        """The parameter a checkpoint tensor loads into, and the shard arguments of its weight_loader (a tied
+        embedding loads the LM head of a last pipeline stage that holds no embedding)."""
+        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and not self.model.first_stage:
+            return ("lm_head.weight" if self.model.last_stage else name), ()
         for piece, (ours, shard_id) in self.packed_modules.items():
             if f".{piece}." in name:
                 return name.replace(f".{piece}.", f".{ours}."), (shard_id,)
@@ -151,14 +180,25 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.model = DecoderModel(cfg, self.make_mlp, self.layer_class, self.norm_class)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.model.last_stage else None
         self.final_logit_softcap = cfg.final_logit_softcap
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and self.model.first_stage and self.model.last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        return self.model(input_ids, positions, carried)
+
+    def holds(self, name: str) -> bool:
+        """Whether parameter `name` is on this rank's pipeline stage (a checkpoint tensor of another is skipped)."""
+        body = self.model
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in body.stage_layers
+        if name.startswith("model.embed_tokens."):
+            return body.first_stage
+        if name.startswith(("model.norm.", "lm_head.")):
+            return body.last_stage
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

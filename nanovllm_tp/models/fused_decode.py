@@ -65,7 +65,7 @@ def _plain(model: DecoderModel) -> bool:
     return all(type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention
                and type(layer.mlp) is GatedMLP and type(layer.mlp.act) is SiluAndMul
                and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-               for layer in model.layers)
+               for layer in model.own_layers())
 
 
 class FusedDecode:
@@ -73,7 +73,7 @@ class FusedDecode:
     the steps it can run (None for the others)."""
 
     def __init__(self, model: DecoderModel):
-        self.layers = list(model.layers)
+        self.layers = model.own_layers()     # under pipeline parallelism, this stage's
         # with enable_lora, the LoRABatch every LoRA layer shares: the step's rows by slot
         self.lora = next((m.lora.batch for m in model.modules() if getattr(m, "lora", None) is not None), None)
         self.tables: dict[tuple, ctypes.Array | None] = {}     # (KV cache, dtype, row bucket) -> LayerDesc array
@@ -86,8 +86,9 @@ class FusedDecode:
     def of(cls, model) -> "FusedDecode | None":
         return cls(model) if isinstance(model, DecoderModel) and _plain(model) else None
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """(hidden, residual) after every layer, or None where the step runs through the modules."""
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None = None):
+        """(hidden, residual) after every layer, or None where the step runs through the modules. `residual`: the
+        previous pipeline stage's, on a stage after the first (None: hidden is the embedding)."""
         ctx = get_context()
         first = self.layers[0]
         attn = first.self_attn.attn
@@ -104,12 +105,13 @@ class FusedDecode:
         if table is None:
             return None
         hidden = hidden.contiguous()
-        residual = torch.empty_like(hidden)
+        from_embedding = residual is None
+        residual = torch.empty_like(hidden) if from_embedding else residual.contiguous()
         positions, slots = positions.to(torch.int64).contiguous(), ctx.slot_mapping.to(torch.int64).contiguous()
         tables, lens = per_token[0].to(torch.int32).contiguous(), per_token[1].to(torch.int32).contiguous()
         step = StepDesc(positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                         None if groups is None else ctypes.addressof(groups.desc), tables.stride(0), rows,
-                        int(hidden.dtype is torch.bfloat16), 1)
+                        int(hidden.dtype is torch.bfloat16), int(from_embedding))
         if tp_size() == 1:
             failed = kernels._decoder_layers(table, len(table), hidden.data_ptr(), residual.data_ptr(),
                                              ctypes.byref(step))

@@ -107,7 +107,7 @@ def start(config, rank: int) -> Recording | None:
     if _recording is not None:
         raise ValueError(f"this process already traces an engine into {_recording.path!r}: close it first "
                          "(one traced engine per process)")
-    world = config.tensor_parallel_size
+    world = config.world_size
     if rank == 0:
         for r in range(1, world):
             _remove(part_path(config.trace_path, r))

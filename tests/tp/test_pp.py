@@ -1,0 +1,142 @@
+"""Pipeline parallelism on CPU (gloo point-to-point between stages): PP 2, PP 3 (an uneven split) and TP 2 x PP 2
+answer as TP 1 and transformers do, through chunked prefill, prefix-cache hits and preemption; the layer split is
+vLLM's; what does not run across stages yet is refused by name."""
+import pytest
+
+from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.distributed.pp_partition import PARTITION_ENV, layer_counts, stage_layers
+from tests.helpers import hf_greedy, mixed_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
+# A block of the tiny model's 2 KV heads x 32 dims in fp32 costs 4 KiB a layer (K and V): 16 KiB for the 4 layers
+# of TP 1, and for the 2 layers of the fullest stage under PP 2 and PP 3 (1, 2, 1), 8 KiB at TP 2 x PP 2 (a head
+# each). Sized to 32 blocks, so that the running rows outgrow the pool while later prompts join in mixed steps.
+PRESSURE = dict(kvcache_block_size=16, max_model_len=400, max_num_batched_tokens=48)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llm):
+    return mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(1, 7, 16, 33, 64, 100, 180, 257))
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_llm, prompts):
+    return tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_layer_split_is_vllms(monkeypatch):
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+    # the remainder goes to the stages before the last, from the second-to-last backwards
+    assert layer_counts(4, 3) == [1, 2, 1]
+    assert layer_counts(3, 2) == [2, 1]
+    assert layer_counts(5, 3) == [2, 2, 1]
+    assert layer_counts(28, 3) == [9, 10, 9]
+    assert layer_counts(8, 4) == [2, 2, 2, 2]
+    assert [stage_layers(4, s, 3) for s in range(3)] == [range(0, 1), range(1, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="exceeds the model's 4 decoder layers"):
+        layer_counts(4, 5)
+    monkeypatch.setenv(PARTITION_ENV, "3,1")
+    assert stage_layers(4, 0, 2) == range(0, 3) and stage_layers(4, 1, 2) == range(3, 4)
+    for bad, message in (("2,1", "sums to 3"), ("4", "names 1 stages"), ("4,0", "at least one"), ("a,b", "comma")):
+        monkeypatch.setenv(PARTITION_ENV, bad)
+        with pytest.raises(ValueError, match=message):
+            layer_counts(4, 2)
+
+
+@pytest.mark.parametrize("knobs, feature", [
+    (dict(enable_lora=True), "LoRA"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+    (dict(pooler_config={"pooling_type": "MEAN"}), "embeddings"),
+    (dict(batch_invariant=True), "batch invariance"),
+    (dict(pipeline_parallel_size=5), "exceeds the model's 4 decoder layers"),
+])
+def test_refused_by_name_before_any_rank_starts(tiny_model_dir, knobs, feature):
+    with pytest.raises(ValueError, match=feature):
+        LLM(tiny_model_dir, **{"pipeline_parallel_size": 2, **knobs}, **SMALL_KV)
+
+
+def test_layer_partition_from_the_environment_is_checked_at_config_time(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(PARTITION_ENV, "2,1")
+    with pytest.raises(ValueError, match="sums to 3 layers; the model has 4"):
+        LLM(tiny_model_dir, pipeline_parallel_size=2, **SMALL_KV)
+
+
+def run_under_pressure(llm, prompts):
+    """The prompts twice (the second time from the prefix cache), in a pool small enough to preempt."""
+    first = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
+    second = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    sched = llm.engine.scheduler
+    assert sched.block_manager.num_blocks == 32
+    assert sched.num_preemptions > 0 and sched.num_mixed_steps > 0
+    assert sched.block_manager.num_prefix_hit_tokens > hits
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert first == second
+    return first
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_pp2_matches_tp1_and_transformers(tiny_model_dir, hf_model, prompts, tp1_tokens):
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=2, kv_cache_memory=33 * 16384, **PRESSURE)
+    try:
+        stats = llm.engine.stats()
+        assert stats["pipeline_parallel_size"] == 2 and len(llm.engine.children) == 1
+        assert "pipeline stage 0/2 (layers 0..1)" in llm.engine.runner.describe()
+        got = run_under_pressure(llm, prompts)
+        assert got == tp1_tokens
+        for p, t in zip(prompts[:3], got[:3]):
+            assert t == hf_greedy(hf_model, p, 32)
+        with pytest.raises(ValueError, match="embeddings are not implemented with pipeline_parallel_size=2"):
+            llm.embed(["hello"])
+    finally:
+        llm.close()
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_pp3_uneven_split_matches_tp1(tiny_model_dir, prompts, tp1_tokens):
+    # 4 layers over 3 stages: 1, 2, 1; the pool is as large as the 2-layer stage can hold
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=3, kv_cache_memory=33 * 16384, **PRESSURE)
+    try:
+        assert "pipeline stage 0/3 (layers 0..0)" in llm.engine.runner.describe()
+        assert run_under_pressure(llm, prompts) == tp1_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_tp2_pp2_matches_tp1(tiny_model_dir, prompts, tp1_tokens):
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, kv_cache_memory=33 * 8192,
+              **PRESSURE)
+    try:
+        assert len(llm.engine.children) == 3
+        assert run_under_pressure(llm, prompts) == tp1_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+@pytest.mark.kernel_paths
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_other_architectures_match_transformers(tmp_path, arch):
+    # 3 layers over 2 stages (2, 1); Gemma 2: untied embeddings scaled on the first stage, sandwich norms, windows,
+    # and the final logit cap on the last
+    from nanovllm_tp.launch.make_tiny import make_tiny_arch
+    hf = make_tiny_arch(tmp_path / arch, arch)
+    prompts = mixed_prompts(hf.config.vocab_size, lengths=(3, 17, 40, 70))
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    llm = LLM(str(tmp_path / arch), pipeline_parallel_size=2, **SMALL_KV)
+    try:
+        got = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                  use_tqdm=False))
+    finally:
+        llm.close()
+    assert got == want

@@ -23,9 +23,13 @@ approximation of its cache: bounded, it forgets what the replica has likely evic
 replicas holding it finds the longest match by walking the prompt's chain once, whatever the number of replicas.
 
 Affinity yields to load: only replicas at most `load_threshold` requests busier than the least loaded compete on
-their match (a cache hit saves a prefill, a long queue costs more than that); the longest match among them wins;
-with no match among them, least-load. The chosen replica then records the prompt's hashes, its first block last
-so that a prompt's head, the part others share, is evicted after its tail.
+their match (a cache hit saves a prefill, a long queue costs more than that); the longest match among them wins.
+A prompt none of them holds goes to the one that remembers the fewest blocks (then least-load's order), as
+SGLang's cache-aware router sends a miss to its smallest tree: new prefixes spread evenly over the caches, so no
+replica ends up owning more shared prefixes than its cache holds, nor more requests than its share, which would
+push its load past the threshold and send copies of its prefixes elsewhere. A prompt shorter than one block
+records nothing and routes by load. The chosen replica then records the prompt's hashes, its first block last so
+that a prompt's head, the part others share, is evicted after its tail.
 
 Among replicas that match equally, the block's owner wins — the replica that recorded it first (and, once that
 one forgot it, the next holder) — and least-load's order only when the owner is not among them. A request sent
@@ -165,6 +169,8 @@ class PrefixAwareRouter(Router):
             owner = self._owner[hashes[matched - 1]]
             replica = owner if candidates >> owner & 1 else min((i for i in eligible if candidates >> i & 1),
                                                                 key=order)
+        elif hashes:            # a prefix no replica holds: to the one remembering the fewest blocks
+            replica = min(eligible, key=lambda i: (len(self._lru[i]), order(i)))
         else:
             replica = min(eligible, key=order)
         self._record(replica, hashes)

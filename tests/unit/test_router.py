@@ -75,6 +75,33 @@ def test_prefix_aware_spreads_distinct_prefixes():
     assert [router.route(prompt(seed), idle(4)) for seed in range(8)] == picks    # each prefix where it went
 
 
+def test_prefix_aware_sends_a_new_prefix_to_the_replica_holding_fewest_blocks():
+    """A miss goes to the smallest record among the replicas within the load threshold, whatever the loads' order
+    there (a replica 3 requests busier, under the threshold of 8, takes it if it holds fewer blocks); equal
+    records go by load; past the threshold, load decides."""
+    router = make_router("prefix-aware", 2, BS)
+    busier = [ReplicaLoad(), ReplicaLoad(running=3)]
+    assert router.route(prompt(1), idle(2)) == 0
+    assert router.route(prompt(2), busier) == 1                  # 0 blocks against 4
+    assert router.route(prompt(3, blocks=8), idle(2)) == 0       # 4 against 4
+    assert router.route(prompt(4), busier) == 1                  # 4 against 12
+    assert router.route(prompt(5), [ReplicaLoad(), ReplicaLoad(running=9)]) == 0
+    assert router.counters()["prefix_hits"] == 0
+
+
+def test_prefix_aware_prefixes_split_evenly_under_changing_loads():
+    """8 shared prefixes of equal length, their requests routed as loads come and go within the threshold: each
+    replica of two ends up owning 4 (least-load alone leaves them as the loads fall: 3 and 5, or worse)."""
+    import random
+    rng = random.Random(0)
+    router, owned = make_router("prefix-aware", 2, BS), [set(), set()]
+    for _ in range(64):
+        seed = rng.randrange(8)
+        loads = [ReplicaLoad(running=rng.randrange(4)), ReplicaLoad(running=rng.randrange(4))]
+        owned[router.route(prompt(seed, tail=rng.randrange(BS)), loads)].add(seed)
+    assert [len(o) for o in owned] == [4, 4]
+
+
 def test_prefix_aware_prefers_the_longest_match():
     router = make_router("prefix-aware", 2, BS)
     full = prompt(3, blocks=6)

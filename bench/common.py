@@ -93,8 +93,13 @@ def resolve_model(args) -> str:
     return str(ensure_tiny(args.preset))
 
 
-def model_vocab_size(model_dir: str) -> int:
-    with open(os.path.join(model_dir, "config.json")) as f:
+def model_vocab_size(model: str) -> int:
+    """The vocabulary of a HF directory (its config.json), or of a .gguf file as the engine reads it."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        from nanovllm_tp.config.model_config import ModelConfig
+        return ModelConfig.from_pretrained(model).vocab_size
+    with open(path) as f:
         config = json.load(f)
     return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
 

@@ -195,10 +195,11 @@ def served_model(args) -> dict:
 
 
 def prompt_vocab_size(args, card: dict) -> int:
-    """Random prompt ids stay inside the vocabulary of --model (a directory), else of the model directory the
+    """Random prompt ids stay inside the vocabulary of --model (a directory or a .gguf file), else of the model the
     server names as its root (ours and vLLM's do) when it is on this machine; else below MAX_TOKEN_ID + 1."""
     for path in (args.model, card.get("root")):
-        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+        if isinstance(path, str) and (os.path.isfile(os.path.join(path, "config.json")) or
+                                      (path.endswith(".gguf") and os.path.isfile(path))):
             return bc.model_vocab_size(path)
     if args.dataset == "random":
         bc.log(args, f"warning: the model's vocabulary is unknown here; random prompt ids go up to "

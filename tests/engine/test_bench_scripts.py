@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from nanovllm_tp.bench import throughput as bench, common as bench_common, kv as bench_kv, latency as bench_latency, tp as bench_tp
+from tests.helpers import GGUF, smollm2
 
 TINY = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8"]
 SMALL_KV = ["--kv-cache-memory", str(32 << 20)]
@@ -48,6 +49,13 @@ def test_workload_is_seeded_and_in_range():
 
 
 @pytest.mark.slow
+@smollm2
+def test_model_vocab_size_of_a_directory_and_of_a_gguf_file(tiny_model_dir):
+    """The benchmarks' random prompts stay inside the vocabulary of --model, a HF directory or a .gguf file."""
+    assert bench_common.model_vocab_size(tiny_model_dir) == json.load(open(os.path.join(tiny_model_dir, "config.json")))["vocab_size"]
+    assert bench_common.model_vocab_size(GGUF) == 49152
+
+
 def test_bench_with_hf_comparison(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench.main(["--model", tiny_model_dir, *TINY, *SMALL_KV, "--repeats", "2", "--compare", "hf",

@@ -166,6 +166,16 @@ class PlanWriter:
             if reported or not self._shut:
                 raise PeerError(rank, text)
 
+    def silent_death(self) -> PeerError | None:
+        """The first reader that died or left without reporting an error, if any: where one rank's death makes its
+        peers fail (a pipeline stage waiting on it, an all-reduce), their reports name the victims, this the
+        cause."""
+        reporters = {rank for rank, _, reported in self._failures if reported}
+        for rank, text, reported in list(self._failures):
+            if not reported and rank not in reporters:
+                return PeerError(rank, text)
+        return None
+
     def close(self) -> None:
         """Shut down (if not done), stop the monitor, unlink every segment. Idempotent."""
         if self._closed or os.getpid() != self._pid:

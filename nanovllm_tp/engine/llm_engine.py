@@ -175,6 +175,13 @@ class LLMEngine:
                 time.sleep(0.05)
             except PeerError as found:
                 peer = found
+        # a rank that reported may have failed because another died (the stage it waited on): name the dead one
+        deadline = min(deadline, time.monotonic() + 1.0)
+        while peer is not None and time.monotonic() < deadline:
+            if (death := self.writer.silent_death()) is not None:
+                peer = death if death.rank != peer.rank else peer
+                break
+            time.sleep(0.05)
         self.dead = str(peer or exc)
         self.close()
         if peer is not None and peer is not exc:

@@ -1,11 +1,16 @@
 """Pipeline parallelism on CPU (gloo point-to-point between stages): PP 2, PP 3 (an uneven split) and TP 2 x PP 2
 answer as TP 1 and transformers do, through chunked prefill, prefix-cache hits and preemption; the layer split is
 vLLM's; what does not run across stages yet is refused by name."""
+import json
+import subprocess
+
 import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.pp_partition import PARTITION_ENV, layer_counts, stage_layers
 from tests.helpers import hf_greedy, mixed_prompts
+from tests.procs import TORCHRUN, free_port, python_cmd, started
+from tests.tp.test_tp import REPO, SCRIPT, run_and_read
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
@@ -140,3 +145,34 @@ def test_other_architectures_match_transformers(tmp_path, arch):
     finally:
         llm.close()
     assert got == want
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_torchrun_pp2_matches_tp1(tiny_model_dir, tmp_path, tp1_tokens):
+    out = tmp_path / "tokens.json"
+    knobs = json.dumps({**SMALL_KV, "pipeline_parallel_size": 2})
+    result = run_and_read(python_cmd(*TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, tiny_model_dir,
+                                     str(out), "1", "--engine-json", knobs), out)
+    assert result["tokens"] == tp1_tokens
+    assert result["local_ranks"] == [1] and result["remote_ranks"] == []
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_two_node_torchrun_a_stage_per_node(tiny_model_dir, tmp_path, tp1_tokens):
+    # stage 1 on the second "node": its plans come over ZMQ, its activations and logits over gloo's TCP
+    out = tmp_path / "tokens.json"
+    port = free_port()
+    knobs = json.dumps({**SMALL_KV, "pipeline_parallel_size": 2})
+    agents = [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                         "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT, tiny_model_dir, str(out),
+                         "1", "--engine-json", knobs) for node in range(2)]
+    secret = {"NANOVLLM_TP_SECRET": "two-node-pp-test-secret-0123456789abcdef"}
+    with started(agents[1], env=secret, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 text=True) as node1:
+        result = run_and_read(agents[0], out, env=secret)
+        log, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, log[-3000:]
+    assert result["remote_ranks"] == [1] and result["local_ranks"] == []
+    assert result["tokens"] == tp1_tokens

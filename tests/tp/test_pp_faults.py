@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from nanovllm_tp import LLM
+from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.distributed.channel import PeerError
 from tests.procs import GONE_WITHIN, alive, python_cmd, segments_of, session_pids, wait_gone
-from tests.tp.test_tp_faults import LONG, SCRIPT, SMALL_KV, logged, long_prompts, wait_for_pids
+from tests.tp.test_tp_faults import LONG, SCRIPT, SMALL_KV, TESTS, logged, long_prompts, wait_for_pids
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 
@@ -41,11 +42,29 @@ def test_sigkill_a_stage_rank_mid_generation(tiny_model_dir, pp, tp, victim):
         llm.close()
     assert killed_at, "generation ended before the worker was killed: make the workload longer"
     assert raised_at - killed_at[0] < 10
-    assert "rank " in str(err.value)
+    assert f"rank {victim}: reader process {worker} died" in str(err.value)     # the cause, not its peers' reports
     assert wait_gone(children) is not None
     assert not alive(worker)
     assert not segments_of(os.getpid())
     assert not llm.engine.has_unfinished()
+
+
+def test_stage_exception_reaches_caller(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.join(TESTS, "tp_scripts", "fault_injection") + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("NVTP_TEST_FAIL_RANK", "2")       # the last of three stages
+    monkeypatch.setenv("NVTP_TEST_FAIL_STEP", "3")
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=3, **SMALL_KV)
+    children = [c.pid for c in llm.engine.children]
+    try:
+        with pytest.raises(PeerError) as err:
+            llm.generate(long_prompts(4), SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+        assert err.value.rank == 2
+        assert "injected fault in the forward of step 3" in str(err.value)
+    finally:
+        llm.close()
+    assert wait_gone(children) is not None
+    assert not segments_of(os.getpid())
 
 
 def test_sigkill_rank0_every_stage_exits(tiny_model_dir, tmp_path):

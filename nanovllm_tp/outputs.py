@@ -22,6 +22,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None             # "stop", "length" or "abort"; None while running
     stop_reason: int | str | None = None         # the stop string or stop token id that ended it (None for EOS)
+    error: str | None = None                     # why an "abort" ended it, where the engine knows (a grammar's)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -74,8 +75,8 @@ def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
         mine.token_ids = mine.token_ids + c.token_ids
         if c.logprobs is not None:
             mine.logprobs = (mine.logprobs or []) + c.logprobs
-        mine.cumulative_logprob, mine.finish_reason, mine.stop_reason = \
-            c.cumulative_logprob, c.finish_reason, c.stop_reason
+        mine.cumulative_logprob, mine.finish_reason, mine.stop_reason, mine.error = \
+            c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error
     if earlier.prompt_logprobs is None:
         earlier.prompt_logprobs = later.prompt_logprobs
     earlier.finished, earlier.metrics = later.finished, later.metrics

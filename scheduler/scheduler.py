@@ -101,6 +101,12 @@ class Scheduler(Admission, Preemption, StepResults):
                              f"{longest} (max_model_len={self.config.max_model_len})")
         policy.enqueue(self.waiting, seq, self.by_priority, front=False)
 
+    @staticmethod
+    def mark_aborted(seq: Sequence) -> None:
+        """A sequence that finished in the step just run ends as "abort" instead: its grammar failed in that step
+        (the EOS a failed grammar mask leaves is no end of its structured output)."""
+        seq.finish_reason, seq.stop_reason = "abort", None
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_completion_tokens: int | None = None) -> None:
         """End a sequence from outside (abort, a stop string): it leaves its queue, its blocks are freed at once,

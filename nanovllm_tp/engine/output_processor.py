@@ -209,7 +209,8 @@ class RequestState:
         return CompletionOutput(
             index=seq.index, text=text[start_chars:visible], token_ids=ids[start_tokens:],
             cumulative_logprob=seq.cumulative_logprob if lps is not None else None, logprobs=logprobs,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            error=seq.grammar.error if seq.finish_reason == "abort" and seq.grammar is not None else None)
 
     def _positions(self, ids: list[int], entries: list[PositionLogprob]) -> list[dict[int, Logprob]]:
         """{token id: Logprob} for each position: the chosen token, then the top-N (ranks 1..N) not already in."""

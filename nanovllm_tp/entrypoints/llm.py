@@ -350,7 +350,7 @@ class LLM:
         with trace.span("detokenize"):
             for seq in progressed:
                 state = self._by_seq[seq.seq_id]
-                if seq.grammar is not None and not seq.is_finished:
+                if seq.grammar is not None and (not seq.is_finished or seq.grammar.error is not None):
                     self._advance_grammar(seq)
                 hit = state.update(seq)
                 if hit is not None:           # a stop string: the sequence ends at the token that completes it
@@ -361,11 +361,16 @@ class LLM:
 
     def _advance_grammar(self, seq: Sequence) -> None:
         """The sequence's matcher takes its new tokens; a token outside the language (another knob left the grammar
-        nothing to choose: min_tokens against its end, allowed_token_ids, bad_words) ends the request."""
-        error = seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+        nothing to choose: min_tokens against its end, allowed_token_ids, bad_words) ends the request, and so does a
+        grammar whose mask failed (a parser limit; the EOS its empty mask left counts as no end): finish_reason
+        "abort", the grammar's error in the output."""
+        error = seq.grammar.error if seq.is_finished else seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
         if error is not None:
             log.warning("request %s: structured output ended: %s", self._by_seq[seq.seq_id].request_id, error)
-            self.engine.finish(seq, "abort")
+            if seq.is_finished:
+                self.engine.scheduler.mark_aborted(seq)
+            else:
+                self.engine.finish(seq, "abort")
 
     def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
         """Step until the requests `ids` have finished; their whole outputs in that order."""

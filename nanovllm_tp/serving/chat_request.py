@@ -90,6 +90,12 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError("tool_choice needs tools")
             return None
         functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        seen = set()
+        for f in functions:
+            if f["name"] in seen:
+                raise ValueError(f"tools: the name {f['name']!r} is given to more than one tool; each tool needs a "
+                                 "name of its own")
+            seen.add(f["name"])
         choice = self.tool_choice or "auto"
         mode = ToolMode(functions, "named" if isinstance(choice, NamedToolChoice) else choice,
                         parallel=self.parallel_tool_calls)

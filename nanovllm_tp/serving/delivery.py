@@ -44,12 +44,13 @@ async def finals(request: Request, streams: list[RequestStream], abort) -> list:
 def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage: bool, choice,
             abort) -> StreamingResponse:
     """Server-sent events: a chunk each time any of the streams has news (a stream's outputs not yet sent are
-    merged into one chunk), a usage chunk if asked, then [DONE]."""
+    merged into one chunk), an error event after the chunk that ends a choice the engine ended with an error
+    (its grammar failed), a usage chunk if asked, then [DONE]."""
     async def events():
         ready, finals, started = streams[0].ready, {}, set()
         try:
             while not all(s.done for s in streams):
-                choices = []
+                choices, failed = [], []
                 for i, s in enumerate(streams):
                     try:
                         item = s.take()
@@ -61,10 +62,14 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
                     for c in item.outputs:
                         choices.append(choice(i, item, c, (i, c.index) in started))
                         started.add((i, c.index))
+                        if c.error:
+                            failed.append((i * builder.n + c.index, c.error))
                     if item.finished:
                         finals[i] = item
                 if choices:
                     yield _sse(builder.chunk(choices))
+                if failed:
+                    yield _sse(builder.failure(failed))
                 ready.clear()
                 if not all(s.done for s in streams) and not any(s.has_news for s in streams):
                     await ready.wait()

@@ -175,7 +175,9 @@ class EngineLoop:
             msg = wire.unpack(raw.buffer)
             if msg["op"] == "abort" and not dead:
                 for key in msg["ids"]:            # a batch still waiting for its grammar is dropped whole
-                    self._compiling.pop(key, None)
+                    waiting = self._compiling.pop(key, None)
+                    if waiting is not None:
+                        waiting[2].give_up()      # and its compile too, if nobody else waits for it
                 self.llm.abort_request(msg["ids"])
                 changed = True
             elif msg["op"] == "add":
@@ -189,13 +191,18 @@ class EngineLoop:
             self._send({"op": "accepted", "items": accepted})
         return changed
 
-    def _add(self, msg: dict, dead: bool, params=None) -> list | None:
+    def _add(self, msg: dict, dead: bool, params=None, pending=None) -> list | None:
         """[first id, error message or None, error type] for one batch, queued all or none: validation errors
-        go back to the client as a 400. None: the batch waits for its grammar (_admit_compiled adds it)."""
+        go back to the client as a 400. None: the batch waits for its grammar (_admit_compiled adds it, with
+        its `pending` compile: done, failed, or past this request's time limit)."""
         key = msg["ids"][0]
         if dead:
+            if pending is not None:
+                pending.give_up()
             return [key, "the engine stopped", "EngineDead"]
         try:
+            if pending is not None:
+                pending.result(wait=False)    # the compile's verdict, or this request's time limit: a 400
             if params is None:
                 params = wire.params_from_wire(msg["params"])
                 pending = self.llm.prepare(params)
@@ -230,7 +237,7 @@ class EngineLoop:
             return False
         items = []
         for key in done:
-            msg, params, _ = self._compiling.pop(key)
-            items.append(self._add(msg, dead, params))
+            msg, params, pending = self._compiling.pop(key)
+            items.append(self._add(msg, dead, params, pending))
         self._send({"op": "accepted", "items": items})
         return True

@@ -105,9 +105,21 @@ class ResponseBuilder:
                 "stop_reason": c.stop_reason}
 
     def response(self, choices: list[dict], outputs: list[RequestOutput]) -> dict:
+        """The whole answer; a choice the engine ended with an error of its own (finish_reason "abort": its
+        structured output's grammar failed while generating) adds an `error` object naming it."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         choices.sort(key=lambda ch: ch["index"])
-        return {**self._head(obj), "choices": choices, "usage": self.usage(outputs)}
+        body = {**self._head(obj), "choices": choices, "usage": self.usage(outputs)}
+        failed = [(i * self.n + c.index, c.error) for i, o in enumerate(outputs) for c in o.outputs if c.error]
+        if failed:
+            body.update(self.failure(failed))
+        return body
+
+    @staticmethod
+    def failure(failed: list[tuple[int, str]]) -> dict:
+        """The error object (vLLM's shape) of choices that ended with an error: [(choice index, why)]."""
+        message = "; ".join(f"choice {index}: {why}" for index, why in failed)
+        return error_body(message, "invalid_request_error", 400, "structured_outputs")
 
     def chunk(self, choices: list[dict], usage_body: dict | None = None) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

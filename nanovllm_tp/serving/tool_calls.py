@@ -40,9 +40,12 @@ class ToolMode:
             return params[self.name]
         if self.choice != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                  "required": ["name", "parameters"], "additionalProperties": False} for n, p in params.items()]
-        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+        # Each tool's parameters go under the wrapper's $defs, their own "#..." references re-rooted there, so
+        # that "#/$defs/X" in a tool (pydantic's shape) and "#" (recursion) still mean that tool's schema.
+        defs = {f"tool{i}": rebase_refs(p, f"#/$defs/tool{i}") for i, p in enumerate(params.values())}
+        items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, n in enumerate(params)]
+        return {"$defs": defs, "type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
                 "items": items[0] if len(items) == 1 else {"anyOf": items}}
 
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -57,6 +60,32 @@ class ToolMode:
 
     def streamer(self) -> "ToolStreamer":
         return ToolStreamer(self)
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is a value and stays as it is; and those
+# whose values map names (any names, "enum" or "$ref" too) to schemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rebase_refs(schema, root: str):
+    """A copy of `schema` with every local reference ("#", "#/...") made relative to `root` (where the schema
+    is placed inside another one); other references are left for the schema compiler to judge."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rebase_refs(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = rebase_refs(value, root)
+    return out
 
 
 def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:

@@ -84,7 +84,7 @@ def output_to_wire(out: RequestOutput | EmbeddingRequestOutput, with_prompt: boo
     return [out.request_id, out.prompt if with_prompt else None, out.prompt_token_ids if with_prompt else None,
             _positions_to_wire(out.prompt_logprobs),
             [[c.index, c.text, c.token_ids, c.cumulative_logprob, _positions_to_wire(c.logprobs), c.finish_reason,
-              c.stop_reason] for c in out.outputs], out.finished,
+              c.stop_reason, c.error] for c in out.outputs], out.finished,
             None if m is None else [m.arrival_time, m.first_token_time, m.last_token_time, m.finish_time,
                                     m.num_generation_tokens]]
 
@@ -94,8 +94,8 @@ def output_from_wire(row: list | dict) -> RequestOutput | EmbeddingRequestOutput
         return EmbeddingRequestOutput(row["id"], EmbeddingOutput(_floats_from_wire(row["embedding"])),
                                       row["prompt_token_ids"])
     request_id, prompt, prompt_ids, prompt_lps, completions, finished, metrics = row
-    outs = [CompletionOutput(index, text, ids, cum, _positions_from_wire(lps), reason, stop)
-            for index, text, ids, cum, lps, reason, stop in completions]
+    outs = [CompletionOutput(index, text, ids, cum, _positions_from_wire(lps), reason, stop, error)
+            for index, text, ids, cum, lps, reason, stop, error in completions]
     return RequestOutput(request_id, prompt, prompt_ids, _positions_from_wire(prompt_lps), outs, finished,
                          None if metrics is None else RequestMetrics(*metrics))
 

@@ -11,21 +11,25 @@ One `GrammarBackend` per engine: it compiles each request's constraint in a work
 compile that misses the engine's time limit fails that request with a ValueError naming the limit, and so does
 every later request with the same constraint; the engine and the other requests never wait for it.
 """
+import heapq
+import itertools
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import numpy as np
 
 from nanovllm_tp.structured.params import StructuredOutputsParams
+from nanovllm_tp.structured.schema import check_terminates
 
 log = logging.getLogger("nanovllm_tp")
 WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,16}"   # JSON whitespace between tokens: one line break, indentation
 CACHE_SIZE = 256                           # compiled constraints kept (least recently used dropped first)
-COMPILE_THREADS = 2
+START = "at the start of the output"
+SMALL_SPEC_CHARS = 16 << 10               # constraints up to this long compile in a lane of their own
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -34,17 +38,30 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else json.loads(params.spec)
+        try:
+            check_terminates(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json: {exc}") from None
         if params.disable_additional_properties:
             schema = _closed(schema)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         if not params.disable_any_whitespace:
             options["whitespace_pattern"] = params.whitespace_pattern or WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    if kind == "choice":
-        return llguidance.grammar_from("choice", json.dumps(list(params.choice)))
+    if kind == "choice":        # one lexeme (the lexer's automaton), not a grammar rule of as many alternatives:
+        # the parser refuses rows of more than 2,000, and builds large ones slowly
+        return llguidance.LLMatcher.grammar_from_regex("|".join(_literal(c) for c in params.choice))
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     return llguidance.grammar_from("grammar", params.grammar)     # GBNF (::= rules) or Lark
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches exactly it (the regex crate's escapes)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 def _closed(schema):
@@ -87,7 +104,10 @@ class Grammar:
         eos = self.backend.eos
         for t in token_ids[num_prompt_tokens + self.consumed:]:
             if not self.matcher.consume_token(t):
-                self.error = self.matcher.get_error() or f"token {t} does not continue the structured output"
+                raw = readable(self.matcher.get_error())
+                self.error = (f"output token {self.consumed + 1} (id {t}) does not continue the structured output"
+                              if not raw or "doesn't satisfy" in raw else
+                              failure(raw, f"at output token {self.consumed + 1}"))
                 return self.error
             self.consumed += 1
             if t in eos:
@@ -106,15 +126,45 @@ class CompiledGrammar:
         return Grammar(self.matcher.deep_copy(), self.backend)
 
 
-class Pending:
-    """A compile in flight: ready when done or past its deadline (then compile() gives the request its error)."""
-    __slots__ = ("future", "deadline")
+class _Job:
+    """One compile of one constraint, shared by every request that asks for it while it is queued or running."""
+    __slots__ = ("params", "size", "future", "waiters", "abandoned")
 
-    def __init__(self, future: Future, deadline: float):
-        self.future, self.deadline = future, deadline
+    def __init__(self, params: StructuredOutputsParams):
+        self.params, self.size = params, len(params.spec)
+        self.future: Future = Future()
+        self.waiters = 0              # requests still waiting for it (their deadlines not passed)
+        self.abandoned = False        # every one of them gave up: drop it, or stop it at its next stage
+
+
+class Pending:
+    """One request's wait for a compile: ready once the compile is done, or once this request's own deadline has
+    passed (`result` then gives the request its error, and the compile is dropped if nobody else waits for it)."""
+    __slots__ = ("job", "deadline", "backend", "gone")
+
+    def __init__(self, job: _Job, deadline: float, backend: "GrammarBackend"):
+        self.job, self.deadline, self.backend, self.gone = job, deadline, backend, False
+
+    @property
+    def future(self) -> Future:
+        return self.job.future
 
     def ready(self) -> bool:
-        return self.future.done() or time.monotonic() >= self.deadline
+        return self.job.future.done() or time.monotonic() >= self.deadline
+
+    def result(self, wait: bool = True) -> "CompiledGrammar":
+        """The compiled constraint (waiting for it until the deadline if `wait`); ValueError if it is invalid,
+        uses what the backend does not implement, or is not done by this request's deadline."""
+        try:
+            return self.job.future.result(timeout=max(self.deadline - time.monotonic(), 0.0) if wait else 0.0)
+        except (TimeoutError, CancelledError):
+            self.give_up()
+            raise ValueError(f"structured_outputs.{self.job.params.kind} did not compile within the time limit of "
+                             f"{self.backend.timeout:g} s (the engine's grammar_compile_timeout)") from None
+
+    def give_up(self) -> None:
+        """This request no longer waits (its deadline passed, or it was aborted)."""
+        self.backend._give_up(self)
 
 
 class GrammarBackend:
@@ -126,52 +176,124 @@ class GrammarBackend:
         self.words = (vocab_size + 31) // 32        # int32 words of one mask (the tokenizer's size if larger)
         self._tokenizer = None
         self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None          # compiles
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[str, list] = {"small": [], "large": []}    # heaps of (size, order, job)
+        self._order = itertools.count()
+        self._lanes: list[threading.Thread] = []
+        self._closed = False
         self._mask_thread: ThreadPoolExecutor | None = None   # a step's masks, during the forward
-        self._cache: OrderedDict[tuple, Pending] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Job] = OrderedDict()
         self.mask_steps, self.masks_filled, self.mask_seconds = 0, 0, 0.0     # fill_masks' lifetime cost
 
     def submit(self, params: StructuredOutputsParams) -> Pending:
-        """Start (or find) the compile of a validated constraint."""
+        """Start (or join) the compile of a validated constraint; this request waits for it at most the engine's
+        grammar_compile_timeout from now."""
         if self.hf_tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this model directory has none")
         key = params.key
         with self._lock:
-            pending = self._cache.get(key)
-            if pending is not None:
+            if self._closed:
+                raise RuntimeError("the grammar backend is closed")
+            job = self._cache.get(key)
+            if job is not None and not job.abandoned:
                 self._cache.move_to_end(key)
-                return pending
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
-            pending = Pending(self._pool.submit(self._compile, params), time.monotonic() + self.timeout)
-            self._cache[key] = pending
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return pending
+            else:
+                job = self._cache[key] = _Job(params)
+                lane = "small" if job.size <= SMALL_SPEC_CHARS else "large"
+                heapq.heappush(self._queues[lane], (job.size, next(self._order), job))
+                if not self._lanes:
+                    self._lanes = [threading.Thread(target=self._serve_lane, args=(name,), daemon=True,
+                                                    name=f"nanovllm-grammar-{name}") for name in self._queues]
+                    for t in self._lanes:
+                        t.start()
+                self._work.notify_all()
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            if not job.future.done():
+                job.waiters += 1
+        return Pending(job, time.monotonic() + self.timeout, self)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled constraint, waiting at most until its deadline; ValueError if it is invalid, uses what the
-        backend does not implement, or missed the time limit."""
-        pending = self.submit(params)
-        try:
-            return pending.future.result(timeout=max(pending.deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            failed = Future()
-            failed.set_exception(ValueError(
-                f"structured_outputs.{params.kind} did not compile within the time limit of {self.timeout:g} s "
-                "(the engine's grammar_compile_timeout)"))
-            with self._lock:
-                self._cache[params.key] = Pending(failed, 0.0)
-            return failed.result()
+        """The compiled constraint, waiting at most the time limit; ValueError if it is invalid, uses what the
+        backend does not implement, or missed the time limit (a verdict for this request only: a later request
+        with the same constraint compiles it anew, or joins the compile still running)."""
+        return self.submit(params).result()
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def _give_up(self, pending: Pending) -> None:
+        with self._lock:
+            job = pending.job
+            if pending.gone or job.future.done():
+                pending.gone = True
+                return
+            pending.gone = True
+            job.waiters -= 1
+            if job.waiters > 0:
+                return
+            job.abandoned = True            # a queued job is skipped; a running one stops at its next stage
+            if self._cache.get(job.params.key) is job:
+                del self._cache[job.params.key]
+            job.future.cancel()             # only while queued (a running future cannot be cancelled)
+
+    def _serve_lane(self, lane: str) -> None:
+        """One compile thread. The small lane takes constraints of at most SMALL_SPEC_CHARS, smallest first, so
+        that a small one never queues behind large ones; the large lane takes the others, smallest first, and
+        small ones when it has nothing else."""
+        while True:
+            with self._work:
+                job = self._next_job(lane)
+                while job is None:
+                    if self._closed:
+                        return
+                    self._work.wait()
+                    job = self._next_job(lane)
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(self._compile(job))
+            except BaseException as exc:       # a compile error is the constraint's verdict, kept in the cache
+                job.future.set_exception(exc)
+
+    def _next_job(self, lane: str) -> _Job | None:
+        for name in ("small",) if lane == "small" else ("large", "small"):
+            queue = self._queues[name]
+            while queue:
+                job = heapq.heappop(queue)[2]
+                if not job.abandoned:
+                    return job
+        return None
+
+    def _compile(self, job: _Job) -> CompiledGrammar:
+        """Build the matcher, then try its start (the first mask and the bytes every output must begin with), so
+        that a constraint that accepts nothing, or runs into the parser's limits at once, is refused here rather
+        than while generating. llguidance cannot stop a build midway: an abandoned job stops between stages."""
         import llguidance
+        params = job.params
         text = grammar_text(params)
+        self._check_abandoned(job)
         matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0,
                                        limits=llguidance.LLParserLimits(verbose_errors=False))
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+            raise ValueError(f"structured_outputs.{params.kind}: {readable(matcher.get_error())}")
+        self._check_abandoned(job)
+        self._try_start(matcher, params.kind)
         return CompiledGrammar(matcher, self)
+
+    @staticmethod
+    def _check_abandoned(job: _Job) -> None:
+        if job.abandoned:
+            raise CancelledError()
+
+    def _try_start(self, matcher, kind: str) -> None:
+        import llguidance.numpy
+        probe = matcher.deep_copy()
+        mask = np.zeros((1, self.words), np.int32)
+        llguidance.numpy.fill_next_token_bitmask(probe, mask, 0)
+        if not probe.is_error():
+            forced = probe.compute_ff_tokens()
+            if not probe.is_error() and forced:
+                probe.consume_tokens(forced)
+        if probe.is_error():
+            raise ValueError(f"structured_outputs.{kind}: {failure(probe.get_error(), START)}")
 
     def tokenizer(self):
         """llguidance's view of the model's tokenizer (built once, on the first compile: ~0.5 s for 50k tokens)."""
@@ -198,7 +320,11 @@ class GrammarBackend:
         for g, seq in grammars:
             g.advance(seq.token_ids, seq.num_prompt_tokens)
         for i, (g, _) in enumerate(grammars):
+            if g.error is not None:
+                continue                  # nothing to mask: the request ends with its error (LLM._advance_grammar)
             llguidance.numpy.fill_next_token_bitmask(g.matcher, masks, i)
+            if g.matcher.is_error():      # the next token hit one of the parser's limits, or nothing can follow
+                g.error = failure(g.matcher.get_error(), f"at output token {g.consumed + 1}")
         self.mask_steps, self.masks_filled = self.mask_steps + 1, self.masks_filled + len(grammars)
         self.mask_seconds += time.perf_counter() - start
         return masks
@@ -212,7 +338,33 @@ class GrammarBackend:
             return self._mask_thread.submit(self.fill_masks, grammars)
 
     def close(self) -> None:
-        for pool in (self._pool, self._mask_thread):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._mask_thread = None
+        with self._lock:
+            self._closed = True
+            for queue in self._queues.values():
+                for _, _, job in queue:
+                    job.abandoned = True
+                    job.future.cancel()
+                queue.clear()
+            self._work.notify_all()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False, cancel_futures=True)
+        self._mask_thread = None
+
+
+def readable(error: str) -> str:
+    """llguidance's error without its debugging tail (a backtrace, the non-verbose marker)."""
+    for tail in ("\n<backtrace>", "\n<non-verbose/>", "\n<state>"):
+        error = error.split(tail)[0]
+    error = error.strip()
+    if error.startswith("panic: assertion failed: grammar.symbols.len()"):
+        return "the grammar is larger than the backend can hold (more than 65,000 symbols)"
+    return error
+
+
+def failure(error: str, where: str) -> str:
+    """Why a constraint cannot go on (`where`: at the start, or after N tokens), for the client."""
+    error = readable(error)
+    if error.startswith("NoExtensionBias"):
+        return ("it accepts no output at all (no string matches it)" if where == START else
+                f"no token can continue the output {where}")
+    return f"the grammar backend's limits were hit {where}: {error}"

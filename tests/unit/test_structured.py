@@ -1,6 +1,8 @@
 """Structured outputs on their own: StructuredOutputsParams' checks, the llguidance backend (compile errors by
 name, the cache, the time limit, matchers that follow and roll back), and the grammar mask as a logit modifier on
 both samplers, against masks worked out from the token texts alone."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -79,18 +81,17 @@ def test_a_constraint_that_cannot_compile_is_a_value_error_naming_it(backend, sp
         backend.compile(params)
 
 
-def test_compiles_are_cached_and_a_missed_time_limit_fails_that_constraint_only(tokenizer, backend):
+def test_compiles_are_cached_and_a_missed_time_limit_fails_that_request_only(tokenizer, backend):
     params = StructuredOutputsParams(regex="[0-9]{3}")
-    assert backend.submit(params) is backend.submit(StructuredOutputsParams(regex="[0-9]{3}"))
+    assert backend.submit(params).job is backend.submit(StructuredOutputsParams(regex="[0-9]{3}")).job
     assert backend.compile(params) is backend.compile(params)
     hurried = GrammarBackend(tokenizer, VOCAB, [EOS], timeout=1e-9)
     try:
         slow = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
         with pytest.raises(ValueError, match="did not compile within the time limit.*grammar_compile_timeout"):
             hurried.compile(slow)
-        assert hurried.submit(slow).ready()
-        with pytest.raises(ValueError, match="time limit"):        # remembered: no second wait
-            hurried.compile(slow)
+        hurried.timeout = 30.0         # the timeout was that request's, not the constraint's verdict
+        assert hurried.compile(slow) is hurried.compile(slow)
     finally:
         hurried.close()
 
@@ -147,7 +148,7 @@ def test_a_matcher_follows_its_sequence_and_rolls_back(tokenizer, backend):
     del seq.token_ids[2:]                     # back to the prompt: the mask of the start again
     assert np.array_equal(backend.fill_masks([(seq.grammar, seq)]), fresh) and seq.grammar.consumed == 0
     seq.token_ids += [EOS]                    # EOS where the language cannot end: an error, named
-    assert "doesn't satisfy the grammar" in seq.grammar.advance(seq.token_ids, 2)
+    assert "output token 1 (id 2000) does not continue the structured output" in seq.grammar.advance(seq.token_ids, 2)
     assert not seq.grammar.constrains
 
 
@@ -165,3 +166,25 @@ def test_structured_outputs_cross_the_wire_as_plain_fields():
     back = wire.params_from_wire(wire.unpack(raw)["params"])
     back.validate()
     assert back.structured_outputs == sp.structured_outputs
+
+
+def test_compile_lanes_keep_small_constraints_apart_and_drop_what_nobody_waits_for(tokenizer):
+    """A large grammar holds the large lane: a small constraint compiles at once beside it; a second large one
+    queued behind it, whose only request gives up, is dropped without ever running."""
+    b = GrammarBackend(tokenizer, VOCAB, [EOS], timeout=60.0)
+    try:
+        wide = StructuredOutputsParams(grammar="start: " + " | ".join(f'"b{i}"' for i in range(20000)))
+        blocker = b.submit(wide)
+        while not blocker.future.running():
+            time.sleep(0.001)
+        b.timeout = 0.2
+        queued = b.submit(StructuredOutputsParams(grammar="start: " + " | ".join(f'"q{i}"' for i in range(3000))))
+        start = time.monotonic()
+        b.compile(StructuredOutputsParams(choice=["yes", "no"]))
+        assert time.monotonic() - start < 0.2 and not blocker.future.done()
+        with pytest.raises(ValueError, match="did not compile within the time limit"):
+            queued.result()
+        assert queued.future.cancelled()             # never started: no CPU spent on it
+        assert b.submit(queued.job.params).job is not queued.job      # asked again: a new compile
+    finally:
+        b.close()

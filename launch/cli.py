@@ -37,6 +37,7 @@ BENCHES = {
     "quant": ("nanovllm_tp.bench.quant", "a GGUF file quantized against dequantized"),
     "spec": ("nanovllm_tp.bench.spec", "speculative decoding against plain decoding"),
     "struct": ("nanovllm_tp.bench.structured", "structured outputs against free text"),
+    "json": ("nanovllm_tp.bench.json_validity", "how often JSON-schema answers end valid, per object rule"),
     "lora": ("nanovllm_tp.bench.lora", "requests with LoRA adapters against the base model"),
     "embed": ("nanovllm_tp.bench.embed", "embeddings throughput"),
     "attention": ("nanovllm_tp.bench.attention", "the paged decode attention kernel alone"),

@@ -42,8 +42,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             check_terminates(schema)
         except ValueError as exc:
             raise ValueError(f"structured_outputs.json: {exc}") from None
-        if params.disable_additional_properties:
-            schema = _closed(schema)
+        if params.disable_additional_properties is not False and kind == "json":
+            schema = _closed(schema, every=bool(params.disable_additional_properties))
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         if not params.disable_any_whitespace:
             options["whitespace_pattern"] = params.whitespace_pattern or WHITESPACE
@@ -64,16 +64,36 @@ def _literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def _closed(schema):
-    """The schema with additionalProperties false on every object that does not say otherwise."""
+def _closed(schema, every: bool, in_all_of: bool = False):
+    """The schema with additionalProperties false on the objects that do not say otherwise: those that list
+    properties (every=False; xgrammar's strict mode, vLLM's default backend), or every object (every=True).
+    Without `every`, objects that take part in an allOf stay as they are (closing one branch would refuse the
+    properties another branch names)."""
     if isinstance(schema, list):
-        return [_closed(s) for s in schema]
+        return [_closed(s, every, in_all_of) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(sub, every) for name, sub in value.items()}
+        else:
+            out[key] = _closed(value, every, key == "allOf")
+    lists = "properties" in out
+    if every:
+        close = out.get("type") == "object" or lists
+    else:
+        close = lists and not in_all_of and "allOf" not in out and "patternProperties" not in out and \
+            "unevaluatedProperties" not in out
+    if close and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class Grammar:

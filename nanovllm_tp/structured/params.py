@@ -18,7 +18,9 @@ class StructuredOutputsParams:
     grammar: str | None = None               # a context-free grammar: GBNF (llama.cpp's ::= rules) or Lark
     json_object: bool | None = None          # any JSON object
     disable_any_whitespace: bool = False     # JSON without whitespace between tokens (else a line break, indent)
-    disable_additional_properties: bool = False   # objects of a schema take no property it does not name
+    # None: an object that lists properties takes no other unless the schema says so (additionalProperties,
+    # patternProperties); True: every object, listed properties or not; False: JSON Schema's open objects
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None    # JSON: the regex whitespace between tokens must match
 
     def __post_init__(self):
@@ -71,7 +73,8 @@ class StructuredOutputsParams:
         elif self.json_object is not True:
             raise TypeError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
         flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
-        flag("structured_outputs.disable_additional_properties", self.disable_additional_properties)
+        if self.disable_additional_properties is not None:
+            flag("structured_outputs.disable_additional_properties", self.disable_additional_properties)
         if self.whitespace_pattern is not None:
             _text("structured_outputs.whitespace_pattern", self.whitespace_pattern)
         if len(self.spec) > MAX_SPEC_CHARS:

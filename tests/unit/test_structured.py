@@ -188,3 +188,49 @@ def test_compile_lanes_keep_small_constraints_apart_and_drop_what_nobody_waits_f
         assert b.submit(queued.job.params).job is not queued.job      # asked again: a new compile
     finally:
         b.close()
+
+
+def test_objects_that_list_properties_take_no_other_unless_the_schema_or_the_request_says_so(backend, tokenizer):
+    """The default closes objects that list properties (not those under allOf, not json_object); True closes
+    every object; False keeps JSON Schema's open objects."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "free": {"type": "object"},
+                                               "part": {"allOf": [{"properties": {"b": {"type": "integer"}}}]}},
+              "required": ["a"]}
+
+    def takes(text: str, **options) -> bool:
+        g = backend.compile(StructuredOutputsParams(json=schema, **options)).new()
+        return g.matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and \
+            g.matcher.is_accepting()
+    assert takes('{"a": 1}') and not takes('{"a": 1, "z": 2}')
+    assert takes('{"a": 1, "free": {"z": 2}}') and takes('{"a": 1, "part": {"b": 1, "z": 2}}')
+    assert takes('{"a": 1, "z": 2}', disable_additional_properties=False)
+    assert not takes('{"a": 1, "free": {"z": 2}}', disable_additional_properties=True)
+    anything = backend.compile(StructuredOutputsParams(json_object=True)).new().matcher
+    assert anything.consume_tokens(tokenizer.encode('{"z": 2}', add_special_tokens=False)) and anything.is_accepting()
+
+
+def A(node: dict) -> dict:
+    return {"$defs": {"A": node}, "$ref": "#/$defs/A"}
+
+
+@pytest.mark.parametrize("schema, ends", [
+    (A({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}), True),             # a not required
+    (A({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}), False),
+    (A({"properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}), True),           # no type: 5 is one
+    (A({"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}},
+        "required": ["a"]}), True),
+    (A({"type": "object", "properties": {"k": {"type": "array", "items": {"$ref": "#/$defs/A"}}},
+        "required": ["k"]}), True),                                                         # [] ends it
+    ({"type": "array", "minItems": 1, "items": {"$ref": "#"}}, False),
+    ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),
+    ({"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+                "B": {"type": "array", "prefixItems": [{"$ref": "#/$defs/A"}], "minItems": 1}},
+      "$ref": "#/$defs/A"}, False),                                                         # through another def
+])
+def test_a_schema_whose_references_never_end_is_refused_and_others_pass(schema, ends):
+    from nanovllm_tp.structured.schema import check_terminates
+    if ends:
+        check_terminates(schema)
+    else:
+        with pytest.raises(ValueError, match="accepts no finite JSON value"):
+            check_terminates(schema)

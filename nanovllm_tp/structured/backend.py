@@ -340,8 +340,10 @@ class GrammarBackend:
         for g, seq in grammars:
             g.advance(seq.token_ids, seq.num_prompt_tokens)
         for i, (g, _) in enumerate(grammars):
-            if g.error is not None:
-                continue                  # nothing to mask: the request ends with its error (LLM._advance_grammar)
+            if g.error is not None:       # the request ends with its error after this step (LLM._advance_grammar):
+                for t in self.eos:        # its row samples an EOS meanwhile, never from an empty mask
+                    masks[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+                continue
             llguidance.numpy.fill_next_token_bitmask(g.matcher, masks, i)
             if g.matcher.is_error():      # the next token hit one of the parser's limits, or nothing can follow
                 g.error = failure(g.matcher.get_error(), f"at output token {g.consumed + 1}")

@@ -234,3 +234,16 @@ def test_a_schema_whose_references_never_end_is_refused_and_others_pass(schema, 
     else:
         with pytest.raises(ValueError, match="accepts no finite JSON value"):
             check_terminates(schema)
+
+
+def test_a_grammar_that_failed_masks_its_row_to_eos_and_keeps_its_error(tokenizer, backend):
+    """A token its matcher refuses, found while the masks are made: the row's mask is EOS alone (never empty),
+    and the error names the output token for the request's abort."""
+    compiled = backend.compile(StructuredOutputsParams(regex="[a-z]+-[0-9]{2}"))
+    seq = Sequence(0, [7, 8], SamplingParams(temperature=0), grammar=compiled.new())
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    seq.token_ids += ab + [EOS]
+    masks = backend.fill_masks([(seq.grammar, seq)])
+    assert np.flatnonzero(mask_bits(masks, VOCAB)[0]).tolist() == [EOS]
+    assert seq.grammar.error.startswith(f"output token {len(ab) + 1} (id {EOS}) does not continue")
+    assert not seq.grammar.constrains

@@ -71,6 +71,13 @@ def test_smollm2_bf16_greedy_is_the_same_whatever_else_runs():
 
 
 @smollm2
+def test_smollm2_gguf_blocks_greedy_is_the_same_whatever_else_runs():
+    """The Q4_1 blocks kept (csrc/linear_q.c quantizes each row's activations on its own)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    assert_identical(completions(GGUF, params, 49152, dtype="bfloat16"))
+
+
+@smollm2
 def test_smollm2_bf16_seeded_sampling_is_the_same_whatever_else_runs():
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True, logprobs=1)
     assert_identical(completions(GGUF, params, 49152, quantization="none", dtype="bfloat16"))

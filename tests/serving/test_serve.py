@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from nanovllm_tp import SamplingParams
+from tests.helpers import GGUF, smollm2
 from tests.procs import GONE_WITHIN, free_port, our_shm_segments, python_cmd, started, wait_gone
 
 pytestmark = pytest.mark.spawn     # a server process, or several
@@ -456,3 +457,38 @@ def test_prefix_cache_counters_count_tokens_found_of_those_looked_up(server):
     queries, hits = (after[f'prefix_cache_{k}_total{{model_name="tiny"}}'] -
                      before.get(f'prefix_cache_{k}_total{{model_name="tiny"}}', 0) for k in ("queries", "hits"))
     assert queries >= 2 * 60 and 16 <= hits < queries / 2
+
+
+@smollm2
+def test_batch_invariant_server_answers_alike_cold_on_a_hit_and_among_others():
+    """--batch-invariant through the server: one seeded sampled request on SmolLM2 in bf16 gets the same tokens
+    and logprobs cold, on a prefix hit, and sent together with 15 other requests (without the knob the hit and
+    the company change its logprobs on this project's CPUs: tests/engine/test_batch_invariant.py)."""
+    import random
+    rng = random.Random(3)
+    prompt = [rng.randrange(100, 49152) for _ in range(300)]
+    others = [[rng.randrange(100, 49152) for _ in range(rng.randrange(20, 200))] for _ in range(15)]
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 7, "logprobs": 2,
+            "extra_body": {"ignore_eos": True}}
+
+    def answer(c, p):
+        choice = c.completions.create(prompt=p, **body).choices[0]
+        return choice.logprobs.tokens, choice.logprobs.top_logprobs
+
+    port, ctx = start_server(GGUF, "--batch-invariant", "--quantization", "none", "--dtype", "bfloat16",
+                             "--kv-cache-memory", str(256 << 20))
+    with ctx as proc:
+        wait_ready(port, proc)
+        c = client(port)
+        cold = answer(c, prompt)
+        hit = answer(c, prompt)
+
+        async def together():
+            ac = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                    timeout=300)
+            got = await asyncio.gather(*(ac.completions.create(prompt=p, **body) for p in others + [prompt]))
+            return got[-1].choices[0].logprobs.tokens, got[-1].choices[0].logprobs.top_logprobs
+        among = asyncio.run(together())
+        assert metrics(port)['prefix_cache_hits_total{model_name="tiny"}'] >= 256
+    assert len(cold[0]) == 24
+    assert hit == cold and among == cold

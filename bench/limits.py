@@ -9,6 +9,9 @@ and how fast the server gets rid of it:
   --max-request-body-bytes).
 - small request: a 4-token completion, idle, then while a chunked 50 MiB upload is paced at 1 MiB per 0.1 s, then
   while a 10 MiB text prompt (within the body limit, far beyond the context) is refused.
+- tokenize flood: four clients at once send /tokenize a prompt of 8.4 million characters ("hello world " x
+  700,000, far beyond any context); a small request's latency meanwhile, the seconds until the last of the four is
+  answered, and the HTTP process's resident memory afterwards, over what it was before (MiB).
 - abandoned batch: --batch prompts in one completions request whose client hangs up once /metrics shows them in
   the engine; seconds from the hang-up until /metrics shows no running and no waiting request.
 - SIGTERM: a fresh server per repeat streams one long completion; seconds from SIGTERM to the error event, and
@@ -176,6 +179,13 @@ def main(argv=None) -> dict:
                 port, total, True, lambda n: n >= 2 * MB and started(), pace_s=0.1)))
             record("small request, during a 10 MiB prompt (s)", during(port, lambda started: _big_prompt(port,
                                                                                                        started)))
+            rss = http_rss_mib(proc.pid)
+            flood: list[float] = []
+            record("small request, during four 8.4 MB /tokenize prompts (s)",
+                   during(port, lambda started: flood.append(tokenize_flood(port, started))))
+            record("four 8.4 MB /tokenize prompts, all answered (s)", flood[0])
+            time.sleep(1.0)
+            record("HTTP process memory after them, over before (MiB)", max(0.0, http_rss_mib(proc.pid) - rss))
             record(f"gauges at 0 after an abandoned {args.batch}-prompt batch (s)", abandoned_batch(port, args.batch))
     finally:
         serve_process.stop(proc)
@@ -190,6 +200,45 @@ def main(argv=None) -> dict:
         print(f"  {name:<66} median {statistics.median(values):8.3f}   min {min(values):8.3f}   "
               f"max {max(values):8.3f}")
     return {name: statistics.median(values) for name, values in runs.items()}
+
+
+def tokenize_flood(port: int, started, clients: int = 4) -> float:
+    """`clients` concurrent /tokenize requests of 8.4 million characters each; started() once they are sent.
+    The seconds until the last is answered."""
+    import httpx
+    body = json.dumps({"prompt": "hello world " * 700_000}).encode()
+    start = time.perf_counter()
+
+    def one():
+        httpx.post(f"http://127.0.0.1:{port}/tokenize", content=body, timeout=600,
+                   headers={"Content-Type": "application/json"})
+    threads = [threading.Thread(target=one) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    started()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def http_rss_mib(server_pid: int) -> float:
+    """The resident memory of the server's HTTP process (the descendant titled nanovllm_tp::http, or running
+    nanovllm_tp.serving.frontend where setproctitle is missing), MiB."""
+    todo = [server_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+                if cmdline.startswith(b"nanovllm_tp::http") or b"nanovllm_tp.serving.frontend" in cmdline:
+                    with open(f"/proc/{pid}/status") as s:
+                        return next(int(line.split()[1]) for line in s if line.startswith("VmRSS:")) / 1024
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    raise RuntimeError("the server has no HTTP process")
 
 
 def _big_prompt(port: int, started) -> None:

@@ -1,6 +1,8 @@
 """LoRARequest: which adapter a request runs with, by vLLM's field names and order."""
 from dataclasses import dataclass
 
+MAX_NAME_CHARS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
@@ -16,6 +18,8 @@ class LoRARequest:
         """Field types and ranges (the directory itself is read by peft_dir.read_adapter)."""
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise TypeError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
+        if len(self.lora_name) > MAX_NAME_CHARS:
+            raise ValueError(f"LoRARequest.lora_name has {len(self.lora_name)} characters; at most {MAX_NAME_CHARS}")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"LoRARequest.lora_int_id must be a positive int, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:

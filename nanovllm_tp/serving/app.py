@@ -19,7 +19,8 @@ from nanovllm_tp.serving.limits import BodyLimit
 from nanovllm_tp.serving.lora_routes import ServedAdapters, add_lora_routes
 from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.prompt_routes import add_prompt_routes
-from nanovllm_tp.serving.responses import ApiError, error_response, is_json, unreadable_body, validation_message
+from nanovllm_tp.serving.responses import (ApiError, FiniteJSONResponse, error_response, is_json, unreadable_body,
+                                          validation_message)
 from nanovllm_tp.serving.route_context import RouteContext, ServedModel
 from nanovllm_tp.serving.server_config import ServerConfig
 
@@ -59,7 +60,8 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         encoder.close()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan, **docs)
+    app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan, default_response_class=FiniteJSONResponse,
+                  **docs)
     app.state.engine = engine
 
     @app.exception_handler(ApiError)
@@ -71,7 +73,8 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         if not is_json(request.headers.get("content-type")):      # FastAPI read the body as bytes, not JSON
             return error_response(415, "the body must be JSON, sent with Content-Type: application/json (got "
                                   f"{request.headers.get('content-type') or 'no Content-Type'})")
-        message, param = validation_message(exc.errors())
+        body = exc.body if isinstance(exc.body, (dict, list)) else None
+        message, param = validation_message(exc.errors(), body)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -88,7 +91,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
         app.add_middleware(ApiKeyCheck, expected=f"Bearer {config.api_key}".encode())
 
     adapters = ServedAdapters(model.loras)
-    add_lora_routes(app, engine, adapters, model_name, config.allow_runtime_lora_updating)
+    add_lora_routes(app, engine, adapters, model_name, config.allow_runtime_lora_updating, config.lora_root)
     ctx = RouteContext(engine, model, config, encoder, adapters)
 
     @app.get("/health")

@@ -13,7 +13,7 @@ TokenKey = Annotated[int, Strict(False), Field(ge=INT64[0], le=INT64[1])]    # a
 
 # The members of the string-or-lists unions below, by the shape of a value: errors come from the member a value
 # is meant as (not the first one pydantic tried), and these names are left out of an error's field path.
-UNION_MEMBERS = ("a string", "strings", "token ids", "token-id lists", "text parts")
+UNION_MEMBERS = ("a string", "strings", "token ids", "token-id lists", "text parts", "a chat", "a prompt")
 
 
 def shape_of(value) -> str | None:

@@ -3,14 +3,13 @@ client goes away meanwhile) or as server-sent events (a chunk whenever any strea
 aborted if the client goes away mid-stream)."""
 import asyncio
 import contextlib
-import json
 import time
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nanovllm_tp.serving.engine_client import EngineDead, RequestStream
-from nanovllm_tp.serving.responses import ApiError, ResponseBuilder, error_body
+from nanovllm_tp.serving.responses import ApiError, ResponseBuilder, error_body, json_text
 
 DISCONNECT_CHECK_S = 0.5     # how often a handler waiting for whole outputs looks for its client
 
@@ -85,4 +84,4 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {json_text(body)}\n\n"

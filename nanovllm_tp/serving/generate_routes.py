@@ -9,7 +9,7 @@ from nanovllm_tp.serving.delivery import finals, stream
 from nanovllm_tp.serving.limits import check_request
 from nanovllm_tp.serving.reasoning import ThinkSplitter, split_reasoning
 from nanovllm_tp.serving.responses import ApiError, ResponseBuilder, chat_logprobs, completion_logprobs
-from nanovllm_tp.serving.route_context import RouteContext
+from nanovllm_tp.serving.route_context import RouteContext, client_of
 from nanovllm_tp.serving.tool_calls import new_call_id
 
 
@@ -23,7 +23,7 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
         try:
             params, prompts = body.sampling_params(), body.prompts()
             check_request(config, params, len(prompts))
-            encoded = await encoder.completions(prompts)
+            encoded = await encoder.completions(prompts, client=client_of(request))
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
@@ -57,7 +57,8 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
             params = body.sampling_params(tools)
             check_request(config, params)
             prompt = await encoder.chat([m.as_template_message() for m in body.messages],
-                                        body.add_generation_prompt, body.chat_template_kwargs, body.template_tools())
+                                        body.add_generation_prompt, body.chat_template_kwargs, body.template_tools(),
+                                        client=client_of(request))
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors (jinja raises its own types)

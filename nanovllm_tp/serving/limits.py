@@ -3,13 +3,17 @@ reaches the engine; each refusal names the flag that sets the limit.
 
 - `BodyLimit`: plain ASGI, in front of every route: a body larger than --max-request-body-bytes gets 413 as soon
   as that is known (from Content-Length before a byte is read, else once the bytes read pass the limit), and
-  the connection is closed; a body within the limit is read whole here and handed on.
+  the connection is closed; a body within the limit is read whole here and handed on. After a large body's
+  request, the heap's free memory goes back to the system (inputs.release_heap).
 - `check_request`: n, prompts and completions per request, stop strings; `check_prompt_count` (embeddings):
   prompts per request.
 """
+import asyncio
+
 from fastapi.responses import JSONResponse
 
 from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.serving.inputs import LARGE_INPUT, release_heap
 from nanovllm_tp.serving.responses import error_body
 from nanovllm_tp.serving.server_config import ServerConfig
 
@@ -50,7 +54,12 @@ class BodyLimit:
             handed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= LARGE_INPUT:       # the body, its JSON and whatever came of them are freed by now
+                del body, chunks
+                await asyncio.to_thread(release_heap)
 
 
 def check_prompt_count(config: ServerConfig, num_prompts: int) -> None:

@@ -6,7 +6,7 @@ from nanovllm_tp.serving.delivery import finals
 from nanovllm_tp.serving.embeddings import EmbeddingRequest, embedding_response
 from nanovllm_tp.serving.limits import check_prompt_count
 from nanovllm_tp.serving.responses import ApiError
-from nanovllm_tp.serving.route_context import RouteContext
+from nanovllm_tp.serving.route_context import RouteContext, client_of
 from nanovllm_tp.serving.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeRequest,
                                               tokenize_response)
 
@@ -22,7 +22,7 @@ def add_prompt_routes(app, ctx: RouteContext) -> None:
         try:
             params, prompts = body.pooling_params(), body.prompts()
             check_prompt_count(config, len(prompts))
-            encoded = await encoder.completions(prompts, params)
+            encoded = await encoder.completions(prompts, params, client=client_of(request))
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("embd")
@@ -31,12 +31,18 @@ def add_prompt_routes(app, ctx: RouteContext) -> None:
         return embedding_response(outputs, model_name, body.encoding_format)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         ctx.check_model(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            ctx.check_template_kwargs(body.chat_template_kwargs)
+        client = client_of(request)
         try:
-            ids = await encoder.run(body.token_ids, tokenizer)
+            if isinstance(body, TokenizeChatRequest):
+                ctx.check_template_kwargs(body.chat_template_kwargs)
+                ids = await encoder.chat([m.as_template_message() for m in body.messages], body.add_generation_prompt,
+                                         body.chat_template_kwargs, client=client, output_room=0,
+                                         add_special_tokens=body.add_special_tokens)
+            else:
+                [(_, ids)] = await encoder.completions([body.prompt], client=client, output_room=0,
+                                                       add_special_tokens=body.add_special_tokens)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Exception as exc:          # the template's own errors
@@ -44,9 +50,9 @@ def add_prompt_routes(app, ctx: RouteContext) -> None:
         return tokenize_response(ids, tokenizer, model.max_model_len, body.return_token_strs)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeRequest, request: Request):
         ctx.check_model(body.model)
         try:
-            return {"prompt": await encoder.run(body.text, tokenizer)}
+            return {"prompt": await encoder.detokenize(body.tokens, client_of(request))}
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc), param="tokens") from None

@@ -1,5 +1,7 @@
 """RequestOutputs → OpenAI response bodies and stream chunks (completions and chat completions); the error bodies
 and the wording of a refused request."""
+import json
+import math
 import sys
 import time
 
@@ -11,13 +13,46 @@ from nanovllm_tp.serving.protocol import DECLARED_FIELDS, REFUSED_FIELDS
 from nanovllm_tp.utils.checks import did_you_mean
 
 
+def _finite(value):
+    """value with every non-finite float (NaN, +-inf) as null: JSON has no such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(body, separators=None) -> str:
+    """body as JSON text: non-finite floats anywhere in it are null (a number that is not one never reaches a
+    client, streamed or not)."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=separators)
+    except ValueError:
+        return json.dumps(_finite(body), ensure_ascii=False, allow_nan=False, separators=separators)
+
+
+class FiniteJSONResponse(JSONResponse):
+    """Every JSON answer of the server: as starlette's, but NaN and infinities are null, never an error."""
+
+    def render(self, content) -> bytes:
+        return json_text(content, (",", ":")).encode("utf-8")
+
+
+def json_logprob(value: float) -> float | None:
+    """A logprob as the API reports it: -inf (a token its request ruled out) as -9999.0, vLLM's figure; NaN or
+    +inf (a broken model or adapter) as null."""
+    return max(value, -9999.0) if math.isfinite(value) or value < 0 else None
+
+
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status, param), status_code=status)
+    return FiniteJSONResponse(error_body(message, kind, status, param), status_code=status)
 
 
 class ApiError(Exception):
@@ -49,8 +84,8 @@ def completion_logprobs(token_ids: list[int], positions: list, text_start: int, 
             continue
         lp = pos[t]
         tokens.append(lp.decoded_token)
-        token_lps.append(lp.logprob)
-        tops.append({e.decoded_token: e.logprob for e in _ranked(pos, top_n)})
+        token_lps.append(json_logprob(lp.logprob))
+        tops.append({e.decoded_token: json_logprob(e.logprob) for e in _ranked(pos, top_n)})
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -59,7 +94,7 @@ def completion_logprobs(token_ids: list[int], positions: list, text_start: int, 
 def chat_logprobs(token_ids: list[int], positions: list, top_n: int) -> dict:
     def entry(lp):
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
     for t, pos in zip(token_ids, positions):
@@ -137,12 +172,36 @@ class ResponseBuilder:
 _NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+def _client_path(loc: tuple, body, missing: bool) -> str:
+    """An error's location as the client wrote it: the keys and indices that lead into the body. pydantic's
+    location also names the member of a union it tried (a tag, a type, a class), which the client never wrote:
+    those are left out (a declared member name always; any step that leads nowhere in the body when the body is
+    known, but for the last of a missing field)."""
+    steps, value, known = [], body, body is not None
+    parts = [p for p in loc if p not in UNION_MEMBERS]
+    if parts[:1] == ["body"]:
+        parts = parts[1:]
+    for j, p in enumerate(parts):
+        if not known or p == "[key]":        # pydantic's mark of a bad key (the value is fine)
+            steps.append(p)
+        elif isinstance(value, dict) and p in value:
+            steps.append(p)
+            value = value[p]
+        elif isinstance(value, list) and isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(value):
+            steps.append(p)
+            value = value[p]
+        elif missing and j == len(parts) - 1 and isinstance(value, dict):     # the field the body lacks
+            steps.append(p)
+    return ".".join(str(p) for p in steps)
+
+
+def validation_message(errors: list[dict], body=None) -> tuple[str, str | None]:
     """(message, param) of a refused body, from pydantic's errors: a field that is not declared first (with its
-    reason, or the closest declared field), else the first error; `param` is the field's path."""
+    reason, or the closest declared field), else the first error; `param` is the field's path, as the client
+    wrote it (`body`: the parsed body, when there is one)."""
     err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0] if errors else {})
     kind, ctx = err.get("type"), err.get("ctx") or {}
-    path = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and p not in UNION_MEMBERS)
+    path = _client_path(tuple(err.get("loc", ())), body, kind == "missing")
     if kind == "json_invalid":
         return f"the body is not valid JSON: {ctx.get('error', 'decode error')}", None
     if not path and kind in _NOT_AN_OBJECT:

@@ -10,6 +10,11 @@ from nanovllm_tp.serving.responses import ApiError
 from nanovllm_tp.serving.server_config import ServerConfig
 
 
+def client_of(request) -> str | None:
+    """Whom a request comes from, as the tokenizer threads share their turns: its peer's address."""
+    return request.client.host if request.client is not None else None
+
+
 @dataclass(slots=True)
 class ServedModel:
     name: str                  # what clients call it

@@ -4,6 +4,7 @@ flags, their checks and what the HTTP process is told all come from these fields
 The limits keep one client from holding the server: each is refused with a 4xx that names its flag (README,
 "Limits")."""
 import json
+import os
 from dataclasses import asdict, dataclass
 
 from nanovllm_tp.config.knobs import add_args, check_knobs, knob, kwargs_of
@@ -51,6 +52,9 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = knob(help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                                   "(default from $NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING)",
                                              default_factory=lambda: _env_on("NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING"))
+    lora_root: str | None = knob(None, help="the directory adapters loaded at run time must lie in (a relative "
+                                            "lora_path starts there; no symbolic link may lead out of it); without "
+                                            "it, lora_path must be absolute", metavar="DIR")
     # data-parallel replicas behind this one endpoint (replica_set.py, router.py)
     data_parallel_size: int = knob(1, help="engine replicas, each with --tensor-parallel-size ranks, its own "
                                            "scheduler and KV cache, behind this one endpoint",
@@ -112,4 +116,6 @@ def server_config(args) -> ServerConfig:
     """The parsed server flags, checked (ValueError / TypeError naming the flag's field)."""
     config = ServerConfig(**kwargs_of(ServerConfig, args))
     check_knobs(config)
+    if config.lora_root is not None and not os.path.isdir(config.lora_root):
+        raise ValueError(f"--lora-root {config.lora_root!r} is not a directory")
     return config

@@ -1,13 +1,13 @@
 """vLLM's /tokenize and /detokenize bodies: a text prompt, or a chat rendered through the model's template, to
 token ids (with their count, the context length and, if asked, each token's text); token ids back to text. The
-work runs in the HTTP process's tokenizer threads (serving/inputs.py), as prompts do."""
+work runs in the HTTP process's tokenizer threads under the prompts' limits (serving/inputs.py): a prompt longer
+than the context, or more token ids than it holds, is refused."""
 from typing import Annotated
 
 from pydantic import Discriminator, Field, Tag
 
 from nanovllm_tp.serving.body import Body, Int
 from nanovllm_tp.serving.chat_request import ChatMessage
-from nanovllm_tp.serving.inputs import render
 
 
 class TokenizeCompletionRequest(Body):
@@ -15,9 +15,6 @@ class TokenizeCompletionRequest(Body):
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
-
-    def token_ids(self, tokenizer) -> list[int]:
-        return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
 
 
 class TokenizeChatRequest(Body):
@@ -28,15 +25,10 @@ class TokenizeChatRequest(Body):
     chat_template_kwargs: dict[str, object] | None = None
     return_token_strs: bool = False
 
-    def token_ids(self, tokenizer) -> list[int]:
-        text = render(tokenizer, [m.as_template_message() for m in self.messages], self.add_generation_prompt,
-                      self.chat_template_kwargs)
-        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
-
 
 TokenizeRequest = Annotated[
-    Annotated[TokenizeChatRequest, Tag("chat")] | Annotated[TokenizeCompletionRequest, Tag("prompt")],
-    Discriminator(lambda d: "chat" if isinstance(d, dict) and "messages" in d else "prompt")]
+    Annotated[TokenizeChatRequest, Tag("a chat")] | Annotated[TokenizeCompletionRequest, Tag("a prompt")],
+    Discriminator(lambda d: "a chat" if isinstance(d, dict) and "messages" in d else "a prompt")]
 
 
 def tokenize_response(ids: list[int], tokenizer, max_model_len: int, with_strs: bool) -> dict:
@@ -47,10 +39,3 @@ def tokenize_response(ids: list[int], tokenizer, max_model_len: int, with_strs: 
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[Int]
-
-    def text(self, tokenizer) -> str:
-        vocab = len(tokenizer)
-        bad = next((t for t in self.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return tokenizer.decode(self.tokens)

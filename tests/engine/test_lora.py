@@ -167,6 +167,18 @@ def _renamed(src: str, dst, old: str, new: str) -> str:
     return str(dst)
 
 
+def _poisoned(src: str, dst, value: float) -> str:
+    """A copy of an adapter with one weight of its first lora_B set to `value` (NaN, inf)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "adapter_model.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[name][0, 0] = value
+    save_file(tensors, path)
+    return str(dst)
+
+
 def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_hf, tmp_path, prompts):
     from nanovllm_tp.launch.make_lora import make_lora
     a1 = adapters[0]
@@ -182,7 +194,7 @@ def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_
         LLM(tiny_model_dir, max_loras=9, max_num_seqs=8, enable_lora=True)
     lm_head = make_lora(base_hf, tmp_path / "head", targets=("q_proj", "lm_head"))
     bad = {
-        "is not a directory": LoRARequest("x", 10, str(tmp_path / "missing")),
+        "no LoRA adapter there": LoRARequest("x", 10, str(tmp_path / "missing")),
         "rank 16, above max_lora_rank=8": adapters[2],
         "lm_head": LoRARequest("h", 11, lm_head),
         "'model.layers.9.[a-z_.]+', which the model does not have":
@@ -192,6 +204,20 @@ def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_
                                                                 modules_to_save=["lm_head"])),
         "bias='all'": LoRARequest("b", 14, _copy_adapter(a1.lora_path, tmp_path / "bias", bias="all")),
         "lora_int_id must be a positive int": LoRARequest("z", 0, a1.lora_path),
+        "no LoRA adapter there": LoRARequest("e", 16, str(tmp_path)),                 # a directory, no adapter
+        "holds NaN or infinite values":
+            LoRARequest("nan", 17, _poisoned(a1.lora_path, tmp_path / "nan", float("nan"))),
+        "NaN or infinite": LoRARequest("inf", 18, _poisoned(a1.lora_path, tmp_path / "inf", float("-inf"))),
+        "target_modules names 'embed_tokens', which the engine cannot adapt":
+            LoRARequest("emb", 19, _copy_adapter(a1.lora_path, tmp_path / "emb",
+                                                 target_modules=["q_proj", "embed_tokens"])),
+        "target_modules '.\\*' matches 'model.embed_tokens'":
+            LoRARequest("re", 20, _copy_adapter(a1.lora_path, tmp_path / "re", target_modules=".*")),
+        "'lora_magic' is not a LoRA setting this engine knows":
+            LoRARequest("u", 21, _copy_adapter(a1.lora_path, tmp_path / "unknown", lora_magic={"scale": 2})),
+        "activated LoRA": LoRARequest("al", 22, _copy_adapter(a1.lora_path, tmp_path / "alora",
+                                                               alora_invocation_tokens=[1, 2])),
+        "lora_name has 257 characters; at most 256": LoRARequest("n" * 257, 23, a1.lora_path),
         "is adapter 'a1'": LoRARequest("other", 1, adapters[1].lora_path),
         "got 2 lora_requests for 1 prompts": [a1, a1],
     }
@@ -209,6 +235,11 @@ def test_bad_lora_requests_are_refused(tiny_model_dir, tiny_llm, adapters, base_
         assert not llm.engine.has_unfinished()
         out = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=a1)    # still serving
         assert len(out[0].outputs[0].token_ids) == TOKENS
+        # peft's fields that do not change what the adapter computes, and a field a newer peft writes unset
+        harmless = _copy_adapter(a1.lora_path, tmp_path / "harmless", lora_dropout=0.3, init_lora_weights="gaussian",
+                                 layers_to_transform=None, exclude_modules=None, some_future_field=None)
+        again = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("h2", 30, harmless))
+        assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
 
 
 @pytest.mark.spawn

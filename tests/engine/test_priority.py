@@ -59,3 +59,30 @@ def test_priority_is_checked_before_the_engine(tiny_llm, tiny_model_dir):
         LLM(tiny_model_dir, scheduling_policy="lottery")
     assert not tiny_llm.has_unfinished_requests()
     assert tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_equal_priorities_start_and_finish_in_arrival_order(tiny_model_dir):
+    """One sequence at a time: the requests of each priority start and finish in the order they arrived (lower
+    priority values first), none preempting another of its own priority."""
+    prios = [3, 3, 1, 3, 1, 3, 3, 1, 3]
+    with LLM(tiny_model_dir, scheduling_policy="priority", max_num_seqs=1, kvcache_block_size=16,
+             kv_cache_memory=16 << 20, max_model_len=128) as llm:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        rids = [llm.add_request([10 + i, 20, 30, 40], params, priority=p) for i, p in enumerate(prios)]
+        started, finished, late = [], [], False
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                if out.request_id not in started:
+                    started.append(out.request_id)
+                if out.finished:
+                    finished.append(out.request_id)
+            if len(started) == 2 and not late:     # late arrivals of both priorities join while the first run
+                late = True
+                rids += [llm.add_request([90 + p, 91, 92], params, priority=p) for p in (3, 1, 3)]
+                prios += [3, 1, 3]
+        assert llm.stats()["num_preemptions"] == 0
+    by_priority = [r for p in sorted(set(prios)) for r, q in zip(rids, prios) if q == p]
+    # the first two started before the late ones arrived; after them, every request in priority-then-arrival order
+    rest = [r for r in by_priority if r not in started[:2]]
+    assert started == started[:2] + rest and finished == started
+    assert started[:2] == [rids[2], rids[4]]

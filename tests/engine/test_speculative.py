@@ -105,6 +105,39 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(spec_ll
     assert stats["kv_cache_usage"] == 0.0
 
 
+def proposal_steps(llm, prompt: list[int], allowed: list[int], steps: int, per_step: int = 1) -> list[int]:
+    """The decode steps (0: the first after the prompt) at which the request got proposals, over `steps` steps
+    (each making up to `per_step` tokens). `allowed_token_ids` forces its every token, so whether the n-gram
+    proposals are right is known in advance."""
+    params = SamplingParams(temperature=0, max_tokens=per_step * steps + 1, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    llm.add_request(prompt, params)
+    llm.step()                                           # the prompt, and the first token
+    got, drafts = [], llm.stats()["num_draft_tokens"]
+    for step in range(steps):
+        llm.step()
+        now = llm.stats()["num_draft_tokens"]
+        if now > drafts:
+            got.append(step)
+        drafts = now
+    while llm.has_unfinished_requests():
+        llm.step()
+    return got
+
+
+def test_proposals_that_keep_failing_back_off_1_3_7_then_15_steps(tiny_model_dir):
+    """After each failed proposal a request waits before proposing again: 1, 3, 7 decode steps, then 15 for as
+    long as they keep failing; while proposals are taken it proposes every step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 1, "prompt_lookup_min": 1}
+    with LLM(tiny_model_dir, speculative_config=spec, max_model_len=256, **SMALL) as llm:
+        # each x is followed by c in the prompt: the proposal after an x is always c, and the request says x
+        x, c = 100, 200
+        failing = proposal_steps(llm, [x, c] * 8, [x], 60)
+        assert failing == [0, 2, 6, 14, 30, 46], failing
+        # ... and after a run of x's the proposal is x, always taken: every step proposes
+        assert proposal_steps(llm, [x] * 8, [x], 12, per_step=2) == list(range(12))
+
+
 def assert_greedy_under_preemption(llm, hf, max_tokens: int) -> None:
     """Each of TEXTS twice on a pool too small for all: some preemption, some accepted proposals, every output
     transformers' greedy one, no block held afterwards. Closes llm."""

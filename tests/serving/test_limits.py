@@ -111,6 +111,105 @@ def test_tokenizing_a_large_batch_costs_only_its_own_request(server):
     assert done["small"] < done["big"]
 
 
+FLOOD = "hello world " * 700_000           # 8.4 million characters: far beyond a 512-token context
+
+
+def http_rss_mib(proc) -> float:
+    """The resident memory of the server's HTTP process."""
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:          # its title, or its command without setproctitle
+                cmdline = f.read()
+            if not (cmdline.startswith("nanovllm_tp::http") or "nanovllm_tp.serving.frontend" in cmdline):
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        except OSError:
+            continue
+    raise AssertionError("no HTTP process")
+
+
+def chat_seconds(port: int) -> float:
+    start = time.monotonic()
+    r = post(port, {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                    "ignore_eos": True}, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    return time.monotonic() - start
+
+
+def test_huge_prompts_on_every_prompt_route_cost_no_one_else_and_no_memory(server):
+    """Huge prompts sent at once to /tokenize (a prompt, a chat), /v1/completions and /v1/embeddings: each
+    is held to the context before it is tokenized (an embedding cut to its last tokens reads only the end of its
+    text), so a chat sent meanwhile is answered in seconds, and the HTTP process gives the memory back."""
+    port, proc = server
+    chat_seconds(port)
+    before = http_rss_mib(proc)
+    bodies = [("/tokenize", {"prompt": FLOOD}), ("/tokenize", {"prompt": FLOOD}),
+              ("/tokenize", {"messages": [{"role": "user", "content": FLOOD}]}),
+              ("/v1/completions", {"model": "tiny", "prompt": FLOOD, "max_tokens": 1}),
+              ("/v1/embeddings", {"model": "tiny", "input": FLOOD, "truncate_prompt_tokens": -1})]
+    answers = {}
+
+    def send(i, path, body):
+        start = time.monotonic()
+        r = post(port, body, path, timeout=300)
+        answers[i] = (r, time.monotonic() - start)
+    threads = [threading.Thread(target=send, args=(i, *b)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    during = chat_seconds(port)
+    for t in threads:
+        t.join(300)
+    for i in range(4):
+        r, seconds = answers[i]
+        assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text[:300]
+        assert seconds < 20
+    embedding, seconds = answers[4]
+    assert embedding.status_code == 200 and embedding.json()["usage"]["prompt_tokens"] == 512, embedding.text[:300]
+    assert during < 10, f"a chat took {during:.1f} s beside the flood"
+    time.sleep(1.0)
+    after = http_rss_mib(proc)
+    assert after < before + 150, f"the HTTP process grew from {before:.0f} to {after:.0f} MiB"
+
+
+def test_an_embedding_cut_to_its_last_tokens_reads_only_the_end_of_its_text(server, tiny_llm):
+    port, _ = server
+    tok = tiny_llm.get_tokenizer()
+    text = " ".join(f"w{i}" for i in range(40_000))          # ~230k characters, far more than the cut reads
+    ids = tok.encode(text)[-100:]
+    cut = post(port, {"model": "tiny", "input": text, "truncate_prompt_tokens": 100}, "/v1/embeddings")
+    whole = post(port, {"model": "tiny", "input": ids}, "/v1/embeddings")
+    assert cut.status_code == 200 and whole.status_code == 200, cut.text
+    a, b = cut.json()["data"][0]["embedding"], whole.json()["data"][0]["embedding"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_the_tokenizer_threads_take_turns_between_requests(server):
+    """Two large batches, each one request of 2,048 prompts, then a small request: the threads take one prompt of
+    each request in turn, so the small one is answered before either batch."""
+    port, _ = server
+    body = {"model": "tiny", "prompt": [f"{i} " + "word " * 400 for i in range(2047)] + ["word " * 2000],
+            "max_tokens": 1}
+    done = {}
+
+    def big(name):
+        r = post(port, body, timeout=600)
+        done[name] = (time.monotonic(), r)
+    threads = [threading.Thread(target=big, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)                   # both batches read and being tokenized
+    small_request_seconds(port)
+    small = time.monotonic()
+    for t in threads:
+        t.join(600)
+    for name in ("a", "b"):
+        finished, r = done[name]
+        assert r.status_code == 400 and "prompt 2047 has" in r.json()["error"]["message"]
+        assert small < finished
+
+
 def test_a_chat_template_sent_by_a_client_is_refused(server):
     port, _ = server
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -283,6 +382,6 @@ def test_bench_limits_runs_and_reports_every_figure(tiny_model_dir, capsys):
     from nanovllm_tp.bench import limits as bench_limits
     figures = bench_limits.main(["--model", tiny_model_dir, "--repeats", "1", "--batch", "40", "--body-mb", "20",
                                  *ENGINE_ARGS])
-    assert len(figures) == 8 and all(v >= 0 for v in figures.values())
+    assert len(figures) == 11 and all(v >= 0 for v in figures.values())
     assert any("[exit code 0]" in name for name in figures)
     assert capsys.readouterr().out.splitlines()[-1].lstrip().startswith("SIGTERM mid-stream -> exit")

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from nanovllm_tp.launch.generate import build_llm
-from nanovllm_tp.launch.serve import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
+from nanovllm_tp.launch.engine_server import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_title

@@ -21,6 +21,7 @@ COMMANDS = {
     "convert": ("nanovllm_tp.launch.convert", "a .gguf file as a plain HF directory"),
     "perplexity": ("nanovllm_tp.launch.perplexity", "perplexity of a text through the engine"),
     "make-tiny": ("nanovllm_tp.launch.make_tiny", "an offline random-weight checkpoint (tests, benchmarks)"),
+    "make-shape": ("nanovllm_tp.launch.make_shape", "a random-weight checkpoint of a real model's shape (1B-8B)"),
     "make-lora": ("nanovllm_tp.launch.make_lora", "random PEFT adapters for a checkpoint"),
     "soak": ("nanovllm_tp.launch.soak", "the seeded lifecycle soak against a reference engine"),
     "gpu-check": ("nanovllm_tp.launch.gpu_check", "the one-command GPU check (exactness, throughput)"),

@@ -39,6 +39,14 @@ def convert(model: str, out_dir, dtype: str = "bfloat16", shard_bytes: int = SHA
     eos = list(mc.eos_token_ids)
     write_json(out_dir / "generation_config.json", {"bos_token_id": config.get("bos_token_id"),
                                                       "eos_token_id": eos[0] if len(eos) == 1 else eos})
+    write_tokenizer(path, out_dir)
+    write_weights(((name, w[:].to(getattr(torch, dtype)).contiguous()) for name, w in iter_weights(path)), out_dir,
+                  shard_bytes)
+    return out_dir
+
+
+def write_tokenizer(path: str, out_dir: pathlib.Path) -> None:
+    """The tokenizer of GGUF file `path` as HF tokenizer files in out_dir, its chat template included."""
     tokenizer = load_tokenizer(path)
     tokenizer.save_pretrained(out_dir)
     # older transformers (and engines built on it) know the fast tokenizer by this class name and read the chat
@@ -48,9 +56,6 @@ def convert(model: str, out_dir, dtype: str = "bfloat16", shard_bytes: int = SHA
         tok_config.pop(key, None)
     tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template)
     write_json(out_dir / "tokenizer_config.json", tok_config)
-    write_weights(((name, w[:].to(getattr(torch, dtype)).contiguous()) for name, w in iter_weights(path)), out_dir,
-                  shard_bytes)
-    return out_dir
 
 
 def write_weights(tensors, out_dir: pathlib.Path, shard_bytes: int = SHARD_BYTES) -> None:

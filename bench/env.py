@@ -1,5 +1,6 @@
 """The record of where a benchmark ran, written with its figures: date, host, CPU, threads, load average at the
-start and the end, library versions, the commit (and whether the tree was dirty), how it was launched."""
+start and the end, the memory read bandwidth at the run's thread count (bench/bandwidth.py), library versions,
+the commit (and whether the tree was dirty), how it was launched."""
 from __future__ import annotations
 
 import datetime
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+from nanovllm_tp.bench.bandwidth import read_bandwidth
 from nanovllm_tp.layers.cpu_features import cpu_model
 
 
@@ -41,6 +43,7 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "read_bandwidth": read_bandwidth(torch.get_num_threads()),
         "cuda": torch.cuda.is_available(),
         "git_commit": _git_commit(),
         "launched_by": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ else "python",

@@ -231,6 +231,7 @@ def main(args) -> dict:
                      f"first token at {ready[PEER_KEY]['first_token_s']:.1f}s")
         peers[PEER_KEY].run(warm_prompts, warm_outs, args.temperature)
         bench_compare.interleave(args, llm, workload, peers, runs)
+        cold["decode_share"] = bench_compare.one_stream_share(args, llm, workload, runs["engine"])
         argv = peers[PEER_KEY].argv
     finally:
         llm.close()
@@ -241,6 +242,7 @@ def main(args) -> dict:
     figures = {"engine": engine, PEER_KEY: {**bench_compare.peer_figures(
         runs["engine"], runs[PEER_KEY], ready[PEER_KEY], ("load_s", "first_token_s", "slots", "ctx_size", "threads")),
         "argv": argv}}
+    bench_compare.add_shares(figures)
     result = {"name": "bench", "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": {**bc.finish_environment(env), "llama_cpp": version}, "figures": figures}
     bc.save_result(args, out_path, result, bench_compare.draw)

@@ -28,7 +28,7 @@ import argparse
 import sys
 import time
 
-from nanovllm_tp.bench import common as bc
+from nanovllm_tp.bench import common as bc, compare as bench_compare
 from nanovllm_tp.bench.engine import run_engine, summarize_runs, warm_up_engine
 from nanovllm_tp.bench.hf import HFRunner
 from nanovllm_tp.config.engine_config import add_engine_args
@@ -67,23 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
 def table(result: dict) -> str:
     f, c, w = result["figures"], result["config"], result["workload"]
     engine = f["engine"]
-    rows = [[f"nanovllm_tp TP={c['tensor_parallel_size']}", engine["tok_s"], f"{engine['seconds']:.3f}", "1.00"]]
+    rows = [[f"nanovllm_tp TP={c['tensor_parallel_size']}", engine["tok_s"], f"{engine['seconds']:.3f}", "1.00",
+             bench_compare.share_cell(engine)]]
     if "engine_mixed" in f:
         m = f["engine_mixed"]
         rows.append(["nanovllm_tp, mixed sampling", m["tok_s"], f"{m['seconds']:.3f}",
-                     f"{1 / f['ratios']['engine_mixed/engine']:.2f}"])
+                     f"{1 / f['ratios']['engine_mixed/engine']:.2f}", "-"])
     for key, label in (("hf_generate", "hf generate"), ("hf_continuous", "hf continuous batching")):
         if key in f:
             e = f[key]
             if key == "hf_generate":
                 label += f" (bs={e['batch_size']})"
             ratio = f["ratios"].get(f"engine/{key}")
-            rows.append([label, e["tok_s"], f"{e['seconds']:.3f}", f"{ratio:.2f}" if ratio else "-"])
+            rows.append([label, e["tok_s"], f"{e['seconds']:.3f}", f"{ratio:.2f}" if ratio else "-",
+                         bench_compare.share_cell(e)])
     title = (f"bench: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, output "
              f"{w['output_len_min']}..{w['output_len_max']} ({w['requested_output_tokens']} requested tokens), "
              f"{c['model_source']}, T={c['temperature']}, "
              f"median of {c['repeats']}, torch threads {result['environment']['torch_threads']}")
-    return bc.format_table(["engine", "output tok/s", "seconds", "engine/this"], rows, title)
+    return bc.format_table(["engine", "output tok/s", "seconds", "engine/this", "GB/s read (of bandwidth)"], rows,
+                           title)
 
 
 def draw(result: dict):
@@ -161,11 +164,14 @@ def main(argv=None) -> dict:
             if "cb" in args.hf_modes:
                 cb_runs.append(hf.generate_cb(workload, prompts))
                 bc.log(args, f"[{r + 1}/{args.repeats}] hf continuous batching: {cb_runs[-1]['tok_s']:.1f} tok/s")
+        share = bench_compare.one_stream_share(args, llm, workload, engine_runs)
     finally:
         llm.close()
 
     figures = {"engine": {**summarize_runs(engine_runs), "tp": args.tensor_parallel_size, "runner": runner_desc},
                "ratios": {}}
+    if share:
+        figures["engine"]["decode_share"] = share
     if hf is not None and "generate" in args.hf_modes:
         sweep = {str(b): summarize_runs(runs) for b, runs in static_runs.items()}
         best = max(batch_sizes, key=lambda b: sweep[str(b)]["tok_s"])
@@ -188,6 +194,7 @@ def main(argv=None) -> dict:
     if hf is not None:
         figures["hf"] = {"attn_implementation": hf.attn_implementation, "dtype": str(llm.engine.dtype),
                          "device": str(llm.engine.device)}
+    bench_compare.add_shares(figures)
     figures["total_tok_s"] = (workload.prompt_tokens + workload.requested_output_tokens) / figures["engine"]["seconds"]
     result = {"name": NAME, "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": bc.finish_environment(env), "timings": extra, "figures": figures}

@@ -172,6 +172,7 @@ def main(args) -> dict:
                          f"{ready[mode]['first_token_s']:.1f}s")
             peers[mode].run(warm_prompts, warm_outs, args.temperature)
         bench_compare.interleave(args, llm, workload, peers, runs)
+        cold["decode_share"] = bench_compare.one_stream_share(args, llm, workload, runs["engine"])
     finally:
         llm.close()
         for peer in peers.values():
@@ -189,6 +190,7 @@ def figures(runs: dict, cold: dict, ready: dict, runner: str, dtype: str) -> dic
     for mode in ready:
         f[f"vllm_{mode}"] = bench_compare.peer_figures(runs["engine"], runs[mode], ready[mode],
                                                        ("load_s", "first_token_s", "import_s", "torch_threads"))
+    bench_compare.add_shares(f)
     return f
 
 

@@ -1,0 +1,143 @@
+"""Memory read bandwidth, measured by the benchmark itself, and the share of it a one-stream decode uses.
+
+A decode step of one request reads every weight the token passes through (and the request's KV) from memory
+once the model is many times the last-level cache: its tok/s is bounded by bandwidth / bytes per token. Every
+benchmark's environment record carries `read_bandwidth` (bench/env.py): torch sums a float32 buffer of
+CACHE_MULTIPLE times the last-level cache (from sysfs; at least MIN_BYTES) with the run's thread count, best of
+READS reads after one untimed read (pages touched, threads started). `bench throughput` with one request puts
+beside its figure the bytes read per token (`model_read_bytes`: weights as the engine holds them, plus the mean
+KV the request's decode steps read) times tok/s, as a share of that bandwidth (`decode_share`).
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import time
+
+CACHE_MULTIPLE = 16
+MIN_BYTES = 256 << 20
+MAX_BYTES = 4 << 30
+READS = 5
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest cache level's size of CPU 0 (sysfs), or None where the kernel does not say."""
+    best = None
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        if best is None or level > best[0] or (level == best[0] and size > best[1]):
+            best = (level, size)
+    return best[1] if best else None
+
+
+def buffer_bytes(llc: int | None) -> int:
+    return min(MAX_BYTES, max(MIN_BYTES, CACHE_MULTIPLE * (llc or 0)))
+
+
+@functools.lru_cache(maxsize=8)
+def read_bandwidth(threads: int) -> dict:
+    """Read bandwidth with `threads` torch threads: {"gb_s", "buffer_bytes", "llc_bytes", "threads", "reads",
+    "how"}; measured once per thread count in a process."""
+    import torch
+    llc = last_level_cache_bytes()
+    nbytes = buffer_bytes(llc)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+        buffer.sum()
+        best = float("inf")
+        for _ in range(READS):
+            t0 = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - t0)
+        del buffer
+    finally:
+        torch.set_num_threads(before)
+    return {"gb_s": nbytes / best / 1e9, "buffer_bytes": nbytes, "llc_bytes": llc, "threads": threads,
+            "reads": READS, "how": f"torch.sum over a float32 buffer of max({MIN_BYTES >> 20} MiB, "
+                                   f"{CACHE_MULTIPLE} x the last-level cache), best of {READS}"}
+
+
+# =============================================================================================== bytes per token
+
+def weight_read_bytes(model: str, dtype, quantization: str = "none") -> dict:
+    """Bytes of weights one decoded token reads: every tensor of the checkpoint as the engine holds it: in the
+    engine's dtype, or, where the engine runs quantized weights (`quantization`: LLM.stats()'s, "Q4_0+Q8_0"), a
+    GGUF file's blocks of those types, or a quantized directory's projections in its one type; the embedding
+    counted only where it is also the LM head (tied); a MoE layer's experts as the share a token routes to."""
+    import math
+
+    from nanovllm_tp.checkpoint.gguf_header import require_gguf
+    from nanovllm_tp.checkpoint.loader import checkpoint_tensors
+    from nanovllm_tp.config.model_config import ModelConfig
+    config = ModelConfig.from_pretrained(model)
+    kinds = set() if quantization in (None, "none") else set(quantization.split("+"))
+    sizes = require_gguf().GGML_QUANT_SIZES if kinds else {}
+    total, embedding = 0, 0
+    for name, tensor, _ in checkpoint_tensors(model, keep_blocks=False):
+        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+        numel = math.prod(shape)
+        entry = getattr(tensor, "entry", None)          # a GGUF tensor: its type as stored
+        kind = None
+        if len(shape) == 2 and entry is not None:
+            import gguf
+            stored = gguf.GGMLQuantizationType(entry.ggml_type).name
+            kind = stored if stored in kinds else None
+        elif len(shape) == 2 and len(kinds) == 1 and "embed_tokens" not in name and "lm_head" not in name:
+            kind = next(iter(kinds))
+        if kind is not None:
+            import gguf
+            block, block_bytes = sizes[gguf.GGMLQuantizationType[kind]]
+            nbytes = numel // block * block_bytes
+        else:
+            nbytes = numel * dtype.itemsize
+        if "embed_tokens" in name:
+            embedding = nbytes
+            continue
+        if ".experts." in name and config.num_experts:
+            nbytes = nbytes * config.num_experts_per_tok // config.num_experts
+        total += nbytes
+    if config.tie_word_embeddings:
+        total += embedding
+    return {"weights": total, "embedding_as_lm_head": bool(config.tie_word_embeddings)}
+
+
+def kv_read_bytes(model: str, dtype, kv_cache_dtype: str, context_tokens: float) -> int:
+    """Bytes of K and V one decode step reads at a context of `context_tokens`, every layer."""
+    from nanovllm_tp.config.model_config import ModelConfig
+    from nanovllm_tp.layers.attention.kv_quant import kv_token_head_bytes
+    c = ModelConfig.from_pretrained(model)
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_token_head_bytes(kv_cache_dtype, c.head_dim,
+                                                                                      dtype)
+    return int(per_token * context_tokens)
+
+
+def decode_share(tok_s: float, weight_bytes: int, kv_bytes: int, bandwidth_gb_s: float) -> dict:
+    """bytes read per token x tok/s, and its share of the measured read bandwidth."""
+    per_token = weight_bytes + kv_bytes
+    gb_s = per_token * tok_s / 1e9
+    return {"bytes_per_token": per_token, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "gb_s": gb_s,
+            "bandwidth_gb_s": bandwidth_gb_s, "share": gb_s / bandwidth_gb_s}
+
+
+def one_stream_share(llm, model: str, workload, tok_s: float, threads: int) -> dict:
+    """decode_share of a one-request run of `workload` on the engine `llm`: its weights as held, the KV at the
+    mean context of its decode steps (prompt + half the output), bandwidth at `threads`."""
+    engine = llm.engine
+    quantization = llm.stats().get("quantization") or "none"
+    weights = weight_read_bytes(model, engine.dtype, quantization)
+    context = workload.prompt_tokens + (workload.requested_output_tokens - 1) / 2
+    kv = kv_read_bytes(model, engine.dtype, engine.config.kv_cache_dtype, context)
+    bandwidth = read_bandwidth(threads)
+    return {**decode_share(tok_s, weights["weights"], kv, bandwidth["gb_s"]), "threads": threads,
+            "quantization": quantization, "mean_context": context}

@@ -186,28 +186,30 @@ def test_an_embedding_cut_to_its_last_tokens_reads_only_the_end_of_its_text(serv
 
 
 def test_the_tokenizer_threads_take_turns_between_requests(server):
-    """Two large batches, each one request of 2,048 prompts, then a small request: the threads take one prompt of
-    each request in turn, so the small one is answered before either batch."""
+    """Four large batches, each one request of 2,048 prompts (the last too long), then a small request: the two
+    threads take one prompt of each request in turn, so the small one is answered before any batch. (Taken in
+    order of arrival, it would wait for two batches whole.)"""
     port, _ = server
-    body = {"model": "tiny", "prompt": [f"{i} " + "word " * 400 for i in range(2047)] + ["word " * 2000],
+    body = {"model": "tiny", "prompt": [f"{i} " + "word " * 500 for i in range(2047)] + ["word " * 2000],
             "max_tokens": 1}
     done = {}
 
     def big(name):
         r = post(port, body, timeout=600)
         done[name] = (time.monotonic(), r)
-    threads = [threading.Thread(target=big, args=(n,)) for n in ("a", "b")]
+    names = ("a", "b", "c", "d")
+    threads = [threading.Thread(target=big, args=(n,)) for n in names]
     for t in threads:
         t.start()
-    time.sleep(3.0)                   # both batches read and being tokenized
+    time.sleep(2.5)                   # the batches read and being tokenized
     small_request_seconds(port)
     small = time.monotonic()
     for t in threads:
         t.join(600)
-    for name in ("a", "b"):
+    for name in names:
         finished, r = done[name]
         assert r.status_code == 400 and "prompt 2047 has" in r.json()["error"]["message"]
-        assert small < finished
+        assert small < finished, f"batch {name} was answered {small - finished:.1f} s before the small request"
 
 
 def test_a_chat_template_sent_by_a_client_is_refused(server):

@@ -161,12 +161,14 @@ def serve(inp, out) -> None:
         say(_run(llm, msg, request_times))
 
 
-def main() -> int:
+def main(serve_lines=None) -> int:
+    """Serve the protocol on stdin / stdout with `serve_lines(inp, out)` (vLLM's serve by default; OpenVINO
+    GenAI's peer passes its own)."""
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")      # the protocol's stream
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())      # everything else printed (here or by children): stderr
     try:
-        serve(sys.stdin, out)
+        (serve_lines or serve)(sys.stdin, out)
     except Exception as exc:  # noqa: BLE001 - reported to the driver as one line, then a failing exit status
         out.write(encode({"event": "error", "message": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()

@@ -6,6 +6,7 @@
     python -m nanovllm_tp.bench.throughput --sampling mixed --repeats 5 # sampling knobs on half the rows vs greedy
     python -m nanovllm_tp.bench.throughput --model DIR --compare vllm --peer-python VENV/bin/python  # see vllm.py
     python -m nanovllm_tp.bench.throughput --model F.gguf --compare llamacpp --peer-bin LLAMA/build/bin  # llamacpp.py
+    python -m nanovllm_tp.bench.throughput --model DIR --compare openvino --peer-python OV/bin/python  # openvino_compare.py
     ./torchrun.sh 2 -m nanovllm_tp.bench.throughput --tp 2
 
 N requests with random prompt ids; prompt and output lengths uniform in --prompt-len / --output-len; every
@@ -45,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sampling", choices=["plain", "mixed"], default="plain",
                         help="mixed: also run with sampling knobs and logprobs on half the rows, same run")
     g = parser.add_argument_group("comparison with transformers")
-    g.add_argument("--compare", choices=["hf", "vllm", "llamacpp"],
-                   help="also run transformers (hf), vLLM from --peer-python, or llama.cpp's llama-server from "
-                        "--peer-bin, on the same model and workload")
+    g.add_argument("--compare", choices=["hf", "vllm", "llamacpp", "openvino"],
+                   help="also run transformers (hf), vLLM from --peer-python, llama.cpp's llama-server from "
+                        "--peer-bin, or OpenVINO GenAI from --peer-python, on the same model and workload")
     g.add_argument("--hf-modes", nargs="+", choices=["generate", "cb"], default=["generate", "cb"],
                    help="which transformers paths to run (default: both)")
     g.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64],
@@ -55,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-cb-max-batch-tokens", type=int, default=None,
                    help="continuous batching: tokens per step (default: min(512, --max-num-batched-tokens); "
                         "its own 8192 default sizes an sdpa mask of GBs on CPU and is slower there)")
-    from nanovllm_tp.bench import llamacpp as bench_llamacpp, vllm as bench_vllm
+    from nanovllm_tp.bench import llamacpp as bench_llamacpp, openvino_compare as bench_openvino, vllm as bench_vllm
     bench_vllm.add_peer_args(parser)
     bench_llamacpp.add_peer_args(parser)
+    bench_openvino.add_peer_args(parser)
     bc.add_output_args(parser)
     return parser
 
@@ -120,6 +122,9 @@ def main(argv=None) -> dict:
     if args.compare == "llamacpp":
         from nanovllm_tp.bench import llamacpp as bench_llamacpp
         return bench_llamacpp.main(args)
+    if args.compare == "openvino":
+        from nanovllm_tp.bench import openvino_compare as bench_openvino
+        return bench_openvino.main(args)
     if args.compare and "generate" in args.hf_modes and not any(b > 0 for b in args.hf_batch_sizes):
         raise SystemExit("--hf-batch-sizes needs at least one size >= 1")
     bc.apply_threads(args)

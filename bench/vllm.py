@@ -34,10 +34,12 @@ MODES = {"eager": ["eager"], "compiled": ["compiled"], "both": ["eager", "compil
 
 def add_peer_args(parser) -> None:
     g = parser.add_argument_group("comparison with vLLM (--compare vllm)")
-    g.add_argument("--peer-python", help="python of a virtualenv where vLLM is installed")
+    g.add_argument("--peer-python", help="python of a virtualenv where vLLM is installed (--compare openvino: "
+                   "OpenVINO GenAI; default $NANOVLLM_TP_OPENVINO_PYTHON)")
     g.add_argument("--peer-mode", choices=list(MODES), default="compiled",
                    help="vLLM eager (enforce_eager=True), compiled (its default, torch.compile) or both")
-    g.add_argument("--peer-kv-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    g.add_argument("--peer-kv-gib", type=int, default=2, help="the peer's KV cache, GiB (vLLM: "
+                   "VLLM_CPU_KVCACHE_SPACE; OpenVINO GenAI: SchedulerConfig.cache_size)")
     g.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds to wait for any one peer reply")
 
 
@@ -68,12 +70,14 @@ def check_peer_python(path: str | None) -> str:
 
 
 class PeerProcess:
-    """One vLLM LLM in a subprocess of its own session; close() leaves no process behind."""
+    """One peer engine (vLLM's LLM; `script` another peer of the same protocol, bench/openvino_peer.py) in a
+    subprocess of its own session; close() leaves no process behind."""
 
-    def __init__(self, python: str, config: dict, env: dict, timeout: float):
+    def __init__(self, python: str, config: dict, env: dict, timeout: float, script: pathlib.Path = PEER_SCRIPT,
+                 label: str = "vLLM"):
         env = {**os.environ, **env}
-        self.timeout, self.log = timeout, tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([python, str(PEER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.timeout, self.log, self.label = timeout, tempfile.TemporaryFile("w+"), label
+        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
         try:
             self.ready = self.ask({"op": "config", **config})
@@ -94,7 +98,7 @@ class PeerProcess:
         reply = json.loads(line) if line.strip() else {"event": "error", "message": f"it exited "
                                                         f"(status {self.proc.poll()}) or did not answer in time"}
         if reply["event"] == "error":
-            raise RuntimeError(f"vLLM peer: {reply['message']}\n--- its last log lines ---\n{self.log_tail()}")
+            raise RuntimeError(f"{self.label} peer: {reply['message']}\n--- its last log lines ---\n{self.log_tail()}")
         return reply
 
     def run(self, prompts, max_tokens, temperature: float, ignore_eos: bool = True) -> dict:

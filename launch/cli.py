@@ -29,7 +29,7 @@ COMMANDS = {
 
 # bench KIND -> (module, what it measures)
 BENCHES = {
-    "throughput": ("nanovllm_tp.bench.throughput", "offline throughput; --compare hf | vllm | llamacpp"),
+    "throughput": ("nanovllm_tp.bench.throughput", "offline throughput; --compare hf | vllm | llamacpp | openvino"),
     "latency": ("nanovllm_tp.bench.latency", "time to first token and per output token"),
     "serve": ("nanovllm_tp.bench.serve", "the HTTP server under concurrent streams"),
     "tp": ("nanovllm_tp.bench.tp", "tensor-parallel scaling"),

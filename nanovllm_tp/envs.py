@@ -31,6 +31,10 @@ VARIABLES = {
     "CC": "the C compiler that builds the CPU kernels (default cc)",
     "XDG_CACHE_HOME": "the cache root: the built CPU kernels and kernel tables go in $XDG_CACHE_HOME/nanovllm_tp "
                       "(default ~/.cache)",
+    # benchmarks
+    "NANOVLLM_TP_OPENVINO_PYTHON": "the python of a virtualenv with openvino-genai and optimum-intel[openvino]: "
+                                   "bench --compare openvino's --peer-python default; its end-to-end test runs "
+                                   "it (skipped without)",
     # tests
     "NANOVLLM_TP_TEST_LLAMA_SERVER": "a llama.cpp llama-server binary: the tests of bench --compare llamacpp run it "
                                      "(skipped without)",

@@ -97,6 +97,26 @@ def python_cmd(*args) -> list[str]:
     return [sys.executable, *args]
 
 
+def cmdline(pid: int) -> str:
+    """What /proc shows as the process's command line ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# The server's processes as /proc shows them: their title (utils/proctitle.py, with setproctitle installed), or
+# their command without it.
+_ROLES = {"http": re.compile(r"^nanovllm_tp::http\b|nanovllm_tp\.serving\.frontend"),
+          "worker": re.compile(r"^nanovllm_tp::(?:dp\d+::)?tp[1-9]\d*\b|nanovllm_tp\.workers\.worker")}
+
+
+def processes_of(root: int, role: str) -> list[int]:
+    """The processes below root that play `role`: "http" (the HTTP process) or "worker" (a rank > 0 it spawned)."""
+    return [pid for pid in descendants(root) if _ROLES[role].search(cmdline(pid))]
+
+
 # torchrun as torchrun.sh runs it (the same flags; its log directory removed on exit, which plain torchrun leaves)
 TORCHRUN = ("-m", "nanovllm_tp.launch.torchrun")
 

@@ -7,10 +7,12 @@
 
 Only the engine's own processes are renamed: `LLM(...)` in a user's program leaves the program's title alone.
 With the `setproctitle` package (a dependency) the whole command line shown by `ps -f` becomes the title; the
-kernel's short name (`ps -e`, `top`: 15 characters) is set either way, as `nvtp-dp1-tp0`.
+kernel's short name (`ps -e`, `top`: 15 characters) is set either way, as `nvtp-dp1-tp0`. The title takes the
+room of the original command line only, so the process's environment stays readable in /proc.
 """
 import ctypes
 import ctypes.util
+import os
 import sys
 
 PREFIX = "nanovllm_tp"
@@ -25,6 +27,9 @@ def rank_title(rank: int, replica: int | str | None = None) -> str:
 
 def set_title(title: str) -> None:
     """Name this process (best effort: a platform without either mechanism keeps its name)."""
+    # the title within the command line's own room: /proc/PID/environ stays the process's environment (without
+    # SPT_NOENV setproctitle writes over it to make room for a longer title, and tools that read it see garbage)
+    os.environ.setdefault("SPT_NOENV", "1")
     try:
         import setproctitle
         setproctitle.setproctitle(title)

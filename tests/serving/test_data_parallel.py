@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from tests.procs import TORCHRUN, descendants, free_port, python_cmd, started, wait_gone
+from tests.procs import TORCHRUN, cmdline, descendants, free_port, python_cmd, started, wait_gone
 from tests.serving.test_lora_serve import adapters, complete  # noqa: F401  (adapters: a module fixture)
-from tests.serving.test_serve import (ENGINE_ARGS, PROMPTS, _children, _cmdline, client, metrics, offline,
+from tests.serving.test_serve import (ENGINE_ARGS, PROMPTS, _children, client, metrics, offline,
                                       start_server, wait_ready)
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
@@ -25,7 +25,7 @@ def replicas(pid: int) -> dict[int, int]:
     """The server's replica processes, by the title each gives itself (what `ps` shows): dp rank -> pid."""
     out = {}
     for child in _children(pid):
-        found = re.match(r"nanovllm_tp::dp(\d+)::tp0\b", _cmdline(child))
+        found = re.match(r"nanovllm_tp::dp(\d+)::tp0\b", cmdline(child))
         if found:
             out[int(found.group(1))] = child
     return out
@@ -182,8 +182,8 @@ def test_replicas_of_two_ranks_each_and_their_process_titles(tiny_model_dir, tin
         c = client(port)
         assert [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
                 for p in PROMPTS * 2] == want * 2
-        titles = sorted(_cmdline(pid).split("\x00")[0].strip() for pid in [proc.pid, *descendants(proc.pid)]
-                        if "resource_tracker" not in _cmdline(pid))     # Python's shared-memory helper
+        titles = sorted(cmdline(pid).split("\x00")[0].strip() for pid in [proc.pid, *descendants(proc.pid)]
+                        if "resource_tracker" not in cmdline(pid))     # Python's shared-memory helper
         assert titles == ["nanovllm_tp::dp0::tp0", "nanovllm_tp::dp0::tp1", "nanovllm_tp::dp1::tp0",
                           "nanovllm_tp::dp1::tp1", "nanovllm_tp::http", "nanovllm_tp::serve"], titles
         with open(f"/proc/{replicas(proc.pid)[1]}/comm") as f:          # the short name top and ps -e show
@@ -235,7 +235,7 @@ def test_torchrun_as_two_nodes_one_replica_each(tiny_model_dir, tiny_llm, tmp_pa
         assert streamed == want
         counts = routed(port)
         assert counts[0] >= 3 and counts[1] >= 3, counts
-        titles = {_cmdline(pid).split("\x00")[0].strip() for pid in descendants(node1.pid)}
+        titles = {cmdline(pid).split("\x00")[0].strip() for pid in descendants(node1.pid)}
         assert "nanovllm_tp::dp1::tp0" in titles, titles
         node0.send_signal(signal.SIGTERM)              # torchrun passes it on to rank 0, which tells replica 1
         node0.wait(timeout=60)

@@ -13,7 +13,7 @@ import pytest
 
 from nanovllm_tp.bench.hf import hf_greedy
 from nanovllm_tp.bench.limits import MB, abandoned_batch, raw_post
-from tests.procs import descendants, our_shm_segments, wait_gone
+from tests.procs import descendants, our_shm_segments, processes_of, wait_gone
 from tests.serving.test_serve import ENGINE_ARGS, metrics, rundirs, start_server, wait_ready
 
 pytestmark = pytest.mark.spawn
@@ -116,12 +116,8 @@ FLOOD = "hello world " * 700_000           # 8.4 million characters: far beyond 
 
 def http_rss_mib(proc) -> float:
     """The resident memory of the server's HTTP process."""
-    for pid in descendants(proc.pid):
+    for pid in processes_of(proc.pid, "http"):
         try:
-            with open(f"/proc/{pid}/cmdline") as f:          # its title, or its command without setproctitle
-                cmdline = f.read()
-            if not (cmdline.startswith("nanovllm_tp::http") or "nanovllm_tp.serving.frontend" in cmdline):
-                continue
             with open(f"/proc/{pid}/status") as f:
                 return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
         except OSError:
@@ -354,7 +350,7 @@ def test_a_stuck_step_gives_503_and_sigterm_still_stops_every_rank(tiny_model_di
         with ctx as proc:
             wait_ready(port, proc)
             pids = [proc.pid, *descendants(proc.pid)]
-            worker = next(p for p in pids if "nanovllm_tp.workers.worker" in open(f"/proc/{p}/cmdline").read())
+            worker = processes_of(proc.pid, "worker")[0]
             os.kill(worker, signal.SIGSTOP)
             events = []
 

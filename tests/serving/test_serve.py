@@ -18,7 +18,8 @@ import pytest
 
 from nanovllm_tp import SamplingParams
 from tests.helpers import GGUF, smollm2
-from tests.procs import GONE_WITHIN, free_port, our_shm_segments, python_cmd, started, wait_gone
+from tests.procs import (GONE_WITHIN, free_port, our_shm_segments, processes_of, python_cmd, started,
+                         wait_gone)
 
 pytestmark = pytest.mark.spawn     # a server process, or several
 
@@ -256,7 +257,7 @@ def test_tp2_server_same_outputs_then_a_dead_rank_gives_503_and_sigterm_leaves_n
         c = client(port, key="unused")
         got = c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0)
         assert [ch.text for ch in got.choices] == [o.outputs[0].text for o in offline(tiny_llm, PROMPTS)]
-        worker = next(pid for pid in _children(proc.pid) if "nanovllm_tp.workers.worker" in _cmdline(pid))
+        worker = processes_of(proc.pid, "worker")[0]
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
             lines = (line for line in r.iter_lines() if line.startswith("data:"))
@@ -295,14 +296,6 @@ def _children(pid: int) -> list[int]:
     return descendants(pid)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 @pytest.mark.slow
 def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
     # the running request lasts its whole 4095 tokens (seconds, more on a loaded machine), and HTTP keeps normal
@@ -336,7 +329,7 @@ def test_beyond_max_waiting_requests_new_ones_get_429(tiny_model_dir):
 
 
 def _frontend(pid: int) -> int:
-    return next(p for p in _children(pid) if "nanovllm_tp.serving.frontend" in _cmdline(p))
+    return processes_of(pid, "http")[0]
 
 
 HTTP_DEATH_SEEN_WITHIN = 10.0      # seconds from kill -9 of the HTTP process to the engine process's exit
@@ -388,7 +381,7 @@ def test_torchrun_tp2_server_same_outputs_and_sigterm_leaves_nothing(tiny_model_
     with started(cmd, env={"PYTHON": sys.executable}, cwd=repo, stdout=open(os.devnull, "w"),
                  stderr=open(log, "w")) as proc:
         wait_ready(port, proc)
-        fronts = [p for p in _children(proc.pid) if "nanovllm_tp.serving.frontend" in _cmdline(p)]
+        fronts = processes_of(proc.pid, "http")
         assert len(fronts) == 1
         got = client(port, key="unused").completions.create(model="tiny", prompt=PROMPTS, max_tokens=16,
                                                             temperature=0)

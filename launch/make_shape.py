@@ -271,13 +271,15 @@ def write_gguf(config: dict, path: pathlib.Path, seed: int, fmt: str, meta: dict
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, shape, kind, qtype in planned:
-        x = torch.cat(list(tensor_chunks(config, name, shape, kind, seed)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        chunks = tensor_chunks(config, name, shape, kind, seed)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):      # rows move across chunks
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-            x = llama_cpp_rows(x, heads)
-        # through bf16, as the shape's safetensors hold it: both formats hold the same model
-        writer.write_tensor_data(_gguf_data(x.to(torch.bfloat16), qtype))
-        del x
+            chunks = [llama_cpp_rows(torch.cat(list(chunks)), heads)]
+        # through bf16, as the shape's safetensors hold it: both formats hold the same model; a chunk's rows are
+        # converted (quantized) on their own, so only the converted tensor and one fp32 chunk are held
+        parts = [_gguf_data(x.to(torch.bfloat16), qtype) for x in chunks]
+        writer.write_tensor_data(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        del parts
     writer.close()
     return path
 

@@ -326,16 +326,16 @@ def make_shape(out, name: str, *, fmt: str = "safetensors", layers: int | None =
 
 
 def ensure_shape(name: str, *, fmt: str = "safetensors", layers: int | None = None, dtype: str = "bfloat16",
-                 seed: int = 0) -> pathlib.Path:
+                 seed: int = 0, **overrides) -> pathlib.Path:
     """A cached checkpoint of the shape (SmolLM2's tokenizer), rebuilt when the files that make it change."""
     here = pathlib.Path(__file__).parent
     sources = b"".join((here / n).read_bytes() for n in _SOURCES)
     tag = f"{name}-{fmt}-{dtype}-l{layers or 'all'}-s{seed}"
-    digest = hashlib.sha256(sources + tag.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(sources + tag.encode() + json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:16]
     leaf = "model.gguf" if fmt != "safetensors" else None
     return cached_build(f"shape-{tag}-{digest}",
                         lambda d: make_shape(d / leaf if leaf else d, name, fmt=fmt, layers=layers, dtype=dtype,
-                                             seed=seed), leaf)
+                                             seed=seed, **overrides), leaf)
 
 
 def report(model: str, steps: int = 32) -> dict:

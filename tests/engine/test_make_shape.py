@@ -73,6 +73,15 @@ def test_seeded_determinism_and_the_layer_limited_variant(small, tmp_path):
     assert embed[:49152].abs().amin(dim=1).gt(0).any() and not embed[49152:].any()     # padded rows are zero
 
 
+def test_ensure_shape_builds_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOVLLM_TP_CACHE", str(tmp_path))
+    first = ms.ensure_shape("llama-3.2-1b", fmt="q8_0", layers=1, **SMALL)
+    assert first.name == "model.gguf" and first.parent.parent == tmp_path
+    mtime = first.stat().st_mtime_ns
+    assert ms.ensure_shape("llama-3.2-1b", fmt="q8_0", layers=1, **SMALL) == first
+    assert first.stat().st_mtime_ns == mtime and not list(tmp_path.glob(".*"))      # no half-made directory left
+
+
 def _engine_greedy(model, prompts, **knobs) -> list[list[int]]:
     llm = LLM(str(model), **{**KNOBS, **knobs})
     try:

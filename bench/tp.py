@@ -1,13 +1,14 @@
-"""Tensor-parallel scaling: the bench throughput workload at TP = 1, 2, ...
+"""Parallel layouts: the bench throughput workload at TP = 1, 2, ... and, with --pp-list, at every TP x PP.
 
     python -m nanovllm_tp.bench.tp                         # --preset small, TP 1 and 2 on CPU
     python -m nanovllm_tp.bench.tp --tp-list 1 2 4 --preset tiny --repeats 3 --plot
+    python -m nanovllm_tp.bench.tp --tp-list 1 2 --pp-list 1 2  # TP=1, TP=2, PP=2 and TP=2 x PP=2
 
-Each TP size runs in a fresh process, `python -m nanovllm_tp.bench.throughput --tp N --out TMP.json` (the engine
-spawns its other ranks itself), with OMP_NUM_THREADS=--threads-per-rank (default 1: one CPU thread per rank, so
-TP=N uses N cores). Its JSON is read back; this script reports tok/s per TP size and the scaling ratio against
-the smallest size (TP=1 unless left out). Arguments it does not know are passed on to bench unchanged
-(e.g. --max-num-seqs 64, --no-prefix-caching, --dtype bfloat16).
+Each layout runs in a fresh process, `python -m nanovllm_tp.bench.throughput --tp N -pp P --out TMP.json` (the
+engine spawns its other ranks itself), with OMP_NUM_THREADS=--threads-per-rank (default 1: one CPU thread per
+rank, so a layout of N ranks uses N cores). Its JSON is read back; this script reports tok/s per layout, the
+scaling against the first layout (the fewest ranks), and the efficiency per rank. Arguments it does not know are
+passed on to bench unchanged (e.g. --max-num-seqs 64, --no-prefix-caching, --dtype bfloat16).
 
 Default workload: 32 requests, prompt and output lengths 16..128, on the "small" preset (1024 hidden, 8 layers,
 random weights, compute-bound on CPU), so one TP size takes well under a minute on a 2-core machine.
@@ -48,6 +49,8 @@ def default_tp_list() -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-list", type=int, nargs="+", help=f"TP sizes (default: {default_tp_list()})")
+    parser.add_argument("--pp-list", type=int, nargs="+", default=[1],
+                        help="pipeline-parallel sizes: every TP size runs at each (default: 1)")
     parser.add_argument("--model", help="Hugging Face model directory (default: --preset)")
     bc.add_workload_args(parser, num_requests=32, prompt_len=(16, 128), output_len=(16, 128))
     parser.set_defaults(preset="small")
@@ -60,19 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
-    out = os.path.join(workdir, f"tp{tp}.json")
-    cmd = [sys.executable, "-m", "nanovllm_tp.bench.throughput", "--tp", str(tp), "--out", out,
+def label(tp: int, pp: int) -> str:
+    """A layout's name in the table and the figures' keys: TP=2, or TP=2xPP=2 with pipeline stages."""
+    return f"TP={tp}" if pp == 1 else f"TP={tp}xPP={pp}"
+
+
+def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1) -> dict:
+    name = f"tp{tp}" if pp == 1 else f"tp{tp}pp{pp}"
+    out = os.path.join(workdir, f"{name}.json")
+    cmd = [sys.executable, "-m", "nanovllm_tp.bench.throughput", "--tp", str(tp),
+           "--pipeline-parallel-size", str(pp), "--out", out,
            "--preset", args.preset, "--num-requests", str(args.num_requests),
            "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--repeats", str(args.repeats),
            *(["--model", args.model] if args.model else []), *(["--quiet"] if args.quiet else []),
-           *(["--trace", sibling_path(args.trace, f"tp{tp}")] if args.trace else []), *passthrough]
+           *(["--trace", sibling_path(args.trace, name)] if args.trace else []), *passthrough]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
         env.pop(var, None)      # each size is a plain spawn-mode run, even if we were started by torchrun
-    bc.log(args, f"--- TP={tp}: {' '.join(cmd[1:])}")
+    bc.log(args, f"--- {label(tp, pp)}: {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     # the child's table and progress go to our stderr: our own table stays the last thing on stdout
     sys.stderr.flush()
@@ -87,37 +97,46 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str) -> dict:
                               check=False)
         sys.stderr.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench at TP={tp} failed with exit code {proc.returncode}: {' '.join(cmd)}")
+        raise RuntimeError(f"bench at {label(tp, pp)} failed with exit code {proc.returncode}: {' '.join(cmd)}")
     with open(out) as f:
         child = json.load(f)
     engine = child["figures"]["engine"]
-    return {"tp": tp, "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
+    return {"tp": tp, "pp": pp, "ranks": tp * pp, "layout": label(tp, pp), "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
             "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"), "wall_s": time.perf_counter() - t0,
             "command": cmd, "child_environment": child["environment"], "child_config": child["config"]}
 
 
 def table(result: dict) -> str:
     w, c, f = result["workload"], result["config"], result["figures"]
-    rows = [[f"TP={r['tp']}", r["tok_s"], f"{r['seconds']:.3f}", f"{f['scaling'][str(r['tp'])]:.2f}x",
-             f"{f['efficiency'][str(r['tp'])]:.0%}"] for r in f["runs"]]
+    rows = [[r["layout"], r["ranks"], r["tok_s"], f"{r['seconds']:.3f}", f"{f['scaling'][key(r)]:.2f}x",
+             f"{f['efficiency'][key(r)]:.0%}"] for r in f["runs"]]
     title = (f"bench_tp: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, output "
              f"{w['output_len_min']}..{w['output_len_max']}, {c['model_source']}, {c['threads_per_rank']} thread(s) "
              f"per rank, median of {c['repeats']}")
-    return bc.format_table(["TP", "output tok/s", "seconds", f"vs TP={f['base_tp']}", "efficiency"], rows, title)
+    return bc.format_table(["layout", "ranks", "output tok/s", "seconds", f"vs {f['base_layout']}", "efficiency"],
+                           rows, title)
+
+
+def key(run: dict) -> str:
+    """A run's key in figures' scaling and efficiency: "2" for TP=2 (as before pipeline layouts), "2x2" for
+    TP=2 x PP=2."""
+    return str(run["tp"]) if run["pp"] == 1 else f"{run['tp']}x{run['pp']}"
 
 
 def draw(result: dict):
     def _draw(plt):
         f = result["figures"]
-        tps = [r["tp"] for r in f["runs"]]
-        base = f["runs"][0]["tok_s"] / f["base_tp"]
+        ranks = [r["ranks"] for r in f["runs"]]
+        base = f["runs"][0]["tok_s"] / f["runs"][0]["ranks"]
         fig, ax = plt.subplots(figsize=(5, 4))
-        ax.plot(tps, [r["tok_s"] for r in f["runs"]], "o-", label="measured")
-        ax.plot(tps, [base * t for t in tps], "k:", label="linear")
-        ax.set_xticks(tps)
-        ax.set_xlabel("tensor parallel size")
+        ax.plot(ranks, [r["tok_s"] for r in f["runs"]], "o", label="measured")
+        for r in f["runs"]:
+            ax.annotate(r["layout"], (r["ranks"], r["tok_s"]), fontsize=7)
+        ax.plot(sorted(set(ranks)), [base * n for n in sorted(set(ranks))], "k:", label="linear")
+        ax.set_xticks(sorted(set(ranks)))
+        ax.set_xlabel("ranks (TP x PP)")
         ax.set_ylabel("output tokens / s")
-        ax.set_title(f"TP scaling, {result['config']['model_source']}")
+        ax.set_title(f"parallel scaling, {result['config']['model_source']}")
         ax.legend()
         return fig
     return _draw
@@ -126,8 +145,10 @@ def draw(result: dict):
 def main(argv=None) -> dict:
     args, passthrough = build_parser().parse_known_args(argv)
     tps = sorted(set(args.tp_list or default_tp_list()))
-    if not tps or min(tps) < 1:
-        raise SystemExit(f"--tp-list needs sizes >= 1, got {args.tp_list}")
+    pps = sorted(set(args.pp_list))
+    if not tps or min(tps) < 1 or min(pps) < 1:
+        raise SystemExit(f"--tp-list and --pp-list need sizes >= 1, got {args.tp_list} and {args.pp_list}")
+    layouts = sorted(((tp, pp) for tp in tps for pp in pps), key=lambda layout: (layout[0] * layout[1], layout[1]))
     args.model_source = args.model or f"preset {args.preset}"
     env = bc.environment()
     env["OMP_NUM_THREADS_children"] = str(args.threads_per_rank)
@@ -137,14 +158,14 @@ def main(argv=None) -> dict:
         ensure_tiny(args.preset)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench_tp-") as workdir:
-        for tp in tps:
-            runs.append(run_one(tp, args, passthrough, workdir))
-            bc.log(args, f"TP={tp}: {runs[-1]['tok_s']:.1f} tok/s")
+        for tp, pp in layouts:
+            runs.append(run_one(tp, args, passthrough, workdir, pp))
+            bc.log(args, f"{label(tp, pp)}: {runs[-1]['tok_s']:.1f} tok/s")
     base = runs[0]
-    figures = {"runs": runs, "base_tp": base["tp"],
-               "scaling": {str(r["tp"]): r["tok_s"] / base["tok_s"] for r in runs},
-               "efficiency": {str(r["tp"]): r["tok_s"] / base["tok_s"] * base["tp"] / r["tp"] for r in runs}}
-    config = {**bc.config_dict(args), "tp_list": tps, "passthrough": passthrough}
+    figures = {"runs": runs, "base_tp": base["tp"], "base_layout": base["layout"],
+               "scaling": {key(r): r["tok_s"] / base["tok_s"] for r in runs},
+               "efficiency": {key(r): r["tok_s"] / base["tok_s"] * base["ranks"] / r["ranks"] for r in runs}}
+    config = {**bc.config_dict(args), "tp_list": tps, "pp_list": pps, "passthrough": passthrough}
     vocab = bc.model_vocab_size(base["child_config"]["model"])
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     result = {"name": NAME, "config": config, "workload": workload.describe(),

@@ -152,6 +152,21 @@ def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
 
 
 @pytest.mark.spawn
+def test_bench_tp_pipeline_layouts(tiny_model_dir, tmp_path, capfd):
+    """--pp-list: TP=1, PP=2 (TP=1 x PP=2) and their figures keyed by layout, ordered by ranks."""
+    result = bench_tp.main(["--tp-list", "1", "--pp-list", "1", "2", "--model", tiny_model_dir, *TINY, *SMALL_KV,
+                            "--out", str(tmp_path / "pp.json"), "--quiet"])
+    table = last_block(capfd.readouterr().out)
+    f = load(result)["figures"]
+    assert [(r["tp"], r["pp"], r["ranks"]) for r in f["runs"]] == [(1, 1, 1), (1, 2, 2)]
+    assert all(r["tok_s"] > 0 and r["lengths_ok"] for r in f["runs"])
+    assert "pipeline stage 0/2" in f["runs"][1]["runner"] and "pipeline" not in f["runs"][0]["runner"]
+    assert f["scaling"]["1x2"] == pytest.approx(f["runs"][1]["tok_s"] / f["runs"][0]["tok_s"])
+    assert f["efficiency"]["1x2"] == pytest.approx(f["scaling"]["1x2"] / 2)
+    assert any(line.startswith("TP=1xPP=2") for line in table)
+
+
+@pytest.mark.spawn
 @pytest.mark.slow
 def test_bench_latency_under_torchrun(tiny_model_dir, tmp_path):
     """`./torchrun.sh 2 -m nanovllm_tp.bench.latency --tp 2`: rank 1 serves, rank 0 measures and prints."""

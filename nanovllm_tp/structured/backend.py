@@ -6,10 +6,14 @@ mask in tens of microseconds on a 50k vocabulary, works at the byte level (token
 lexemes are handled, with any tokenizer), rolls back, and bounds every step's work by fuel limits; its Python
 side needs numpy only, so nothing here imports torch.
 
-One `GrammarBackend` per engine: it compiles each request's constraint in a worker thread, caches the result by
-(kind, spec, options), and gives each sequence its own matcher (`Grammar`, a copy of the compiled one). A
-compile that misses the engine's time limit fails that request with a ValueError naming the limit, and so does
-every later request with the same constraint; the engine and the other requests never wait for it.
+One `GrammarBackend` per engine: it compiles each request's constraint on one of two threads (lanes: small
+constraints apart from large ones, smallest first in each), caches the result by (kind, spec, options), and
+gives each sequence its own matcher (`Grammar`, a copy of the compiled one). A compile tries the output's start
+(the first mask, the bytes every output must begin with), so a constraint that accepts nothing or runs into the
+parser's limits at once is refused before any token. Each request waits at most the engine's time limit from
+its own arrival; past it, that request fails with a ValueError naming the limit, and nothing else: the timeout
+is no verdict on the constraint, a queued compile nobody waits for is dropped, and a running one stops at its
+next stage (llguidance cannot stop a build midway).
 """
 import heapq
 import itertools

@@ -312,16 +312,18 @@ def make_shape(out, name: str, *, fmt: str = "safetensors", layers: int | None =
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if fmt == "safetensors":
+        specs = tensor_specs(shape_config(name, layers=layers, **overrides))
+        nbytes = sum(int(np.prod(s)) for _, s, _ in specs) * (2 if dtype == "bfloat16" else 4)
+        if nbytes > SAFETENSORS_MAX_BYTES:
+            raise SystemExit(f"make-shape: {name} takes {nbytes / 1e9:.1f} GB as {dtype} safetensors, more than "
+                             f"fits beside a peer: make it as GGUF (--format q8_0 or q4_0), or fewer --layers")
     tokenizer = _tokenizer_file(tokenizer)
     meta = tokenizer_metadata(tokenizer)
     config = shape_config(name, layers=layers, dtype=dtype, tokenizer_meta=meta, **overrides)
     out = pathlib.Path(out)
     if fmt != "safetensors":
         return write_gguf(config, out, seed, fmt, meta)
-    nbytes = sum(int(np.prod(s)) for _, s, _ in tensor_specs(config)) * (2 if dtype == "bfloat16" else 4)
-    if nbytes > SAFETENSORS_MAX_BYTES:
-        raise SystemExit(f"make-shape: {name} takes {nbytes / 1e9:.1f} GB as {dtype} safetensors, more than fits "
-                         f"beside a peer: make it as GGUF (--format q8_0 or q4_0), or fewer --layers")
     return write_hf_dir(config, out, seed, tokenizer)
 
 

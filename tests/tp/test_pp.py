@@ -10,28 +10,14 @@ from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.pp_partition import PARTITION_ENV, layer_counts, stage_layers
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import TORCHRUN, free_port, python_cmd, started
-from tests.tp.test_tp import REPO, SCRIPT, run_and_read
+from tests.tp.test_tp import (GREEDY, REPO, SCRIPT, prompts, run_and_read, tokens,  # noqa: F401 (fixtures)
+                               tp1_tokens)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SMALL_KV = dict(kvcache_block_size=16, kv_cache_memory=64 << 20)
 # A block of the tiny model's 2 KV heads x 32 dims in fp32 costs 4 KiB a layer (K and V): 16 KiB for the 4 layers
 # of TP 1, and for the 2 layers of the fullest stage under PP 2 and PP 3 (1, 2, 1), 8 KiB at TP 2 x PP 2 (a head
 # each). Sized to 32 blocks, so that the running rows outgrow the pool while later prompts join in mixed steps.
 PRESSURE = dict(kvcache_block_size=16, max_model_len=400, max_num_batched_tokens=48)
-
-
-def tokens(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_llm):
-    return mixed_prompts(tiny_llm.config.model_config.vocab_size, lengths=(1, 7, 16, 33, 64, 100, 180, 257))
-
-
-@pytest.fixture(scope="module")
-def tp1_tokens(tiny_llm, prompts):
-    return tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_layer_split_is_vllms(monkeypatch):

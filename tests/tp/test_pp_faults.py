@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.channel import PeerError
 from tests.procs import GONE_WITHIN, alive, python_cmd, segments_of, session_pids, wait_gone
-from tests.tp.test_tp_faults import LONG, SCRIPT, SMALL_KV, TESTS, logged, long_prompts, wait_for_pids
+from tests.tp.test_tp_faults import LONG, SCRIPT, SMALL_KV, TESTS, killed_after, logged, long_prompts, wait_for_pids
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 
@@ -22,23 +21,13 @@ def test_sigkill_a_stage_rank_mid_generation(tiny_model_dir, pp, tp, victim):
     llm = LLM(tiny_model_dir, pipeline_parallel_size=pp, tensor_parallel_size=tp, **SMALL_KV)
     children = [c.pid for c in llm.engine.children]
     worker = children[victim - 1]
-    killed_at = []
-
-    def kill_soon():
-        time.sleep(2.0)
-        killed_at.append(time.monotonic())
-        os.kill(worker, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_soon)
-    killer.start()
     try:
-        with pytest.raises(Exception) as err:
+        with killed_after(worker) as killed_at, pytest.raises(Exception) as err:
             llm.generate(long_prompts(), LONG, use_tqdm=False)
         raised_at = time.monotonic()
         with pytest.raises(RuntimeError, match="stopped"):
             llm.generate([[1, 2, 3]], use_tqdm=False)
     finally:
-        killer.join()
         llm.close()
     assert killed_at, "generation ended before the worker was killed: make the workload longer"
     assert raised_at - killed_at[0] < 10

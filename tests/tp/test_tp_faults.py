@@ -26,6 +26,25 @@ def long_prompts(n=64):
     return [[(7 * i + j) % 1500 for j in range(50)] for i in range(n)]
 
 
+@contextlib.contextmanager
+def killed_after(pid: int, seconds: float = 2.0):
+    """kill -9 of pid `seconds` into the block, from a thread; yields a list that gets the kill's monotonic time
+    (empty if the block ended first). The block's end waits for the thread."""
+    killed_at = []
+
+    def kill():
+        time.sleep(seconds)
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        yield killed_at
+    finally:
+        killer.join()
+
+
 @pytest.mark.slow
 def test_worker_exception_reaches_caller(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.path.join(TESTS, "tp_scripts", "fault_injection") + os.pathsep
@@ -64,21 +83,11 @@ def test_worker_that_dies_while_starting_fails_the_engine_at_once(tiny_model_dir
 def test_sigkill_worker_mid_generation(tiny_model_dir):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **SMALL_KV)
     worker = llm.engine.children[0].pid
-    killed_at = []
-
-    def kill_soon():
-        time.sleep(2.0)
-        killed_at.append(time.monotonic())
-        os.kill(worker, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_soon)
-    killer.start()
     try:
-        with pytest.raises(Exception) as err:
+        with killed_after(worker) as killed_at, pytest.raises(Exception) as err:
             llm.generate(long_prompts(), LONG, use_tqdm=False)
         raised_at = time.monotonic()
     finally:
-        killer.join()
         llm.close()
     assert killed_at, "generation ended before the worker was killed: make the workload longer"
     assert raised_at - killed_at[0] < 10

@@ -39,6 +39,7 @@ BENCHES = {
     "spec": ("nanovllm_tp.bench.spec", "speculative decoding against plain decoding"),
     "struct": ("nanovllm_tp.bench.structured", "structured outputs against free text"),
     "json": ("nanovllm_tp.bench.json_validity", "how often JSON-schema answers end valid, per object rule"),
+    "struct-validity": ("nanovllm_tp.bench.struct_validity", "structured answers valid, against any OpenAI server"),
     "lora": ("nanovllm_tp.bench.lora", "requests with LoRA adapters against the base model"),
     "embed": ("nanovllm_tp.bench.embed", "embeddings throughput"),
     "attention": ("nanovllm_tp.bench.attention", "the paged decode attention kernel alone"),

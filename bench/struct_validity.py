@@ -383,6 +383,12 @@ def main(argv=None) -> dict:
     if not args.launch and not args.base_url:
         raise SystemExit("give --base-url, or --launch")
     checks = selected(args.checks)
+    try:
+        import jsonschema  # noqa: F401
+        import openai  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench struct-validity needs openai and jsonschema: pip install 'nanovllm-tp[bench]'") \
+            from None
     env = bc.environment()
     proc = None
     from nanovllm_tp.launch import serve_process

@@ -82,16 +82,42 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as one canonical string (the compile cache's key, with the kind and the options)."""
+        """The constraint as one canonical string (the compile cache's key, with the kind and the options; a JSON
+        schema is compiled from it): a schema's keywords sorted, its `properties` in the order given, which is the
+        order the answer writes them in."""
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, str):
             value = json.loads(value)
-        return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "json":
+            value = _canonical_schema(value)
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
     @property
     def key(self) -> tuple:
         return (self.kind, self.spec, self.disable_any_whitespace, self.disable_additional_properties,
                 self.whitespace_pattern)
+
+
+_VALUES = frozenset(("const", "enum", "default", "examples"))      # instances, not schemas: kept as written
+
+
+def _canonical_schema(node):
+    """A JSON schema with every object's keywords sorted, except a `properties` map (property names in the
+    schema's order) and the values of keywords that hold instances."""
+    if isinstance(node, list):
+        return [_canonical_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key in sorted(node):
+        value = node[key]
+        if key in _VALUES:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _canonical_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = _canonical_schema(value)
+    return out
 
 
 def _text(name: str, value) -> None:

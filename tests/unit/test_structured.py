@@ -209,6 +209,23 @@ def test_objects_that_list_properties_take_no_other_unless_the_schema_or_the_req
     assert anything.consume_tokens(tokenizer.encode('{"z": 2}', add_special_tokens=False)) and anything.is_accepting()
 
 
+def test_properties_keep_the_schemas_order(backend, tokenizer):
+    """An answer writes the properties in the order the schema lists them (as xgrammar and llguidance do), while
+    the compile cache's key stays the same for the same schema written with its keywords in another order."""
+    order = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                              "city": {"type": "string", "enum": ["Paris"]}},
+             "required": ["name", "age", "city"]}
+    g = backend.compile(StructuredOutputsParams(json=order)).new().matcher
+    assert g.consume_tokens(tokenizer.encode('{"name": "A", "age": 3, "city": "Paris"}', add_special_tokens=False))
+    assert g.is_accepting()
+    g = backend.compile(StructuredOutputsParams(json=order)).new().matcher
+    assert not g.consume_tokens(tokenizer.encode('{"age": 3, "city": "Paris", "name": "A"}', add_special_tokens=False))
+    shuffled = {"required": ["name", "age", "city"], "properties": order["properties"], "type": "object"}
+    assert StructuredOutputsParams(json=shuffled).key == StructuredOutputsParams(json=order).key
+    reordered = {**order, "properties": dict(reversed(order["properties"].items()))}
+    assert StructuredOutputsParams(json=reordered).key != StructuredOutputsParams(json=order).key
+
+
 def A(node: dict) -> dict:
     return {"$defs": {"A": node}, "$ref": "#/$defs/A"}
 

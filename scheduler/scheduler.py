@@ -62,9 +62,12 @@ class Scheduler(Admission, Preemption, StepResults):
     """The queues, the block pool and the step in flight; its parts: admission.py (waiting prompts into a step),
     preemption.py (decode rows, recompute), postprocess.py (the step's results into the sequences)."""
 
-    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None):
+    def __init__(self, config: SchedulerConfig, proposer: Proposer | None = None,
+                 block_manager: BlockManager | None = None):
         """`proposer`: where proposals come from (default: the n-gram lookup when speculative decoding is on; a
-        draft model's proposer is made beside the runner and handed in)."""
+        draft model's proposer is made beside the runner and handed in). `block_manager`: a pool shared with
+        other schedulers (pipeline micro-batches, micro_batches.py); then a step that cannot run for want of
+        blocks the others hold is no stall: schedule() returns None."""
         self.config = config
         spec = config.speculative
         if proposer is None and spec is not None and spec.method == "ngram":
@@ -72,8 +75,9 @@ class Scheduler(Admission, Preemption, StepResults):
         self.proposer = proposer
         self.block_size = config.kvcache_block_size
         check_holds_a_sequence(config.num_kvcache_blocks, self.block_size, config.max_model_len)
-        self.block_manager = BlockManager(config.num_kvcache_blocks, self.block_size,
-                                          config.enable_prefix_caching, config.kv_window)
+        self.shares_pool = block_manager is not None
+        self.block_manager = block_manager or BlockManager(config.num_kvcache_blocks, self.block_size,
+                                                           config.enable_prefix_caching, config.kv_window)
         self.eos = frozenset(config.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
         self.lora_slots = LoRASlots(config.max_loras) if config.max_loras else None
@@ -159,7 +163,7 @@ class Scheduler(Admission, Preemption, StepResults):
         if batch is None:
             seqs = self._schedule_decode()
             if not seqs:
-                if self.has_unfinished():
+                if self.has_unfinished() and not self.shares_pool:
                     raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and "
                                        f"{len(self.running)} running sequences")
                 return None

@@ -155,10 +155,11 @@ class ModelRunner:
             t[:, dst] = t[:, src]
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, collect: bool = True) -> torch.Tensor | None:
         """Forward one step; logits on rank 0 (a row per sampled token, plus every prompt token of the rows in
         plan.prompt_logits; None when every row is an embedding's), None on the other ranks. Rank 0 keeps the
-        final hidden states of a step with embedding rows for take_hidden()."""
+        final hidden states of a step with embedding rows for take_hidden(). Under pipeline parallelism
+        collect=False leaves the logits on their way: rank 0 takes them later with collect_logits(plan)."""
         if plan.block_copies is not None and len(plan.block_copies):
             self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):
@@ -170,7 +171,8 @@ class ModelRunner:
                 self.lora.prepare(plan)
         try:
             if pipeline.pp_size() > 1:
-                return self._execute_stage(plan, input_ids, positions)
+                self._execute_stage(plan, input_ids, positions)
+                return self.collect_logits(plan) if self.rank0 and collect else None
             with trace.span("forward"):
                 hidden = self.model(input_ids, positions)
             if plan.hidden_rows is not None:
@@ -183,10 +185,10 @@ class ModelRunner:
         finally:
             reset_context()
 
-    def _execute_stage(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def _execute_stage(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """One pipeline stage's part of a step: the previous stage's activations in (after the first), this stage's
-        layers, the activations out to the next stage, or on the last its logits to rank 0, which waits for them
-        (rank 0 is on the first stage). Logits on rank 0, None elsewhere."""
+        layers, the activations out to the next stage, or on the last its logits to rank 0 (which is on the first
+        stage and takes them with collect_logits)."""
         carried = None
         if not pipeline.is_first_stage():
             carried = pipeline.recv_activations(plan.step_id, plan.num_tokens, self.model.hidden_size, self.dtype,
@@ -195,19 +197,23 @@ class ModelRunner:
             out = self.model(input_ids, positions, carried)
         if not pipeline.is_last_stage():
             pipeline.send_activations(plan.step_id, *out)
-            if self.rank0:
-                return pipeline.recv_logits(plan.step_id, pipeline.last_stage_leader(), self.dtype, self.device)
-            return None
+            return
         with trace.span("lm_head"):
             logits = self.model.compute_logits(out)
         if logits is not None:        # the stage's TP rank 0 holds them gathered
             pipeline.send_logits(plan.step_id, logits.to(self.dtype))
-        return None
+
+    @torch.inference_mode()
+    def collect_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Rank 0 under pipeline parallelism: the logits of `plan`, a step it has run its stage of, from the last
+        stage (steps are collected in the order they were run)."""
+        return pipeline.recv_logits(plan.step_id, pipeline.last_stage_leader(), self.dtype, self.device)
 
     def release(self, hand_back: bool = True) -> None:
         """Drop graphs, KV cache and weights; called before the process group is destroyed, which NCCL cannot
         do while graphs that captured its kernels are alive. hand_back: return the memory to the GPU now
         (skipped on failure paths, where a kernel stuck on a dead peer would block the synchronize)."""
+        pipeline.forget_sends()
         if self.graphs is not None:
             self.graphs.release()
         self.graphs = None

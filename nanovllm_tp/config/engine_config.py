@@ -38,6 +38,10 @@ class EngineConfig:
                                               "engine runs tensor_parallel_size x pipeline_parallel_size ranks; "
                                               "split evenly, or by $NANOVLLM_TP_PP_LAYER_PARTITION",
                                        flags=("--pipeline-parallel-size", "-pp", "--pp"), minimum=1)
+    pipeline_micro_batches: int | None = knob(None, help="with pipeline_parallel_size > 1: steps in flight at once, "
+                                                         "each of its own sequences, so every stage has work "
+                                                         "(default: one per stage; 1: one step at a time, the "
+                                                         "stages taking turns)", minimum=1)
     dtype: str = knob("auto", help="weights and activations; auto: float32 on CPU, the checkpoint's dtype on CUDA",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = knob("auto", help="auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))

@@ -14,6 +14,9 @@ def check_pipeline(config) -> None:
     """Refuse what does not work under pipeline parallelism yet; settle CUDA graphs off (every step runs eager:
     a stage's graph would have to capture its sends and receives)."""
     if config.pipeline_parallel_size == 1:
+        if config.pipeline_micro_batches not in (None, 1):
+            raise ValueError(f"pipeline_micro_batches={config.pipeline_micro_batches} needs pipeline_parallel_size "
+                             "> 1: without stages there is one step in flight")
         return
     for name, (asks, feature) in NOT_WITH_PIPELINE.items():
         if asks(getattr(config, name)):

@@ -12,6 +12,11 @@ Every transfer is a header and a payload: the header (int64: kind, step id, rows
 check that the payload belongs to the step it runs, which is what lets later steps overlap (several steps in
 flight, one per stage) without a barrier. A rank that dies closes its connections, so a peer waiting on it
 raises at once (gloo: "Connection closed by peer") instead of waiting out the group's timeout.
+
+Sends do not wait for the receiver: each starts as an isend, and a rank waits for its previous transfer to
+complete only when it starts the next one (so at most one step's output per rank is on its way). With several
+steps in flight a blocking send could deadlock: rank 0 sending step k + 1's activations to stage 1 while stage 1,
+the last stage, sends it step k's logits.
 """
 import contextlib
 from dataclasses import dataclass
@@ -105,6 +110,30 @@ def build_groups(rank: int, tp: int, pp: int) -> tuple[int, object, PPState]:
     return tp_rank, tp_group, state
 
 
+_sending: list = []     # the transfer this rank started last: its isend works, and the tensors they read
+
+
+def _send(tensors: list[torch.Tensor], dst: int) -> None:
+    """Start sending `tensors` to global rank `dst` in order, once the previous transfer has gone."""
+    finish_sends()
+    _sending[:] = [[dist.isend(t, dst=dst, group=_pp.group) for t in tensors], tensors]
+
+
+def finish_sends() -> None:
+    """Wait until this rank's last transfer has gone (a dead receiver raises here)."""
+    if _sending:
+        works, _ = _sending
+        _sending.clear()
+        with trace.span("pp_send_wait"):
+            for work in works:
+                work.wait()
+
+
+def forget_sends() -> None:
+    """Drop the last transfer without waiting (the engine is closing; its receiver may be gone)."""
+    _sending.clear()
+
+
 def _header(kind: int, step_id: int, rows: int, cols: int, device) -> torch.Tensor:
     return torch.tensor([kind, step_id, rows, cols], dtype=torch.int64, device=device)
 
@@ -124,9 +153,8 @@ def send_activations(step_id: int, hidden: torch.Tensor, residual: torch.Tensor)
     """This stage's output for `step_id` to the next stage: hidden states and residuals, [tokens, hidden] each."""
     payload = torch.stack([hidden, residual])
     with trace.span("pp_send"):
-        dist.send(_header(ACTIVATIONS, step_id, hidden.shape[0], hidden.shape[1], hidden.device),
-                  dst=_pp.next_rank, group=_pp.group)
-        dist.send(payload, dst=_pp.next_rank, group=_pp.group)
+        _send([_header(ACTIVATIONS, step_id, hidden.shape[0], hidden.shape[1], hidden.device), payload],
+              _pp.next_rank)
 
 
 def recv_activations(step_id: int, tokens: int, hidden_size: int, dtype: torch.dtype,
@@ -146,9 +174,8 @@ def send_logits(step_id: int, logits: torch.Tensor) -> None:
     """The last stage's TP rank 0: the step's gathered logits [rows, vocab] to rank 0's sampler."""
     logits = logits.contiguous()
     with trace.span("pp_send_logits"):
-        dist.send(_header(LOGITS, step_id, logits.shape[0], logits.shape[1], logits.device),
-                  dst=_pp.sampler_rank, group=_pp.group)
-        dist.send(logits, dst=_pp.sampler_rank, group=_pp.group)
+        _send([_header(LOGITS, step_id, logits.shape[0], logits.shape[1], logits.device), logits],
+              _pp.sampler_rank)
 
 
 def recv_logits(step_id: int, last_stage_rank: int, dtype: torch.dtype, device) -> torch.Tensor:

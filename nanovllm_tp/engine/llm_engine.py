@@ -14,6 +14,7 @@ from nanovllm_tp.distributed.pipeline import PPState, current_pp, pp_scope
 from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.packed_linear import linear_paths
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
+from nanovllm_tp.scheduler.micro_batches import MicroBatchScheduler
 from nanovllm_tp.utils import trace
 
 log = logging.getLogger("nanovllm_tp")
@@ -54,7 +55,11 @@ class LLMEngine:
                 self._fail(exc)
             self.close()
             raise
-        self.scheduler = Scheduler(SchedulerConfig.of(config, self.runner.num_kv_blocks), self.draft)
+        scheduler_config = SchedulerConfig.of(config, self.runner.num_kv_blocks)
+        self.micro_batches = (config.pipeline_micro_batches or config.pipeline_parallel_size
+                              if config.pipeline_parallel_size > 1 else 1)
+        self.scheduler = (MicroBatchScheduler(scheduler_config, self.micro_batches) if self.micro_batches > 1 else
+                          Scheduler(scheduler_config, self.draft))
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
         atexit.register(self.close)
@@ -90,7 +95,8 @@ class LLMEngine:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_completion_tokens: int | None = None) -> None:
-        """End a request between steps (abort, stop string); its blocks are free at once."""
+        """End a request between steps (abort, stop string); its blocks are free at once (with pipeline
+        micro-batches, a request in a step still in flight ends when that step's results are in)."""
         self.scheduler.finish(seq, reason, stop_reason, num_completion_tokens)
 
     def stats(self) -> dict:
@@ -101,6 +107,8 @@ class LLMEngine:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "tensor_parallel_size": self.config.tensor_parallel_size,
                 "pipeline_parallel_size": self.config.pipeline_parallel_size,
+                "pipeline_micro_batches": self.micro_batches,
+                "max_steps_in_flight": getattr(sched, "max_in_flight", int(sched.step_id > 0)),
                 "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
                 "num_kv_blocks": self.runner.num_kv_blocks, "kv_cache_dtype": self.runner.kv_cache_format(),
                 "quantization": self.runner.quantization,
@@ -119,6 +127,8 @@ class LLMEngine:
         """Run one step: (sequences that got a token or an embedding, tokens computed, whether it was a prefill)."""
         from nanovllm_tp.layers.sampler import prompt_logprobs
         from nanovllm_tp.pooling.embeddings import pool_sums
+        if self.micro_batches > 1:
+            return self._step_micro_batched()
         sched = self.scheduler
         try:
             with trace.span("schedule"):
@@ -132,11 +142,7 @@ class LLMEngine:
         step.sampling.start_masks()          # structured outputs: grammar masks made while the model runs
         try:
             with self._scope():
-                if self.writer is not None:
-                    with trace.span("encode_plan"):
-                        payload = plan.encode()
-                    with trace.span("publish"):
-                        self.writer.publish(payload)
+                self._publish(plan)
                 with trace.plan_span("execute", plan):
                     logits = self.runner.execute(plan)
                 if self.draft is not None:
@@ -155,6 +161,50 @@ class LLMEngine:
         with trace.span("postprocess"):
             progressed = sched.postprocess(tokens, lp, prompt_lp, pooled)
         return progressed, plan.num_tokens, plan.is_prefill
+
+    def _publish(self, plan) -> None:
+        """The plan to every other rank (none at world size 1)."""
+        if self.writer is not None:
+            with trace.span("encode_plan"):
+                payload = plan.encode()
+            with trace.span("publish"):
+                self.writer.publish(payload)
+
+    def _step_micro_batched(self) -> tuple[list[Sequence], int, bool]:
+        """step() with pipeline micro-batches: start steps (schedule, publish, run stage 0) until as many are in
+        flight as there are micro-batches or no part has anything to run, then take the oldest one's logits from
+        the last stage, sample and postprocess it. In steady decode each call starts one step and finishes one, so
+        while rank 0 runs stage 0 of step k + 1 the later stages run the steps before it."""
+        sched = self.scheduler
+        try:
+            with self._scope():
+                while sched.num_in_flight < self.micro_batches:
+                    with trace.span("schedule"):
+                        started = sched.schedule()
+                    if started is None:
+                        break
+                    started.sampling.start_masks()
+                    self._publish(started.plan)
+                    with trace.plan_span("execute", started.plan):
+                        self.runner.execute(started.plan, collect=False)
+                step = sched.oldest()
+                if step is None:
+                    return [], 0, False
+                with trace.span("pp_collect"):
+                    logits = self.runner.collect_logits(step.plan)
+                with trace.span("sample"):
+                    tokens, lp = self.sampler(logits, step.sampling)
+                prompt_lp = None
+                if step.prompt_chunks:
+                    from nanovllm_tp.layers.sampler import prompt_logprobs
+                    with trace.span("prompt_logprobs"):
+                        prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
+        with trace.span("postprocess"):
+            progressed = sched.postprocess(tokens, lp, prompt_lp)
+        return progressed, step.plan.num_tokens, step.plan.is_prefill
 
     def _step_failed(self, exc: BaseException) -> None:
         """Every request ends (aborted) and the engine stops: no rank is left waiting for a plan."""

@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo point-to-point between stages): PP 2, PP 3 (an uneven split) and TP 2 x PP 2
-answer as TP 1 and transformers do, through chunked prefill, prefix-cache hits and preemption; the layer split is
-vLLM's; what does not run across stages yet is refused by name."""
+answer as TP 1 and transformers do, through chunked prefill, prefix-cache hits and preemption, with as many steps in
+flight as stages (micro-batches, the default) and with one; an abort of a request whose step is in flight; the layer
+split is vLLM's; what does not run across stages yet is refused by name."""
 import json
 import subprocess
 
@@ -57,29 +58,36 @@ def test_layer_partition_from_the_environment_is_checked_at_config_time(tiny_mod
         LLM(tiny_model_dir, pipeline_parallel_size=2, **SMALL_KV)
 
 
-def run_under_pressure(llm, prompts):
-    """The prompts twice (the second time from the prefix cache), in a pool small enough to preempt."""
+def run_under_pressure(llm, prompts, in_flight):
+    """The prompts twice, in a pool small enough to preempt, then the longest two again (from the prefix cache:
+    with several steps in flight the second pass can evict what the first left); `in_flight`: the steps that
+    must have been in flight at once."""
     first = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     hits = llm.engine.scheduler.block_manager.num_prefix_hit_tokens
     second = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-    sched = llm.engine.scheduler
+    third = tokens(llm.generate(prompts[-2:], GREEDY, use_tqdm=False))
+    sched, stats = llm.engine.scheduler, llm.engine.stats()
     assert sched.block_manager.num_blocks == 32
     assert sched.num_preemptions > 0 and sched.num_mixed_steps > 0
     assert sched.block_manager.num_prefix_hit_tokens > hits
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
-    assert first == second
+    assert stats["max_steps_in_flight"] == in_flight
+    assert first == second and third == first[-2:]
     return first
 
 
 @pytest.mark.spawn
 @pytest.mark.slow
-def test_pp2_matches_tp1_and_transformers(tiny_model_dir, hf_model, prompts, tp1_tokens):
-    llm = LLM(tiny_model_dir, pipeline_parallel_size=2, kv_cache_memory=33 * 16384, **PRESSURE)
+@pytest.mark.parametrize("micro_batches", [None, 1])
+def test_pp2_matches_tp1_and_transformers(tiny_model_dir, hf_model, prompts, tp1_tokens, micro_batches):
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=2, pipeline_micro_batches=micro_batches,
+              kv_cache_memory=33 * 16384, **PRESSURE)
     try:
         stats = llm.engine.stats()
         assert stats["pipeline_parallel_size"] == 2 and len(llm.engine.children) == 1
+        assert stats["pipeline_micro_batches"] == (micro_batches or 2)
         assert "pipeline stage 0/2 (layers 0..1)" in llm.engine.runner.describe()
-        got = run_under_pressure(llm, prompts)
+        got = run_under_pressure(llm, prompts, in_flight=micro_batches or 2)
         assert got == tp1_tokens
         for p, t in zip(prompts[:3], got[:3]):
             assert t == hf_greedy(hf_model, p, 32)
@@ -96,7 +104,7 @@ def test_pp3_uneven_split_matches_tp1(tiny_model_dir, prompts, tp1_tokens):
     llm = LLM(tiny_model_dir, pipeline_parallel_size=3, kv_cache_memory=33 * 16384, **PRESSURE)
     try:
         assert "pipeline stage 0/3 (layers 0..0)" in llm.engine.runner.describe()
-        assert run_under_pressure(llm, prompts) == tp1_tokens
+        assert run_under_pressure(llm, prompts, in_flight=3) == tp1_tokens
     finally:
         llm.close()
 
@@ -108,7 +116,39 @@ def test_tp2_pp2_matches_tp1(tiny_model_dir, prompts, tp1_tokens):
               **PRESSURE)
     try:
         assert len(llm.engine.children) == 3
-        assert run_under_pressure(llm, prompts) == tp1_tokens
+        assert run_under_pressure(llm, prompts, in_flight=2) == tp1_tokens
+    finally:
+        llm.close()
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
+def test_abort_of_a_request_whose_step_is_in_flight(tiny_model_dir, prompts, tp1_tokens):
+    # four requests over two micro-batches; one is aborted while a step of its part is in flight (its end waits for
+    # that step's logits), the others run on to the same tokens as TP 1; nothing is left holding blocks
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=2, **SMALL_KV)
+    try:
+        ids = llm.add_requests(prompts[4:], GREEDY)
+        sched, outputs = llm.engine.scheduler, {}
+        for _ in range(4):      # step() returns with the other part's step still in flight
+            for out in llm.step():
+                outputs[out.request_id] = out
+        assert sched.num_in_flight == 1 and sched.max_in_flight == 2
+        victim = next(i for i, rid in enumerate(ids)
+                      if any(c.seq in rows for c in llm._requests[rid].completions for rows in sched.rows_in_flight()))
+        llm.abort_request(ids[victim])
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                outputs[out.request_id] = out
+        for i, rid in enumerate(ids):
+            done = outputs[rid].outputs[0]
+            if i == victim:
+                assert done.finish_reason == "abort" and len(done.token_ids) < 32
+                assert done.token_ids == tp1_tokens[4 + i][:len(done.token_ids)]
+            else:
+                assert done.finish_reason == "length" and done.token_ids == tp1_tokens[4 + i]
+        bm = sched.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished()
     finally:
         llm.close()
 
@@ -140,7 +180,7 @@ def test_torchrun_pp2_matches_tp1(tiny_model_dir, tmp_path, tp1_tokens):
     knobs = json.dumps({**SMALL_KV, "pipeline_parallel_size": 2})
     result = run_and_read(python_cmd(*TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, tiny_model_dir,
                                      str(out), "1", "--engine-json", knobs), out)
-    assert result["tokens"] == tp1_tokens
+    assert result["tokens"] == tp1_tokens and result["max_steps_in_flight"] == 2
     assert result["local_ranks"] == [1] and result["remote_ranks"] == []
 
 
@@ -161,4 +201,4 @@ def test_two_node_torchrun_a_stage_per_node(tiny_model_dir, tmp_path, tp1_tokens
         log, _ = node1.communicate(timeout=60)
         assert node1.returncode == 0, log[-3000:]
     assert result["remote_ranks"] == [1] and result["local_ranks"] == []
-    assert result["tokens"] == tp1_tokens
+    assert result["tokens"] == tp1_tokens and result["max_steps_in_flight"] == 2

@@ -31,4 +31,5 @@ params = SamplingParams(temperature=0, max_tokens=400 if args.long else 32, igno
 outs = llm.generate(prompts, params, use_tqdm=False)
 with open(args.out, "w") as f:
     json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "local_ranks": llm.engine.local_ranks,
-               "remote_ranks": llm.engine.remote_ranks, "pid": os.getpid()}, f)
+               "remote_ranks": llm.engine.remote_ranks, "pid": os.getpid(),
+               "max_steps_in_flight": llm.engine.stats()["max_steps_in_flight"]}, f)

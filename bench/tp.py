@@ -3,12 +3,19 @@
     python -m nanovllm_tp.bench.tp                         # --preset small, TP 1 and 2 on CPU
     python -m nanovllm_tp.bench.tp --tp-list 1 2 4 --preset tiny --repeats 3 --plot
     python -m nanovllm_tp.bench.tp --tp-list 1 2 --pp-list 1 2  # TP=1, TP=2, PP=2 and TP=2 x PP=2
+    python -m nanovllm_tp.bench.tp --tp-list 1 --pp-list 1 2 --micro-batches 1 2 --rounds 3 --trace t.json
+                                                    # PP=2 with one step in flight against one per stage
 
 Each layout runs in a fresh process, `python -m nanovllm_tp.bench.throughput --tp N -pp P --out TMP.json` (the
 engine spawns its other ranks itself), with OMP_NUM_THREADS=--threads-per-rank (default 1: one CPU thread per
 rank, so a layout of N ranks uses N cores). Its JSON is read back; this script reports tok/s per layout, the
 scaling against the first layout (the fewest ranks), and the efficiency per rank. Arguments it does not know are
 passed on to bench unchanged (e.g. --max-num-seqs 64, --no-prefix-caching, --dtype bfloat16).
+
+--micro-batches runs every pipeline layout at each count of steps in flight (the engine's pipeline_micro_batches;
+default: one per stage). --rounds R runs the whole list of layouts R times in turn, so that a machine's slow minute
+falls on every layout alike, and reports each layout's median over the rounds. With --trace, a pipeline layout's
+row also says how much of steady decode every stage computed at once (bench/stage_overlap.py).
 
 Default workload: 32 requests, prompt and output lengths 16..128, on the "small" preset (1024 hidden, 8 layers,
 random weights, compute-bound on CPU), so one TP size takes well under a minute on a 2-core machine.
@@ -55,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_workload_args(parser, num_requests=32, prompt_len=(16, 128), output_len=(16, 128))
     parser.set_defaults(preset="small")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[0],
+                        help="pipeline layouts: steps in flight at once, each count a layout of its own (default: "
+                             "the engine's, one per stage)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per TP size (bench reports the median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every layout this many times in turn; each layout's figure is its median")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per TP size")
     parser.add_argument("--trace", metavar="OUT.json", help="a Perfetto trace per TP size: OUT.tp1.json, ...")
@@ -63,16 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def label(tp: int, pp: int) -> str:
-    """A layout's name in the table and the figures' keys: TP=2, or TP=2xPP=2 with pipeline stages."""
-    return f"TP={tp}" if pp == 1 else f"TP={tp}xPP={pp}"
+def label(tp: int, pp: int, mb: int = 0) -> str:
+    """A layout's name in the table: TP=2, or TP=2xPP=2 with pipeline stages, "mb=1" with a micro-batch count."""
+    return f"TP={tp}" if pp == 1 else f"TP={tp}xPP={pp}" + (f" mb={mb}" if mb else "")
 
 
-def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1) -> dict:
-    name = f"tp{tp}" if pp == 1 else f"tp{tp}pp{pp}"
+def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1, mb: int = 0) -> dict:
+    name = f"tp{tp}" if pp == 1 else f"tp{tp}pp{pp}" + (f"mb{mb}" if mb else "")
     out = os.path.join(workdir, f"{name}.json")
     cmd = [sys.executable, "-m", "nanovllm_tp.bench.throughput", "--tp", str(tp),
-           "--pipeline-parallel-size", str(pp), "--out", out,
+           "--pipeline-parallel-size", str(pp), *(["--pipeline-micro-batches", str(mb)] if mb else []), "--out", out,
            "--preset", args.preset, "--num-requests", str(args.num_requests),
            "--prompt-len", *map(str, args.prompt_len), "--output-len", *map(str, args.output_len),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--repeats", str(args.repeats),
@@ -82,7 +94,7 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1) ->
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
         env.pop(var, None)      # each size is a plain spawn-mode run, even if we were started by torchrun
-    bc.log(args, f"--- {label(tp, pp)}: {' '.join(cmd[1:])}")
+    bc.log(args, f"--- {label(tp, pp, mb)}: {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
     # the child's table and progress go to our stderr: our own table stays the last thing on stdout
     sys.stderr.flush()
@@ -97,30 +109,47 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1) ->
                               check=False)
         sys.stderr.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench at {label(tp, pp)} failed with exit code {proc.returncode}: {' '.join(cmd)}")
+        raise RuntimeError(f"bench at {label(tp, pp, mb)} failed with exit code {proc.returncode}: {' '.join(cmd)}")
     with open(out) as f:
         child = json.load(f)
     engine = child["figures"]["engine"]
-    return {"tp": tp, "pp": pp, "ranks": tp * pp, "layout": label(tp, pp), "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
+    overlap = None
+    if args.trace and pp > 1:
+        from nanovllm_tp.bench.stage_overlap import read
+        overlap = read(sibling_path(args.trace, name), tp)
+    return {"tp": tp, "pp": pp, "micro_batches": mb or None, "ranks": tp * pp, "layout": label(tp, pp, mb),
+            "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
             "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"), "wall_s": time.perf_counter() - t0,
-            "command": cmd, "child_environment": child["environment"], "child_config": child["config"]}
+            "stage_overlap": overlap, "command": cmd, "child_environment": child["environment"],
+            "child_config": child["config"]}
 
 
 def table(result: dict) -> str:
     w, c, f = result["workload"], result["config"], result["figures"]
+    overlap = any(r.get("stage_overlap") for r in f["runs"])
     rows = [[r["layout"], r["ranks"], r["tok_s"], f"{r['seconds']:.3f}", f"{f['scaling'][key(r)]:.2f}x",
-             f"{f['efficiency'][key(r)]:.0%}"] for r in f["runs"]]
+             f"{f['efficiency'][key(r)]:.0%}"] + ([_overlap_cell(r.get("stage_overlap"))] if overlap else [])
+            for r in f["runs"]]
+    rounds = f" of {c.get('rounds', 1)} rounds" if c.get("rounds", 1) > 1 else f" of {c['repeats']}"
     title = (f"bench_tp: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, output "
              f"{w['output_len_min']}..{w['output_len_max']}, {c['model_source']}, {c['threads_per_rank']} thread(s) "
-             f"per rank, median of {c['repeats']}")
-    return bc.format_table(["layout", "ranks", "output tok/s", "seconds", f"vs {f['base_layout']}", "efficiency"],
-                           rows, title)
+             f"per rank, median{rounds}")
+    return bc.format_table(["layout", "ranks", "output tok/s", "seconds", f"vs {f['base_layout']}", "efficiency"]
+                           + (["stages computing at once (steady decode)"] if overlap else []), rows, title)
+
+
+def _overlap_cell(overlap: dict | None) -> str:
+    if not overlap:
+        return ""
+    busy = " / ".join(f"{share:.0%}" for share in overlap["busy"].values())
+    return f"{overlap['all_busy']:.0%} (each busy {busy})"
 
 
 def key(run: dict) -> str:
     """A run's key in figures' scaling and efficiency: "2" for TP=2 (as before pipeline layouts), "2x2" for
-    TP=2 x PP=2."""
-    return str(run["tp"]) if run["pp"] == 1 else f"{run['tp']}x{run['pp']}"
+    TP=2 x PP=2, "1x2/mb1" with a micro-batch count."""
+    name = str(run["tp"]) if run["pp"] == 1 else f"{run['tp']}x{run['pp']}"
+    return name + (f"/mb{run['micro_batches']}" if run.get("micro_batches") else "")
 
 
 def draw(result: dict):
@@ -148,7 +177,13 @@ def main(argv=None) -> dict:
     pps = sorted(set(args.pp_list))
     if not tps or min(tps) < 1 or min(pps) < 1:
         raise SystemExit(f"--tp-list and --pp-list need sizes >= 1, got {args.tp_list} and {args.pp_list}")
-    layouts = sorted(((tp, pp) for tp in tps for pp in pps), key=lambda layout: (layout[0] * layout[1], layout[1]))
+    if min(args.micro_batches) < 0 or args.rounds < 1:
+        raise SystemExit(f"--micro-batches needs counts >= 1 and --rounds >= 1, got {args.micro_batches} and "
+                         f"{args.rounds}")
+    mbs = sorted(set(args.micro_batches))
+    layouts = sorted(((tp, pp, mb if pp > 1 else 0) for tp in tps for pp in pps for mb in mbs),
+                     key=lambda layout: (layout[0] * layout[1], layout[1], layout[2]))
+    layouts = list(dict.fromkeys(layouts))      # one TP-only layout whatever the micro-batch counts
     args.model_source = args.model or f"preset {args.preset}"
     env = bc.environment()
     env["OMP_NUM_THREADS_children"] = str(args.threads_per_rank)
@@ -156,16 +191,19 @@ def main(argv=None) -> dict:
     if not args.model:   # make the checkpoint once, here, rather than racing in the first child
         from nanovllm_tp.launch.make_tiny import ensure_tiny
         ensure_tiny(args.preset)
-    runs = []
+    rounds: list[list[dict]] = [[] for _ in layouts]
     with tempfile.TemporaryDirectory(prefix="bench_tp-") as workdir:
-        for tp, pp in layouts:
-            runs.append(run_one(tp, args, passthrough, workdir, pp))
-            bc.log(args, f"{label(tp, pp)}: {runs[-1]['tok_s']:.1f} tok/s")
+        for _ in range(args.rounds):
+            for i, (tp, pp, mb) in enumerate(layouts):
+                rounds[i].append(run_one(tp, args, passthrough, workdir, pp, mb))
+                bc.log(args, f"{label(tp, pp, mb)}: {rounds[i][-1]['tok_s']:.1f} tok/s")
+    runs = [_median_run(each) for each in rounds]
     base = runs[0]
     figures = {"runs": runs, "base_tp": base["tp"], "base_layout": base["layout"],
                "scaling": {key(r): r["tok_s"] / base["tok_s"] for r in runs},
                "efficiency": {key(r): r["tok_s"] / base["tok_s"] * base["ranks"] / r["ranks"] for r in runs}}
-    config = {**bc.config_dict(args), "tp_list": tps, "pp_list": pps, "passthrough": passthrough}
+    config = {**bc.config_dict(args), "tp_list": tps, "pp_list": pps, "micro_batches": mbs, "rounds": args.rounds,
+              "passthrough": passthrough}
     vocab = bc.model_vocab_size(base["child_config"]["model"])
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     result = {"name": NAME, "config": config, "workload": workload.describe(),
@@ -173,6 +211,16 @@ def main(argv=None) -> dict:
     bc.save_result(args, out_path, result, draw)
     print(table(result), flush=True)
     return result
+
+
+def _median_run(each: list[dict]) -> dict:
+    """A layout's run of median tok/s over the rounds (its figures), with every round's tok/s beside."""
+    ordered = sorted(each, key=lambda r: r["tok_s"])
+    run = dict(ordered[(len(ordered) - 1) // 2])
+    run["tok_s_rounds"] = [r["tok_s"] for r in each]
+    if len(each) > 1 and len(each) % 2 == 0:     # an even count: the mean of the middle two
+        run["tok_s"] = (ordered[len(each) // 2 - 1]["tok_s"] + ordered[len(each) // 2]["tok_s"]) / 2
+    return run
 
 
 if __name__ == "__main__":

@@ -13,10 +13,14 @@ check that the payload belongs to the step it runs, which is what lets later ste
 flight, one per stage) without a barrier. A rank that dies closes its connections, so a peer waiting on it
 raises at once (gloo: "Connection closed by peer") instead of waiting out the group's timeout.
 
-Sends do not wait for the receiver: each starts as an isend, and a rank waits for its previous transfer to
-complete only when it starts the next one (so at most one step's output per rank is on its way). With several
-steps in flight a blocking send could deadlock: rank 0 sending step k + 1's activations to stage 1 while stage 1,
-the last stage, sends it step k's logits.
+Activations go stage to stage with blocking sends: gloo hands a payload over once the receiver has posted its
+receive, and a sender that waits leaves its core to gloo's I/O thread, so the payload moves at once (a rank that
+went on computing instead delayed its own transfers by milliseconds on a machine with a core per rank). The
+logits go back to rank 0 as isends that the last stage never waits for (it keeps them until they are done, at most
+one per step in flight): with several steps in flight rank 0 may be sending step k + 1's activations while the
+last stage has step k's logits for it, and two blocking sends would wait on each other. Since the last stage never
+blocks on a send, every blocked sender is waiting for a stage that will post its receive once it has finished the
+step it runs.
 """
 import contextlib
 from dataclasses import dataclass
@@ -110,27 +114,20 @@ def build_groups(rank: int, tp: int, pp: int) -> tuple[int, object, PPState]:
     return tp_rank, tp_group, state
 
 
-_sending: list = []     # the transfer this rank started last: its isend works, and the tensors they read
+_sending: list = []     # logits on their way: (isend works, the tensors they read), oldest first
 
 
-def _send(tensors: list[torch.Tensor], dst: int) -> None:
-    """Start sending `tensors` to global rank `dst` in order, once the previous transfer has gone."""
-    finish_sends()
-    _sending[:] = [[dist.isend(t, dst=dst, group=_pp.group) for t in tensors], tensors]
-
-
-def finish_sends() -> None:
-    """Wait until this rank's last transfer has gone (a dead receiver raises here)."""
-    if _sending:
-        works, _ = _sending
-        _sending.clear()
-        with trace.span("pp_send_wait"):
-            for work in works:
-                work.wait()
+def _start_send(tensors: list[torch.Tensor], dst: int) -> None:
+    """Start sending `tensors` to global rank `dst` in order, without waiting (transfers that have completed are
+    dropped first; one still on its way raises here if it failed, e.g. rank 0 died)."""
+    while _sending and all(work.is_completed() for work in _sending[0][0]):
+        for work in _sending.pop(0)[0]:
+            work.wait()         # returns at once; raises what the transfer met
+    _sending.append(([dist.isend(t, dst=dst, group=_pp.group) for t in tensors], tensors))
 
 
 def forget_sends() -> None:
-    """Drop the last transfer without waiting (the engine is closing; its receiver may be gone)."""
+    """Drop the logits still on their way without waiting (the engine is closing; rank 0 may be gone)."""
     _sending.clear()
 
 
@@ -153,8 +150,9 @@ def send_activations(step_id: int, hidden: torch.Tensor, residual: torch.Tensor)
     """This stage's output for `step_id` to the next stage: hidden states and residuals, [tokens, hidden] each."""
     payload = torch.stack([hidden, residual])
     with trace.span("pp_send"):
-        _send([_header(ACTIVATIONS, step_id, hidden.shape[0], hidden.shape[1], hidden.device), payload],
-              _pp.next_rank)
+        dist.send(_header(ACTIVATIONS, step_id, hidden.shape[0], hidden.shape[1], hidden.device),
+                  dst=_pp.next_rank, group=_pp.group)
+        dist.send(payload, dst=_pp.next_rank, group=_pp.group)
 
 
 def recv_activations(step_id: int, tokens: int, hidden_size: int, dtype: torch.dtype,
@@ -174,8 +172,8 @@ def send_logits(step_id: int, logits: torch.Tensor) -> None:
     """The last stage's TP rank 0: the step's gathered logits [rows, vocab] to rank 0's sampler."""
     logits = logits.contiguous()
     with trace.span("pp_send_logits"):
-        _send([_header(LOGITS, step_id, logits.shape[0], logits.shape[1], logits.device), logits],
-              _pp.sampler_rank)
+        _start_send([_header(LOGITS, step_id, logits.shape[0], logits.shape[1], logits.device), logits],
+                    _pp.sampler_rank)
 
 
 def recv_logits(step_id: int, last_stage_rank: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -153,17 +153,24 @@ def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
 
 @pytest.mark.spawn
 def test_bench_tp_pipeline_layouts(tiny_model_dir, tmp_path, capfd):
-    """--pp-list: TP=1, PP=2 (TP=1 x PP=2) and their figures keyed by layout, ordered by ranks."""
-    result = bench_tp.main(["--tp-list", "1", "--pp-list", "1", "2", "--model", tiny_model_dir, *TINY, *SMALL_KV,
+    """--pp-list with --micro-batches: TP=1, then PP=2 with one step in flight and with two, figures keyed by
+    layout, ordered by ranks; --trace: how much of steady decode the stages computed at once (none with one step
+    in flight, some with two)."""
+    result = bench_tp.main(["--tp-list", "1", "--pp-list", "1", "2", "--micro-batches", "1", "2", "--model",
+                            tiny_model_dir, *TINY, *SMALL_KV, "--trace", str(tmp_path / "t.json"),
                             "--out", str(tmp_path / "pp.json"), "--quiet"])
     table = last_block(capfd.readouterr().out)
     f = load(result)["figures"]
-    assert [(r["tp"], r["pp"], r["ranks"]) for r in f["runs"]] == [(1, 1, 1), (1, 2, 2)]
+    assert [(r["tp"], r["pp"], r["micro_batches"], r["ranks"]) for r in f["runs"]] == \
+        [(1, 1, None, 1), (1, 2, 1, 2), (1, 2, 2, 2)]
     assert all(r["tok_s"] > 0 and r["lengths_ok"] for r in f["runs"])
     assert "pipeline stage 0/2" in f["runs"][1]["runner"] and "pipeline" not in f["runs"][0]["runner"]
-    assert f["scaling"]["1x2"] == pytest.approx(f["runs"][1]["tok_s"] / f["runs"][0]["tok_s"])
-    assert f["efficiency"]["1x2"] == pytest.approx(f["scaling"]["1x2"] / 2)
-    assert any(line.startswith("TP=1xPP=2") for line in table)
+    assert f["scaling"]["1x2/mb2"] == pytest.approx(f["runs"][2]["tok_s"] / f["runs"][0]["tok_s"])
+    assert f["efficiency"]["1x2/mb1"] == pytest.approx(f["scaling"]["1x2/mb1"] / 2)
+    one, two = f["runs"][1]["stage_overlap"], f["runs"][2]["stage_overlap"]
+    assert f["runs"][0]["stage_overlap"] is None and set(one["busy"]) == {"0", "1"}
+    assert one["all_busy"] == 0 < two["all_busy"] <= min(two["busy"].values())
+    assert any(line.startswith("TP=1xPP=2 mb=2") for line in table)
 
 
 @pytest.mark.spawn

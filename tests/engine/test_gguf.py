@@ -223,6 +223,16 @@ def test_tp3_directory_holding_the_gguf_matches_transformers(chats, reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+@pytest.mark.spawn
+@pytest.mark.slow
+@smollm2
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_stages_match_transformers(chats, reference, pp):
+    # 30 layers as 15 + 15 or 10 + 10 + 10, a micro-batch per stage; prompts prefilled in chunks of 16 tokens
+    outs = generate(GGUF, chats[0], pipeline_parallel_size=pp, max_num_batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 @pytest.mark.slow
 @smollm2
 def test_convert_writes_a_plain_hf_directory(tmp_path, chats, reference):

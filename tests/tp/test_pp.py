@@ -9,6 +9,7 @@ import pytest
 
 from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.distributed.pp_partition import PARTITION_ENV, layer_counts, stage_layers
+from nanovllm_tp.launch.tiny_archs import ARCHS
 from tests.helpers import hf_greedy, mixed_prompts
 from tests.procs import TORCHRUN, free_port, python_cmd, started
 from tests.tp.test_tp import (GREEDY, REPO, SCRIPT, prompts, run_and_read, tokens,  # noqa: F401 (fixtures)
@@ -156,10 +157,10 @@ def test_abort_of_a_request_whose_step_is_in_flight(tiny_model_dir, prompts, tp1
 @pytest.mark.spawn
 @pytest.mark.slow
 @pytest.mark.kernel_paths
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_other_architectures_match_transformers(tmp_path, arch):
-    # 3 layers over 2 stages (2, 1); Gemma 2: untied embeddings scaled on the first stage, sandwich norms, windows,
-    # and the final logit cap on the last
+    # 3 layers over 2 stages (2, 1), a micro-batch per stage; Gemma 2: untied embeddings scaled on the first stage,
+    # sandwich norms, windows, and the final logit cap on the last; Qwen3-MoE: experts on both stages
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
     hf = make_tiny_arch(tmp_path / arch, arch)
     prompts = mixed_prompts(hf.config.vocab_size, lengths=(3, 17, 40, 70))

@@ -159,19 +159,23 @@ def test_abort_of_a_request_whose_step_is_in_flight(tiny_model_dir, prompts, tp1
 @pytest.mark.kernel_paths
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_other_architectures_match_transformers(tmp_path, arch):
-    # 3 layers over 2 stages (2, 1), a micro-batch per stage; Gemma 2: untied embeddings scaled on the first stage,
-    # sandwich norms, windows, and the final logit cap on the last; Qwen3-MoE: experts on both stages
+    # 3 layers over 2 stages (2, 1), a micro-batch per stage, prompts prefilled in chunks of 24 tokens, then again
+    # from the prefix cache; Gemma 2: untied embeddings scaled on the first stage, sandwich norms, windows, and the
+    # final logit cap on the last; Qwen3-MoE: experts on both stages
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
     hf = make_tiny_arch(tmp_path / arch, arch)
     prompts = mixed_prompts(hf.config.vocab_size, lengths=(3, 17, 40, 70))
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    llm = LLM(str(tmp_path / arch), pipeline_parallel_size=2, **SMALL_KV)
+    llm = LLM(str(tmp_path / arch), pipeline_parallel_size=2, max_num_batched_tokens=24, **SMALL_KV)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     try:
-        got = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                  use_tqdm=False))
+        got = tokens(llm.generate(prompts, params, use_tqdm=False))
+        again = tokens(llm.generate(prompts, params, use_tqdm=False))
+        stats = llm.engine.stats()
     finally:
         llm.close()
-    assert got == want
+    assert got == want and again == want
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["max_steps_in_flight"] == 2
 
 
 @pytest.mark.spawn

@@ -7,6 +7,13 @@ carry a version bumped on reuse). By induction the whole prefix matches, so a co
 hit but never hands out someone else's KV. Freed blocks keep their tokens and hash until they are reused,
 which is what lets a preempted or repeated prompt hit the cache.
 
+Eviction: a new block is the least recently freed one, taken first among the blocks whose cached KV was never hit
+and only then among those that were (two segments, as a 2Q or segmented LRU cache keeps them). A request's own
+tail (its unique prompt suffix and its output) is never hit again, while a system prompt that served one hit
+is likely to serve more: under pressure the tails go first, and a shared prefix that sits idle for a moment
+outlives the one-off blocks freed after it. A sequence frees its tail blocks before its head, so within a
+segment a prefix loses its end before its start (a hit needs the start).
+
 LoRA: the chain of a sequence with an adapter starts from the adapter's id (hash and recorded parent of its first
 block), so a prompt under one adapter (or none) never reuses the KV another adapter computed.
 
@@ -49,7 +56,7 @@ def _root_hash(seq: Sequence):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent", "parent_version")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "version", "parent", "parent_version", "reused")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -59,6 +66,7 @@ class Block:
         self.version = 0                 # bumped each time the block is reused for other tokens
         self.parent = NO_PARENT          # the block this one's KV was computed after, and its version then
         self.parent_version = 0
+        self.reused = False              # its cached KV was hit since it was filled: evicted after the others
 
 
 class BlockManager:
@@ -73,8 +81,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # Ordered so that the least recently freed block is reused (and its cache entry evicted) first.
+        # Ordered so that the least recently freed block is reused (and its cache entry evicted) first; blocks
+        # whose KV served a hit wait in free_reused_ids, taken only when free_block_ids is empty.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_reused_ids: OrderedDict[int, None] = OrderedDict()
         self.num_prefix_hit_tokens = 0   # lifetime count, for tests and stats
         self.num_prefix_query_tokens = 0   # tokens whose KV was looked up in the cache (vLLM's queries)
 
@@ -84,7 +94,11 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.free_reused_ids)
+
+    def free_ids(self) -> list[int]:
+        """Every free block, in the order they would be taken."""
+        return [*self.free_block_ids, *self.free_reused_ids]
 
     def usage(self) -> float:
         """The fraction of blocks in use (held by a sequence)."""
@@ -120,7 +134,7 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)   # these sit in the free list
         needed = seq.num_blocks(self.block_size) - len(hits) + revived
-        return hits if needed <= len(self.free_block_ids) else None
+        return hits if needed <= self.num_free_blocks else None
 
     def allocate(self, seq: Sequence, hits: list[int]) -> None:
         if seq.block_table:
@@ -128,8 +142,9 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free_block_ids[block_id]
+                (self.free_reused_ids if block.reused else self.free_block_ids).pop(block_id)
             block.ref_count += 1
+            block.reused = True
             seq.block_table.append(block_id)
         for _ in range(seq.num_blocks(self.block_size) - len(hits)):
             seq.block_table.append(self.take_block())
@@ -142,9 +157,10 @@ class BlockManager:
         self.blocks[block_id].ref_count += 1
 
     def take_block(self) -> int:
-        """A free block, evicting whatever cache entry it held; its ref count becomes 1."""
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        """A free block (never-hit ones first), evicting whatever cache entry it held; its ref count becomes 1."""
+        block_id, _ = (self.free_block_ids or self.free_reused_ids).popitem(last=False)
         block = self.blocks[block_id]
+        block.reused = False
         if block.hash is not None:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
@@ -164,7 +180,7 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_block_ids[block_id] = None
+            (self.free_reused_ids if block.reused else self.free_block_ids)[block_id] = None
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Free seq's blocks that no query from its next token on can read (see the module's note)."""
@@ -183,7 +199,7 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """Whether seq's next decode token has a slot (it needs a new block on a block boundary)."""
         needs_block = (seq.num_tokens - 1) // self.block_size >= len(seq.block_table)
-        return not needs_block or len(self.free_block_ids) > 0
+        return not needs_block or self.num_free_blocks > 0
 
     def may_append(self, seq: Sequence) -> None:
         if (seq.num_tokens - 1) // self.block_size >= len(seq.block_table):

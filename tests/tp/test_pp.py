@@ -157,16 +157,18 @@ def test_abort_of_a_request_whose_step_is_in_flight(tiny_model_dir, prompts, tp1
 @pytest.mark.spawn
 @pytest.mark.slow
 @pytest.mark.kernel_paths
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (2, 2)])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_other_architectures_match_transformers(tmp_path, arch):
-    # 3 layers over 2 stages (2, 1), a micro-batch per stage, prompts prefilled in chunks of 24 tokens, then again
-    # from the prefix cache; Gemma 2: untied embeddings scaled on the first stage, sandwich norms, windows, and the
-    # final logit cap on the last; Qwen3-MoE: experts on both stages
+def test_other_architectures_match_transformers(tmp_path, arch, tp, pp):
+    # 3 layers over 2 stages (2, 1) or 3 (1 each), TP 2 inside the stages, a micro-batch per stage, prompts
+    # prefilled in chunks of 24 tokens, then again from the prefix cache; Gemma 2: untied embeddings scaled on the
+    # first stage, sandwich norms, windows, and the final logit cap on the last; Qwen3-MoE: experts on every stage
     from nanovllm_tp.launch.make_tiny import make_tiny_arch
     hf = make_tiny_arch(tmp_path / arch, arch)
     prompts = mixed_prompts(hf.config.vocab_size, lengths=(3, 17, 40, 70))
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    llm = LLM(str(tmp_path / arch), pipeline_parallel_size=2, max_num_batched_tokens=24, **SMALL_KV)
+    llm = LLM(str(tmp_path / arch), tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=24,
+              **SMALL_KV)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     try:
         got = tokens(llm.generate(prompts, params, use_tqdm=False))
@@ -175,7 +177,7 @@ def test_other_architectures_match_transformers(tmp_path, arch):
     finally:
         llm.close()
     assert got == want and again == want
-    assert stats["prefix_cache_hit_tokens"] > 0 and stats["max_steps_in_flight"] == 2
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["max_steps_in_flight"] == pp
 
 
 @pytest.mark.spawn

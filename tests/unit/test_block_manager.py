@@ -135,6 +135,34 @@ def test_least_recently_freed_is_reused_first_tail_blocks_before_prefix():
     assert list(bm.free_block_ids) == [3, 4, 5, 2, 1, 0]   # never used first, then a's tail before its head
 
 
+def test_blocks_that_served_a_hit_are_evicted_after_one_off_blocks():
+    # a "system prompt" of 2 blocks serves a hit, then sits idle while one-off requests come and go: under
+    # pressure their blocks are taken before the prompt's, though the prompt's were freed earlier
+    bm = BlockManager(8, BS)
+    system = list(range(1, 9))
+    first, second = Sequence(0, system + [20]), Sequence(1, system + [21])
+    prefill(bm, first)
+    assert prefill(bm, second) == first.block_table[:2]
+    prefix = first.block_table[:2]
+    assert all(bm.blocks[b].reused for b in prefix) and not bm.blocks[first.block_table[2]].reused
+    bm.deallocate(first)
+    bm.deallocate(second)
+    assert bm.free_ids()[-2:] == prefix[::-1]            # last in line: tail first within the segment too
+    for i in range(3):                                   # one-off prompts of 6 blocks: all but the prefix's
+        other = Sequence(10 + i, [100 + i] * 24)
+        prefill(bm, other)
+        assert not set(prefix) & set(other.block_table)
+        bm.deallocate(other)
+    third = Sequence(20, system + [22])
+    assert prefill(bm, third) == prefix
+    bm.deallocate(third)
+    big = Sequence(21, [7] * 32)                          # the whole pool: the prefix's blocks are taken last
+    prefill(bm, big)
+    assert big.block_table[-2:] == prefix[::-1] and not any(bm.blocks[b].reused for b in big.block_table)
+    bm.deallocate(big)
+    assert bm.can_allocate(Sequence(22, system + [23])) == []
+
+
 def test_reusing_a_freed_cached_block_evicts_it():
     bm = BlockManager(4, BS)
     a = Sequence(0, list(range(1, 9)))                     # blocks 0,1, both cached

@@ -694,7 +694,7 @@ def check_invariants(sched: Scheduler):
             assert block.hash is not None and len({i for _, i in own}) == 1
             for s, i in own:
                 assert (i + 1) * bs <= s.num_cached_tokens and s.block_tokens(i, bs) == block.token_ids
-    free = set(bm.free_block_ids)
+    free = set(bm.free_ids())
     assert free == {b.block_id for b in bm.blocks if b.ref_count == 0}
     assert len(free) + len(owners) == bm.num_blocks
     for h, b in bm.hash_to_block_id.items():

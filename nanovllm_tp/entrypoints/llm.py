@@ -164,7 +164,8 @@ class LLM:
         tensor_parallel_size, pipeline_parallel_size, pipeline_micro_batches (steps in flight at most: 1 without
         stages), max_steps_in_flight (the most that were at once), attention_backend, kv_block_size, num_kv_blocks
         (under pipeline parallelism the fullest stage's: every stage holds that many blocks), kv_cache_dtype (the KV
-        cache's storage: the model dtype's name, or int8 / fp8_e4m3 / fp8_e5m2 with an fp32 scale per token and KV head),
+        cache's storage: the model dtype's name, or int8 / fp8_e4m3 / fp8_e5m2 with an fp32 scale per token and KV
+        head),
         quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths:
         packed_linear.linear_paths), linear_kernels (packed_linear="auto": the kernel per weight shape and
         row-count bucket with the timings that chose it, the extra bytes of second layouts: kernel_choice.report;

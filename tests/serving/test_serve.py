@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -278,6 +279,56 @@ def test_tp2_server_same_outputs_then_a_dead_rank_gives_503_and_sigterm_leaves_n
         os.kill(proc.pid, signal.SIGTERM)
         assert wait_gone([proc.pid], 15) is not None
     assert not {s for s in our_shm_segments() if s.startswith(f"nvtp_{proc.pid}_")}
+
+
+@pytest.mark.slow
+def test_pp2_server_streams_equal_offline_and_a_disconnect_in_flight_is_aborted(tiny_model_dir, tiny_llm):
+    """Two pipeline stages with a micro-batch each behind the OpenAI server: 16 concurrent streams answer as the
+    offline TP 1 engine does; a client that leaves while its request has steps in flight is aborted (when its step's
+    results are back), a request running beside it finishes whole, and nothing is left holding KV."""
+    port, ctx = start_server(tiny_model_dir, "-pp", "2", "--max-model-len", "4096", "--http-priority", "normal")
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
+    want = [o.outputs[0].text for o in offline(tiny_llm, prompts, max_tokens=12)]
+
+    async def one(c, p):
+        text = ""
+        async for chunk in await c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                                      stream=True):
+            text += "".join(ch.text for ch in chunk.choices)
+        return text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    with ctx as proc:
+        wait_ready(port, proc)
+        assert asyncio.run(run()) == want
+        survivor = {}
+
+        def run_survivor():
+            survivor["out"] = client(port, key="unused").completions.create(
+                model="tiny", prompt=PROMPTS[2], max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+
+        thread = threading.Thread(target=run_survivor)
+        thread.start()
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+        thread.join(timeout=120)
+        assert survivor["out"].usage.completion_tokens == 300
+        assert survivor["out"].choices[0].text == offline(tiny_llm, [PROMPTS[2]], max_tokens=300,
+                                                          ignore_eos=True)[0].outputs[0].text
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = metrics(port)
+            if m['num_requests_running{model_name="tiny"}'] == 0:
+                break
+            time.sleep(0.1)
+        assert m['num_requests_running{model_name="tiny"}'] == 0 and m['kv_cache_usage_perc{model_name="tiny"}'] == 0
+        assert m['request_success_total{finished_reason="abort",model_name="tiny"}'] == 1
+        assert m['generation_tokens_total{model_name="tiny"}'] < 16 * 12 + 300 + 4000
 
 
 @pytest.mark.slow

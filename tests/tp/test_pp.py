@@ -156,6 +156,26 @@ def test_abort_of_a_request_whose_step_is_in_flight(tiny_model_dir, prompts, tp1
 
 @pytest.mark.spawn
 @pytest.mark.slow
+def test_structured_outputs_seeded_sampling_and_n_match_tp1(tiny_model_dir, tiny_llm):
+    # grammars' masks made while two steps are in flight, seeded sampling, n = 3 siblings in one part
+    from tests.engine.test_structured_outputs import PROMPTS as TEXTS, REGEX, SCHEMAS, structured
+    params = [structured(seed=11 + i, temperature=1.0, max_tokens=64, **kind) for i, kind in
+              enumerate([dict(regex=REGEX), dict(choice=["yes", "no", "maybe later"]), dict(json=SCHEMAS[0])])]
+    params += [SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=24, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    texts = [TEXTS[i % len(TEXTS)] for i in range(len(params))]
+    want = [[c.token_ids for c in o.outputs] for o in tiny_llm.generate(texts, params, use_tqdm=False)]
+    llm = LLM(tiny_model_dir, pipeline_parallel_size=2, **SMALL_KV)
+    try:
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(texts, params, use_tqdm=False)]
+        assert llm.engine.stats()["max_steps_in_flight"] == 2
+    finally:
+        llm.close()
+    assert got == want and len(got[3]) == 3
+
+
+@pytest.mark.spawn
+@pytest.mark.slow
 @pytest.mark.kernel_paths
 @pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (2, 2)])
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -4,8 +4,11 @@ Under pipeline parallelism a step's stages run one after another; with one step 
 the others work. MicroBatchScheduler keeps up to `count` steps in flight, one per part: each part is a Scheduler
 of its own (its own waiting and running queues, its own decode batch and preemption), and every part draws on one
 BlockManager, so the KV budget and the prefix cache are the engine's, shared. A request joins the part with the
-fewest unfinished sequences and stays there (its n > 1 siblings with it), so a sequence is never in two steps in
-flight: its next token depends on the last.
+fewest unfinished sequences (its n > 1 siblings start in the same part), and a sequence is only ever in its part's
+step, so never in two steps in flight: its next token depends on the last. When the part about to be scheduled runs
+at least two sequences more than a part with no step in flight (the tail of a batch: one part's requests have
+ended, the other's run on), running sequences move over, so that both keep a step in flight; neither part has a
+step in flight then, and a sequence's blocks are the shared pool's, so nothing else moves.
 
 Why this is safe without more bookkeeping:
 - a part schedules only while it has no step in flight, and frees (preemption, finish) only its own sequences'
@@ -48,6 +51,7 @@ class MicroBatchScheduler:
         self._next = 0                  # the part asked first by the next schedule()
         self._pending: dict[int, list[tuple]] = {}   # id(part) -> finishes waiting for its step's results
         self.max_in_flight = 0          # lifetime: the most steps that were in flight at once
+        self.num_moved = 0              # lifetime: running sequences moved to an idle part
 
     mark_aborted = staticmethod(Scheduler.mark_aborted)
 
@@ -104,24 +108,44 @@ class MicroBatchScheduler:
     def schedule(self) -> ScheduledStep | None:
         """The next step of a part that has none in flight (the parts take turns), or None when no such part has
         anything to run. Raises when nothing is in flight and nothing can run while sequences are unfinished."""
-        count = len(self.parts)
-        for i in range(count):
-            part = self.parts[(self._next + i) % count]
-            if part.scheduled or not part.has_unfinished():
+        count, bm = len(self.parts), self.block_manager
+        while True:
+            free = bm.num_free_blocks
+            for i in range(count):
+                part = self.parts[(self._next + i) % count]
+                if part.scheduled or not part.has_unfinished():
+                    continue
+                self._share_with_idle(part)
+                part.step_id = self.step_id
+                step = part.schedule()
+                if step is None:
+                    continue
+                self.step_id = part.step_id
+                self._next = (self.parts.index(part) + 1) % count
+                self._order.append(part)
+                self.max_in_flight = max(self.max_in_flight, len(self._order))
+                return step
+            if self._order or not self.has_unfinished():
+                return None
+            # nothing in flight and nothing ran: a part asked early may have lacked blocks that a later one's
+            # preemptions have freed since; ask again, unless the pass freed nothing
+            if bm.num_free_blocks == free:
+                raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and {len(self.running)} "
+                                   "running sequences")
+
+    def _share_with_idle(self, part: Scheduler) -> None:
+        """Move running sequences from `part` (about to be scheduled) to parts with no step in flight that run at
+        least two fewer, the most recently admitted first, until they are even."""
+        for other in self.parts:
+            if other is part or other.scheduled:
                 continue
-            part.step_id = self.step_id
-            step = part.schedule()
-            if step is None:
-                continue
-            self.step_id = part.step_id
-            self._next = (self.parts.index(part) + 1) % count
-            self._order.append(part)
-            self.max_in_flight = max(self.max_in_flight, len(self._order))
-            return step
-        if not self._order and self.has_unfinished():
-            raise RuntimeError(f"scheduler stalled with {len(self.waiting)} waiting and {len(self.running)} running "
-                               "sequences")
-        return None
+            moved = 0
+            while len(part.running) - len(other.running) >= 2:
+                other.running.append(part.running.pop())
+                moved += 1
+            if moved:
+                part.decode_batch = other.decode_batch = None
+                self.num_moved += moved
 
     def rows_in_flight(self) -> list[list[Sequence]]:
         """The sequences of each step in flight (the plan's rows, in order), oldest step first."""

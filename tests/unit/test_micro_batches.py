@@ -84,6 +84,23 @@ def test_requests_spread_over_the_parts_and_each_stays_in_its_part():
     assert {s.seq_id for s in first} == {0, 2, 4} and {s.seq_id for s in second} == {1, 3}
 
 
+def test_when_one_part_runs_out_the_other_shares_its_running_sequences():
+    # part 0 gets four long requests, part 1 four short ones; once part 1's end, part 0's move over (two each)
+    ms = make(2, num_blocks=60)
+    seqs = [Sequence(i, [i + 1] * 5, max_tokens=20 if i % 2 == 0 else 2, ignore_eos=True) for i in range(8)]
+    for s in seqs:
+        ms.add(s)
+    model, flight, both = FakeModel(4), collections.deque(), []
+    while ms.has_unfinished() or flight:
+        while ms.num_in_flight < 2 and launch(ms, model, flight):
+            pass
+        both.append(ms.num_in_flight)
+        land(ms, flight)
+    assert ms.num_moved == 2
+    assert_matches_reference(ms.parts[0], seqs)
+    assert both.count(2) >= 30        # about all of the long requests' 20 steps run as two micro-batches of two
+
+
 def test_an_abort_during_its_step_waits_for_the_results():
     ms = make(2, num_blocks=40)
     a, b = Sequence(0, [5] * 9, max_tokens=8), Sequence(1, [7] * 9, max_tokens=8)

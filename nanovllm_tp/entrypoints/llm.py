@@ -311,7 +311,8 @@ class LLM:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests now, wherever they are (waiting, running, preempted); their blocks are freed at once and
-        the next step() reports them with finish_reason "abort". Unknown ids are ignored."""
+        the next step() reports them with finish_reason "abort" (under pipeline micro-batches, a request whose step
+        is in flight ends when that step's results come back). Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             state = self._requests.get(rid)

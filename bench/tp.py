@@ -214,12 +214,11 @@ def main(argv=None) -> dict:
 
 
 def _median_run(each: list[dict]) -> dict:
-    """A layout's run of median tok/s over the rounds (its figures), with every round's tok/s beside."""
-    ordered = sorted(each, key=lambda r: r["tok_s"])
-    run = dict(ordered[(len(ordered) - 1) // 2])
-    run["tok_s_rounds"] = [r["tok_s"] for r in each]
-    if len(each) > 1 and len(each) % 2 == 0:     # an even count: the mean of the middle two
-        run["tok_s"] = (ordered[len(each) // 2 - 1]["tok_s"] + ordered[len(each) // 2]["tok_s"]) / 2
+    """A layout's run over the rounds: the figures of its lower-middle round, tok/s their median, every round's
+    tok/s beside."""
+    tok_s = [r["tok_s"] for r in each]
+    run = dict(sorted(each, key=lambda r: r["tok_s"])[(len(each) - 1) // 2])
+    run["tok_s"], run["tok_s_rounds"] = bc.median(tok_s), tok_s
     return run
 
 

@@ -142,7 +142,7 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                (self.free_reused_ids if block.reused else self.free_block_ids).pop(block_id)
+                self._free_list(block).pop(block_id)
             block.ref_count += 1
             block.reused = True
             seq.block_table.append(block_id)
@@ -180,7 +180,11 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            (self.free_reused_ids if block.reused else self.free_block_ids)[block_id] = None
+            self._free_list(block)[block_id] = None
+
+    def _free_list(self, block: Block) -> OrderedDict:
+        """The segment a free block waits in: free_reused_ids once its KV served a hit, else free_block_ids."""
+        return self.free_reused_ids if block.reused else self.free_block_ids
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Free seq's blocks that no query from its next token on can read (see the module's note)."""

@@ -28,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from nanovllm_tp.scheduler.block_manager import BlockManager, check_holds_a_sequence
+from nanovllm_tp.scheduler.block_manager import BlockManager
 from nanovllm_tp.scheduler.scheduled_step import ScheduledStep
 from nanovllm_tp.scheduler.scheduler import Scheduler, SchedulerConfig
 from nanovllm_tp.scheduler.sequence import Sequence
@@ -41,7 +41,6 @@ class MicroBatchScheduler:
         if count < 2:
             raise ValueError(f"micro-batches need at least 2 parts, got {count}")
         self.config = config
-        check_holds_a_sequence(config.num_kvcache_blocks, config.kvcache_block_size, config.max_model_len)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, config.kv_window)
         self.parts = [Scheduler(config, block_manager=self.block_manager) for _ in range(count)]
@@ -99,9 +98,9 @@ class MicroBatchScheduler:
             part.finish(seq, reason, stop_reason, num_completion_tokens)
 
     def _part_of(self, seq: Sequence) -> Scheduler | None:
+        """The part whose queues hold seq (a step's rows stay in their part's running or waiting queue)."""
         for part in self.parts:
-            if any(s is seq for s in part.running) or any(s is seq for s in part.waiting) \
-                    or any(s is seq for s in part.scheduled):
+            if any(s is seq for s in part.running) or any(s is seq for s in part.waiting):
                 return part
         return None
 

@@ -125,7 +125,6 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step: (sequences that got a token or an embedding, tokens computed, whether it was a prefill)."""
-        from nanovllm_tp.layers.sampler import prompt_logprobs
         from nanovllm_tp.pooling.embeddings import pool_sums
         if self.micro_batches > 1:
             return self._step_micro_batched()
@@ -138,7 +137,7 @@ class LLMEngine:
             raise
         if step is None:
             return [], 0, False
-        plan, prompt_lp, pooled = step.plan, None, None
+        plan, pooled = step.plan, None
         step.sampling.start_masks()          # structured outputs: grammar masks made while the model runs
         try:
             with self._scope():
@@ -147,11 +146,7 @@ class LLMEngine:
                     logits = self.runner.execute(plan)
                 if self.draft is not None:
                     self.draft.follow(plan)
-                with trace.span("sample"):
-                    tokens, lp = ([], None) if logits is None else self.sampler(logits, step.sampling)
-                if step.prompt_chunks:
-                    with trace.span("prompt_logprobs"):
-                        prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+                tokens, lp, prompt_lp = self._sample(logits, step)
                 if step.pool_chunks:
                     with trace.span("pool"):
                         pooled = pool_sums(self.runner.take_hidden(), step.pool_chunks)
@@ -161,6 +156,18 @@ class LLMEngine:
         with trace.span("postprocess"):
             progressed = sched.postprocess(tokens, lp, prompt_lp, pooled)
         return progressed, plan.num_tokens, plan.is_prefill
+
+    def _sample(self, logits, step):
+        """The step's tokens and logprobs from its logits (none when every row is an embedding's), and its prompt
+        chunks' logprobs."""
+        from nanovllm_tp.layers.sampler import prompt_logprobs
+        with trace.span("sample"):
+            tokens, lp = ([], None) if logits is None else self.sampler(logits, step.sampling)
+        prompt_lp = None
+        if step.prompt_chunks:
+            with trace.span("prompt_logprobs"):
+                prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+        return tokens, lp, prompt_lp
 
     def _publish(self, plan) -> None:
         """The plan to every other rank (none at world size 1)."""
@@ -192,13 +199,7 @@ class LLMEngine:
                     return [], 0, False
                 with trace.span("pp_collect"):
                     logits = self.runner.collect_logits(step.plan)
-                with trace.span("sample"):
-                    tokens, lp = self.sampler(logits, step.sampling)
-                prompt_lp = None
-                if step.prompt_chunks:
-                    from nanovllm_tp.layers.sampler import prompt_logprobs
-                    with trace.span("prompt_logprobs"):
-                        prompt_lp = prompt_logprobs(logits, step.prompt_chunks)
+                tokens, lp, prompt_lp = self._sample(logits, step)
         except BaseException as exc:
             self._step_failed(exc)
             raise

@@ -180,23 +180,27 @@ def test_chat_equals_offline_chat_streamed_or_not(server, tiny_llm):
     assert chunks[-1].choices[0].finish_reason == want.outputs[0].finish_reason
 
 
-def test_64_concurrent_streams_all_finish_right(server, tiny_llm):
-    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
-    want = [o.outputs[0].text for o in offline(tiny_llm, prompts, max_tokens=12)]
-
+def stream_all(port: int, prompts: list[str], max_tokens: int, key: str = KEY) -> list[str]:
+    """Every prompt streamed at once (greedy) through the async openai client; their texts, in order."""
     async def one(c, p):
         text = ""
-        async for chunk in await c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+        async for chunk in await c.completions.create(model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
                                                       stream=True):
             text += "".join(ch.text for ch in chunk.choices)
         return text
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0,
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
                                       timeout=120) as c:
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
-    assert asyncio.run(run()) == want
+    return asyncio.run(run())
+
+
+def test_64_concurrent_streams_all_finish_right(server, tiny_llm):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    want = [o.outputs[0].text for o in offline(tiny_llm, prompts, max_tokens=12)]
+    assert stream_all(server, prompts, 12) == want
 
 
 @pytest.mark.slow
@@ -289,22 +293,9 @@ def test_pp2_server_streams_equal_offline_and_a_disconnect_in_flight_is_aborted(
     port, ctx = start_server(tiny_model_dir, "-pp", "2", "--max-model-len", "4096", "--http-priority", "normal")
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(16)]
     want = [o.outputs[0].text for o in offline(tiny_llm, prompts, max_tokens=12)]
-
-    async def one(c, p):
-        text = ""
-        async for chunk in await c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
-                                                      stream=True):
-            text += "".join(ch.text for ch in chunk.choices)
-        return text
-
-    async def run():
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as c:
-            return await asyncio.gather(*(one(c, p) for p in prompts))
-
     with ctx as proc:
         wait_ready(port, proc)
-        assert asyncio.run(run()) == want
+        assert stream_all(port, prompts, 12, key="unused") == want
         survivor = {}
 
         def run_survivor():

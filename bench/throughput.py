@@ -170,11 +170,12 @@ def main(argv=None) -> dict:
                 cb_runs.append(hf.generate_cb(workload, prompts))
                 bc.log(args, f"[{r + 1}/{args.repeats}] hf continuous batching: {cb_runs[-1]['tok_s']:.1f} tok/s")
         share = bench_compare.one_stream_share(args, llm, workload, engine_runs)
+        in_flight = llm.engine.stats()["max_steps_in_flight"]
     finally:
         llm.close()
 
-    figures = {"engine": {**summarize_runs(engine_runs), "tp": args.tensor_parallel_size, "runner": runner_desc},
-               "ratios": {}}
+    figures = {"engine": {**summarize_runs(engine_runs), "tp": args.tensor_parallel_size, "runner": runner_desc,
+                          "max_steps_in_flight": in_flight}, "ratios": {}}
     if share:
         figures["engine"]["decode_share"] = share
     if hf is not None and "generate" in args.hf_modes:

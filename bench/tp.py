@@ -119,7 +119,8 @@ def run_one(tp: int, args, passthrough: list[str], workdir: str, pp: int = 1, mb
         overlap = read(sibling_path(args.trace, name), tp)
     return {"tp": tp, "pp": pp, "micro_batches": mb or None, "ranks": tp * pp, "layout": label(tp, pp, mb),
             "tok_s": engine["tok_s"], "seconds": engine["seconds"], "tok_s_runs": engine["tok_s_runs"],
-            "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"), "wall_s": time.perf_counter() - t0,
+            "lengths_ok": engine["lengths_ok"], "runner": engine.get("runner"),
+            "max_steps_in_flight": engine.get("max_steps_in_flight"), "wall_s": time.perf_counter() - t0,
             "stage_overlap": overlap, "command": cmd, "child_environment": child["environment"],
             "child_config": child["config"]}
 

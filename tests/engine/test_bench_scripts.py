@@ -154,8 +154,9 @@ def test_bench_tp_scaling(tiny_model_dir, tmp_path, capfd):
 @pytest.mark.spawn
 def test_bench_tp_pipeline_layouts(tiny_model_dir, tmp_path, capfd):
     """--pp-list with --micro-batches: TP=1, then PP=2 with one step in flight and with two, figures keyed by
-    layout, ordered by ranks; --trace: how much of steady decode the stages computed at once (none with one step
-    in flight, some with two)."""
+    layout, ordered by ranks; --trace: how much of steady decode the stages computed at once. With one step in
+    flight they never do; with two, two steps were in flight, and whether the stages then overlapped in time depends
+    on the machine's load (a figure for the benchmark, not an assertion here)."""
     result = bench_tp.main(["--tp-list", "1", "--pp-list", "1", "2", "--micro-batches", "1", "2", "--model",
                             tiny_model_dir, *TINY, *SMALL_KV, "--trace", str(tmp_path / "t.json"),
                             "--out", str(tmp_path / "pp.json"), "--quiet"])
@@ -169,7 +170,8 @@ def test_bench_tp_pipeline_layouts(tiny_model_dir, tmp_path, capfd):
     assert f["efficiency"]["1x2/mb1"] == pytest.approx(f["scaling"]["1x2/mb1"] / 2)
     one, two = f["runs"][1]["stage_overlap"], f["runs"][2]["stage_overlap"]
     assert f["runs"][0]["stage_overlap"] is None and set(one["busy"]) == {"0", "1"}
-    assert one["all_busy"] == 0 < two["all_busy"] <= min(two["busy"].values())
+    assert [r["max_steps_in_flight"] for r in f["runs"]] == [1, 1, 2]
+    assert one["all_busy"] == 0 <= two["all_busy"] <= min(two["busy"].values())
     assert any(line.startswith("TP=1xPP=2 mb=2") for line in table)
 
 

@@ -85,19 +85,9 @@ def text_prompts(workload: bc.Workload, draw: int) -> list[str]:
     return out
 
 
-def shared_prefix_prompts(args, workload: bc.Workload, draw: int) -> list[list[int]]:
-    """Each of the workload's random prompts after one of --num-prefixes fixed prefixes (the same in every draw:
-    what a later draw finds cached is the prefix, never the random rest)."""
-    rng = random.Random(f"{workload.seed}/prefixes")
-    top = min(bc.MAX_TOKEN_ID, workload.vocab_size - 1)
-    prefixes = [[rng.randint(0, top) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
-    pick = random.Random(f"{workload.seed}/pick/{draw}")
-    return [prefixes[pick.randrange(len(prefixes))] + list(p) for p in workload.prompts(draw)]
-
-
 def prompts_for(args, workload: bc.Workload, draw: int):
     if args.dataset == "shared-prefix":
-        return shared_prefix_prompts(args, workload, draw)
+        return bc.shared_prefix_prompts(workload, draw, args.num_prefixes, args.prefix_len)
     return text_prompts(workload, draw) if args.dataset == "text" else workload.prompts(draw)
 
 

@@ -64,3 +64,16 @@ def warmup_prompts(vocab_size: int, seed: int) -> tuple[list[list[int]], list[in
     hi = min(MAX_TOKEN_ID, vocab_size - 1)
     lens = [8, 16, 24, 96]
     return [[rng.randint(0, hi) for _ in range(n)] for n in lens], [8, 8, 8, 4]
+
+
+def shared_prefix_prompts(workload: Workload, draw: int, num_prefixes: int, prefix_len: int) -> list[list[int]]:
+    """Each of the workload's random prompts after one of `num_prefixes` fixed random prefixes of `prefix_len` tokens
+    (the same in every draw: what a later draw finds cached is the prefix, never the random rest); which prefix is
+    drawn anew for each draw."""
+    if num_prefixes < 1 or prefix_len < 0:
+        raise ValueError(f"need at least one prefix and a prefix length >= 0, got {num_prefixes}, {prefix_len}")
+    rng = random.Random(f"{workload.seed}/prefixes")
+    top = min(MAX_TOKEN_ID, workload.vocab_size - 1)
+    prefixes = [[rng.randint(0, top) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    pick = random.Random(f"{workload.seed}/pick/{draw}")
+    return [prefixes[pick.randrange(len(prefixes))] + list(p) for p in workload.prompts(draw)]

@@ -34,6 +34,7 @@ BENCHES = {
     "serve": ("nanovllm_tp.bench.serve", "the HTTP server under concurrent streams"),
     "tp": ("nanovllm_tp.bench.tp", "tensor- and pipeline-parallel layouts (micro-batches, stage overlap)"),
     "stage-overlap": ("nanovllm_tp.bench.stage_overlap", "pipeline stages busy at once, from an engine trace"),
+    "router-sim": ("nanovllm_tp.bench.router_sim", "router policies on the shared-prefix workload, modelled time"),
     "kernels": ("nanovllm_tp.bench.kernels", "the linear kernel table against each forced kernel"),
     "kv": ("nanovllm_tp.bench.kv", "KV cache formats side by side"),
     "quant": ("nanovllm_tp.bench.quant", "a GGUF file quantized against dequantized"),

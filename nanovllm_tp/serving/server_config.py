@@ -61,7 +61,7 @@ class ServerConfig:
                                    flags=("--data-parallel-size", "-dp"), minimum=1)
     router: str = knob("prefix-aware", help="how a request picks its replica: prefix-aware (the replica most "
                                             "likely to hold its prompt's first blocks, unless far busier than the "
-                                            "least loaded), least-load, round-robin",
+                                            "least loaded or than an idle one), least-load, round-robin",
                        choices=tuple(POLICIES))
     restart_dead_replicas: bool = knob(True, help="start a replica again when its process dies (the others serve "
                                                   "meanwhile)")

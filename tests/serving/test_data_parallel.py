@@ -86,13 +86,15 @@ def test_two_replicas_answer_as_one_engine(tiny_model_dir, tiny_llm):
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(tiny_model_dir, tiny_llm):
-    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin")
+    """The stream is long (3000 tokens) so that the kill lands before it is done even on a loaded machine."""
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
+                             "--max-model-len", "4096")
     with ctx as proc:
         wait_all_ready(port, proc)
         c = client(port)
         first = replicas(proc.pid)
         want = offline(tiny_llm, PROMPTS[:1])[0].outputs[0].text
-        stream = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=400, stream=True,
+        stream = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3000, stream=True,
                                       temperature=0, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)                                    # it runs: on replica 0, round-robin's first
@@ -146,17 +148,18 @@ def test_the_health_of_a_server_with_a_dead_replica_says_degraded(tiny_model_dir
 
 def test_a_request_nothing_was_read_of_runs_again_on_another_replica(tiny_model_dir, tiny_llm):
     """A non-streamed request's answer is read only once whole: its replica killed mid-generation, it runs again
-    on the other replica and the client gets the full, right answer."""
+    on the other replica and the client gets the full, right answer. The answer is long (3000 tokens, seconds
+    on this model) so that the kill lands before it is done even on a loaded machine."""
     port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
-                             "--no-restart-dead-replicas")
+                             "--no-restart-dead-replicas", "--max-model-len", "4096")
     with ctx as proc:
         wait_all_ready(port, proc)
         c = client(port)
-        want = offline(tiny_llm, PROMPTS[1:2], max_tokens=300, ignore_eos=True)[0].outputs[0].text
+        want = offline(tiny_llm, PROMPTS[1:2], max_tokens=3000, ignore_eos=True)[0].outputs[0].text
         result = {}
 
         def ask():
-            result["out"] = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=300, temperature=0,
+            result["out"] = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=3000, temperature=0,
                                                  extra_body={"ignore_eos": True})
         asking = threading.Thread(target=ask)
         asking.start()                                  # round-robin's first request: replica 0
@@ -165,7 +168,7 @@ def test_a_request_nothing_was_read_of_runs_again_on_another_replica(tiny_model_
                 httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text:
             time.sleep(0.05)
         os.kill(replicas(proc.pid)[0], signal.SIGKILL)
-        asking.join(60)
+        asking.join(120)
         out = result["out"].choices[0]
         assert out.text == want and out.finish_reason == "length"
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text

@@ -135,6 +135,43 @@ def test_prefix_aware_default_threshold_is_eight_requests():
     assert router.route(prompt(4), [ReplicaLoad(running=5, waiting=4), ReplicaLoad()]) == 1
 
 
+def test_prefix_aware_a_miss_waits_for_a_wider_gap_unless_a_replica_is_idle():
+    """Sending a request away from the replica that holds its prefix costs its prefill: against a busy replica
+    the holder keeps it up to miss_threshold (16) requests more, against an idle one up to load_threshold (8)."""
+    router = PrefixAwareRouter(2, BS)
+    assert router.route(prompt(6), idle(2)) == 0
+    for other, holder, expected in ((1, 9, 0), (1, 17, 0), (1, 18, 1), (4, 20, 0), (4, 21, 1), (0, 8, 0), (0, 9, 1)):
+        loads = [ReplicaLoad(running=holder), ReplicaLoad(running=other)]
+        assert router.route(prompt(6), loads) == expected, (other, holder)
+        if expected == 1:
+            router.forget_replica(1)          # the copy forgotten: the next case starts from one holder again
+    # a prefix nobody holds still goes to a replica within load_threshold of the least loaded
+    assert router.route(prompt(8), [ReplicaLoad(running=10), ReplicaLoad(running=1)]) == 1
+
+
+def test_prefix_aware_holders_within_patience_compete_on_their_match():
+    """Two replicas hold the prompt's first blocks, one of them its whole chain: the longer match wins while its
+    replica is within the patience, even past load_threshold; past it, the shorter match (a partial hit) does."""
+    router = make_router("prefix-aware", 3, BS, load_threshold=2, miss_threshold=6)
+    full = prompt(9, blocks=6)
+    assert router.route(full, idle(3)) == 0
+    assert router.route(full[:2 * BS], [ReplicaLoad(running=8), ReplicaLoad(running=1), ReplicaLoad(running=1)]) == 1
+    loads = [ReplicaLoad(running=6), ReplicaLoad(running=1), ReplicaLoad(running=1)]
+    assert router.route(full, loads) == 0                 # 5 over the least loaded: within miss_threshold
+    loads[0].running = 8
+    assert router.route(full, loads) == 1                 # past it: replica 1's two blocks, not replica 2's none
+
+
+def test_prefix_aware_owner_yields_to_a_less_loaded_holder_past_the_load_threshold():
+    router = make_router("prefix-aware", 2, BS, load_threshold=2, miss_threshold=6)
+    assert router.route(prompt(3), idle(2)) == 0
+    assert router.route(prompt(3), [ReplicaLoad(running=5), ReplicaLoad(running=0)]) == 1     # idle: a copy
+    busy = [ReplicaLoad(running=4), ReplicaLoad(running=1)]
+    assert router.route(prompt(3), busy) == 1            # both hold it: the owner only within 2 of the other
+    busy[0].running = 3
+    assert router.route(prompt(3), busy) == 0
+
+
 def test_prefix_aware_a_different_adapter_is_not_a_hit():
     router = make_router("prefix-aware", 2, BS)
     assert router.route(prompt(5), idle(2), lora_id=1) == 0
@@ -224,6 +261,8 @@ def test_make_router_refuses_bad_arguments():
         assert name in str(err.value)
     with pytest.raises(ValueError):
         make_router("least-load", 0)
+    with pytest.raises(ValueError, match="miss_threshold"):
+        make_router("prefix-aware", 2, load_threshold=8, miss_threshold=4)
     with pytest.raises(ValueError):
         make_router("least-load", 2).route([1], idle(3))      # a load per replica
     assert isinstance(make_router("least-load", 2), LeastLoadRouter)

@@ -92,8 +92,8 @@ def requests_of(args, draw: int) -> list[tuple[list[int], int]]:
 
 
 def run_policy(args, policy: str, replicas: int, kv_blocks: int) -> dict:
-    kwargs = {"load_threshold": args.load_threshold, "miss_threshold": args.miss_threshold} \
-        if policy == "prefix-aware" else {}
+    kwargs = {"load_threshold": args.load_threshold, "miss_threshold": args.miss_threshold,
+              "idle_routes": args.idle_routes} if policy == "prefix-aware" else {}
     state: dict = {}
     runs = [simulate(policy, replicas, kv_blocks, requests_of(args, r + 1), concurrency=args.concurrency,
                      block_size=args.block_size, max_model_len=args.max_model_len, step_s=args.step_ms / 1e3,
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--token-ms", type=float, default=0.5, help="modelled cost of each token a step computes")
     parser.add_argument("--load-threshold", type=float, default=8, help="prefix-aware's (router.py)")
     parser.add_argument("--miss-threshold", type=float, default=16, help="prefix-aware's (router.py)")
+    parser.add_argument("--idle-routes", type=int, default=8, help="prefix-aware's (router.py)")
     parser.add_argument("--no-one-engine", action="store_true", help="skip the one-engine reference run")
     bc.add_output_args(parser)
     args = parser.parse_args(argv)

@@ -25,16 +25,20 @@ replicas holding it finds the longest match by walking the prompt's chain once, 
 Affinity yields to load, but a miss costs more than a queue: sending a request where its prefix is not cached means
 a prefill of the whole prefix, and a copy of it in a cache that has its own prefixes to hold (under cache pressure
 the copy evicts one of them, so the miss repeats there later). So a replica holding the prompt's first blocks keeps
-it until it is more than `miss_threshold` requests busier than the least loaded replica, or more than
-`load_threshold` busier than a replica with nothing to do (an idle replica is capacity the prefix should spread to:
-one shared system prompt would otherwise keep every request on one replica). The longest match among the replicas
-within that patience wins. With a closed loop of requests over a few prefixes, a replica that gets more than its
-share runs slower and holds its requests longer, so swings of 12 against 4 requests are common and pass on their
-own. In a simulation of the shared-prefix benchmark (the real scheduler and this router, 8 prefixes, 16 streams,
-each cache holding about half of the prefixes), diverting at every swing past 8 requests got 84.8% of the prompt
-tokens from the cache against 91.2% with this patience (92.4% is the workload's ceiling), and took 30% longer.
-SGLang's cache-aware router is more patient still: it balances by load only past an absolute and a relative
-imbalance.
+it until it is more than `miss_threshold` requests busier than the least loaded replica; the longest match among
+the replicas within that patience wins. With a closed loop of requests over a few prefixes, a replica that gets
+more than its share runs slower (its misses and prefills hold everyone's decode) and holds its requests longer,
+while the other drains: swings of 12 against 4 requests, even 16 against 0, are common and pass on their own,
+since the next request for one of the drained replica's own prefixes brings it back. In a simulation of the
+shared-prefix benchmark (`bench router-sim`: the real scheduler and this router, 8 prefixes, 16 streams, each
+cache holding about half of the prefixes) diverting at every swing past 8 requests got 84.7% of the prompt tokens
+from the cache against 92.8% with this patience, one engine's figure, and took 35% longer. SGLang's cache-aware
+router is more patient still: it balances by load only past an absolute and a relative imbalance.
+
+A replica that stays idle is another matter: when one has had nothing to do at more than `idle_routes` routes in a
+row, the traffic does not ask for what it holds (one shared system prompt, say, would keep every request on one
+replica), and the patience drops to `load_threshold`, so the prefix gets a copy there.
+
 A prompt none of them holds goes to the one that remembers the fewest blocks among the replicas within
 `load_threshold` of the least loaded (then least-load's order), as
 SGLang's cache-aware router sends a miss to its smallest tree: new prefixes spread evenly over the caches, so no
@@ -151,13 +155,16 @@ class PrefixAwareRouter(Router):
     policy = "prefix-aware"
 
     def __init__(self, num_replicas: int, block_size: int = 16, *, max_blocks: int = 32, capacity: int = 50_000,
-                 load_threshold: float = 8, miss_threshold: float = 16):
+                 load_threshold: float = 8, miss_threshold: float = 16, idle_routes: int = 8):
         super().__init__(num_replicas, block_size)
-        if max_blocks < 1 or capacity < 1 or not 0 <= load_threshold <= miss_threshold:
-            raise ValueError(f"max_blocks and capacity must be at least 1 and 0 <= load_threshold <= miss_threshold, "
-                             f"got {max_blocks}, {capacity}, {load_threshold}, {miss_threshold}")
+        if max_blocks < 1 or capacity < 1 or not 0 <= load_threshold <= miss_threshold or idle_routes < 0:
+            raise ValueError(f"max_blocks and capacity must be at least 1, 0 <= load_threshold <= miss_threshold and "
+                             f"idle_routes >= 0, got {max_blocks}, {capacity}, {load_threshold}, {miss_threshold}, "
+                             f"{idle_routes}")
         self.max_blocks, self.capacity = max_blocks, capacity
         self.load_threshold, self.miss_threshold = load_threshold, miss_threshold
+        self.idle_routes = idle_routes
+        self._idle = [0] * num_replicas         # per replica: the routes in a row it had nothing to do at
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._holders: dict[int, int] = {}      # block hash -> bit mask of the replicas whose LRU holds it
         self._owner: dict[int, int] = {}        # block hash -> the replica that has held it longest
@@ -171,7 +178,9 @@ class PrefixAwareRouter(Router):
         order = self._load_order(loads, lora_id)
         busy = [load.running + load.waiting for load in loads]
         least = min(busy[i] for i in alive)
-        patience = self.load_threshold if least == 0 else self.miss_threshold    # see the module's note
+        self._idle = [n + 1 if b == 0 else 0 for n, b in zip(self._idle, busy)]
+        spare = any(self._idle[i] > self.idle_routes for i in alive)       # a replica left idle: see the note
+        patience = self.load_threshold if spare else self.miss_threshold
         candidates = sum(1 << i for i in alive if busy[i] <= least + patience)
         matched = 0
         for h in hashes:         # narrow to the replicas that hold the chain one block further

@@ -112,7 +112,7 @@ def test_prefix_aware_prefers_the_longest_match():
 
 
 def test_prefix_aware_falls_back_to_least_load_past_the_threshold():
-    router = make_router("prefix-aware", 3, BS, load_threshold=4)
+    router = make_router("prefix-aware", 3, BS, load_threshold=4, idle_routes=0)     # idle counts at once
     home = router.route(prompt(2), idle(3))
     loads = idle(3)
     loads[home].waiting = 4          # at the threshold: affinity holds
@@ -128,24 +128,24 @@ def test_prefix_aware_falls_back_to_least_load_past_the_threshold():
     assert router.counters()["prefix_hits"] == hits + 1
 
 
-def test_prefix_aware_default_threshold_is_eight_requests():
+def test_prefix_aware_defaults_sixteen_requests_or_eight_past_a_replica_left_idle():
+    """Sending a request away from the replica that holds its prefix costs its prefill: against a busy replica
+    the holder keeps it up to miss_threshold (16) requests more; against a replica that had nothing to do at more
+    than idle_routes (8) routes in a row, up to load_threshold (8)."""
     router = PrefixAwareRouter(2, BS)
     assert router.route(prompt(4), idle(2)) == 0
-    assert router.route(prompt(4), [ReplicaLoad(running=5, waiting=3), ReplicaLoad()]) == 0
-    assert router.route(prompt(4), [ReplicaLoad(running=5, waiting=4), ReplicaLoad()]) == 1
-
-
-def test_prefix_aware_a_miss_waits_for_a_wider_gap_unless_a_replica_is_idle():
-    """Sending a request away from the replica that holds its prefix costs its prefill: against a busy replica
-    the holder keeps it up to miss_threshold (16) requests more, against an idle one up to load_threshold (8)."""
-    router = PrefixAwareRouter(2, BS)
-    assert router.route(prompt(6), idle(2)) == 0
-    for other, holder, expected in ((1, 9, 0), (1, 17, 0), (1, 18, 1), (4, 20, 0), (4, 21, 1), (0, 8, 0), (0, 9, 1)):
+    for other, holder, expected in ((1, 9, 0), (1, 17, 0), (1, 18, 1), (4, 20, 0), (4, 21, 1)):
         loads = [ReplicaLoad(running=holder), ReplicaLoad(running=other)]
-        assert router.route(prompt(6), loads) == expected, (other, holder)
+        assert router.route(prompt(4), loads) == expected, (other, holder)
         if expected == 1:
             router.forget_replica(1)          # the copy forgotten: the next case starts from one holder again
-    # a prefix nobody holds still goes to a replica within load_threshold of the least loaded
+    # replica 1 idle: the holder keeps the prefix through 8 routes (the idle one may get work any moment) ...
+    for _ in range(8):
+        assert router.route(prompt(4), [ReplicaLoad(running=12), ReplicaLoad()]) == 0
+    # ... then the idle replica is spare capacity: past load_threshold, a copy goes there
+    assert router.route(prompt(4), [ReplicaLoad(running=8), ReplicaLoad()]) == 0
+    assert router.route(prompt(4), [ReplicaLoad(running=9), ReplicaLoad()]) == 1
+    # a prefix nobody holds goes to a replica within load_threshold of the least loaded
     assert router.route(prompt(8), [ReplicaLoad(running=10), ReplicaLoad(running=1)]) == 1
 
 
@@ -163,7 +163,7 @@ def test_prefix_aware_holders_within_patience_compete_on_their_match():
 
 
 def test_prefix_aware_owner_yields_to_a_less_loaded_holder_past_the_load_threshold():
-    router = make_router("prefix-aware", 2, BS, load_threshold=2, miss_threshold=6)
+    router = make_router("prefix-aware", 2, BS, load_threshold=2, miss_threshold=6, idle_routes=0)
     assert router.route(prompt(3), idle(2)) == 0
     assert router.route(prompt(3), [ReplicaLoad(running=5), ReplicaLoad(running=0)]) == 1     # idle: a copy
     busy = [ReplicaLoad(running=4), ReplicaLoad(running=1)]
@@ -263,6 +263,8 @@ def test_make_router_refuses_bad_arguments():
         make_router("least-load", 0)
     with pytest.raises(ValueError, match="miss_threshold"):
         make_router("prefix-aware", 2, load_threshold=8, miss_threshold=4)
+    with pytest.raises(ValueError, match="idle_routes"):
+        make_router("prefix-aware", 2, idle_routes=-1)
     with pytest.raises(ValueError):
         make_router("least-load", 2).route([1], idle(3))      # a load per replica
     assert isinstance(make_router("least-load", 2), LeastLoadRouter)
@@ -301,7 +303,7 @@ def test_prefix_aware_a_stray_copy_does_not_keep_a_prefix_on_two_replicas():
     """Once a busy owner made a request go elsewhere, both replicas hold the prefix; later requests go back to
     the owner even where the other is less loaded (within the threshold), so the stray copy can age out instead
     of each replica's cache keeping every shared prefix. The owner forgotten, the other holder owns it."""
-    router = make_router("prefix-aware", 2, BS, load_threshold=4)
+    router = make_router("prefix-aware", 2, BS, load_threshold=4, idle_routes=0)
     assert router.route(prompt(7), idle(2)) == 0
     assert router.route(prompt(7), [ReplicaLoad(waiting=5), ReplicaLoad()]) == 1        # owner too busy
     for busier in range(5):

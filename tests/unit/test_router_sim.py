@@ -51,3 +51,16 @@ def test_bad_arguments_are_refused():
         router_sim.simulate("round-robin", 0, 80, [([1] * 20, 4)], concurrency=1)
     with pytest.raises(SystemExit):
         router_sim.main(["--repeats", "0", "--quiet"])
+
+
+def test_one_shared_prefix_spreads_to_a_replica_left_idle(tmp_path):
+    """Every request shares one system prompt: its holder gets all of them until the other replica has sat idle
+    through idle_routes routings, then the prefix is copied there and both replicas work (a shorter makespan).
+    Without that rule (idle_routes past the run's length) one replica does everything."""
+    common = ["--kv-blocks", "80", "--concurrency", "16", "--num-prefixes", "1", "--router", "prefix-aware",
+              "--no-one-engine"]
+    spread = run(tmp_path, *common)["D=2, prefix-aware"]
+    alone = run(tmp_path, *common, "--idle-routes", "100000")["D=2, prefix-aware"]
+    assert alone["routed"][1] == 0 and min(spread["routed"]) >= 0.25 * sum(spread["routed"])
+    assert spread["makespan_s"] < 0.9 * alone["makespan_s"]
+    assert spread["hit_rate"] >= alone["hit_rate"] - 0.01

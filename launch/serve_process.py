@@ -4,6 +4,7 @@ SIGTERM (killed if it does not exit in time)."""
 from __future__ import annotations
 
 import http.client
+import json
 import signal
 import socket
 import subprocess
@@ -38,16 +39,27 @@ def start(argv: list[str], api_key: str | None = None) -> tuple[subprocess.Popen
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
+def _says_ready(body: bytes) -> bool:
+    if not body.strip():
+        return True
+    try:
+        return json.loads(body).get("status") == "ok"
+    except (ValueError, AttributeError):
+        return False
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Until GET url answers 200 (a server still loading answers 503, or nothing). SystemExit if the process
-    exits first or the time runs out; stopping it is the caller's."""
+    """Until GET url answers ready: 200 with no body (ours), or with the JSON body {"status": "ok"} (llama.cpp's
+    llama-server). A server still loading answers 503, or nothing; ours with data-parallel replicas still starting
+    answers 200 with {"status": "degraded", ...}. SystemExit if the process exits first or the time runs out;
+    stopping it is the caller's."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited with {proc.returncode} before it was ready")
         try:
             with open_local(url, timeout=1) as resp:
-                if resp.status == 200 and not resp.read():   # a body: data-parallel replicas still starting
+                if resp.status == 200 and _says_ready(resp.read()):
                     return
         except (OSError, http.client.HTTPException):       # refused, 503 (HTTPError), a reset, a timeout
             pass

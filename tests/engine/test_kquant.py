@@ -38,9 +38,12 @@ def unpacked_values(blocks: QuantBlocks) -> tuple[np.ndarray, np.ndarray]:
     """(the weights the unpacked blocks say, in fp32; |d * (q - off)| + |m| per weight, float64)."""
     name, (n, k) = gguf.GGMLQuantizationType(blocks.qtype).name, blocks.shape
     raw = quant_kblocks.unpack(blocks.data.numpy(), blocks.qtype).reshape(n, k // 32, -1)
-    head = raw[..., :-32].copy().view(np.float16 if name in ("Q5_0", "Q5_1") else np.float32).astype(np.float32)
+    head = raw[..., :4].copy().view(np.float16).astype(np.float32)
     q = raw[..., -32:].astype(np.float32)
     first, second = head[..., :1], head[..., 1:2]
+    if name in quant_kblocks.SUPER.values():          # the super-block's d and dmin times the block's integers
+        ints = raw[..., 4:6].view(np.int8 if name == "Q6_K" else np.uint8).astype(np.float32)
+        first, second = first * ints[..., :1], first * ints[..., 1:] if name == "Q6_K" else -(second * ints[..., 1:])
     if name == "Q6_K":
         scaled = (q - 32) * np.concatenate([np.repeat(first, 16, -1), np.repeat(second, 16, -1)], -1)
         return scaled.reshape(n, k), np.abs(scaled).reshape(n, k).astype(np.float64)

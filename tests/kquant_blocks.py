@@ -34,15 +34,20 @@ def _q45_k(sub: np.ndarray, qmax: int) -> np.ndarray:
     mn = np.clip(np.round(_safe_div(offset, dmin[:, None])), 0, 63).astype(np.uint8)
     step = (d[:, None] * sc)[..., None]
     q = np.clip(np.round(_safe_div(x + (dmin[:, None] * mn)[..., None], step)), 0, qmax).astype(np.uint8)
-    packed = np.zeros((n, 12), np.uint8)      # ggml's 6-bit scales and mins, 8 of each, in 12 bytes
-    packed[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
-    packed[:, 4:8] = mn[:, :4] | (mn[:, 4:] >> 4) << 6
-    packed[:, 8:12] = (sc[:, 4:] & 0xF) | (mn[:, 4:] & 0xF) << 4
     nibbles = (q[:, 0::2] & 0xF) | (q[:, 1::2] & 0xF) << 4             # chunk c: sub-blocks 2c (low), 2c + 1 (high)
-    parts = [_f16(d), _f16(dmin), packed]
+    parts = [_f16(d), _f16(dmin), scales_mins(sc, mn)]
     if qmax == 31:
         parts.append(np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
     return np.concatenate(parts + [nibbles.reshape(n, 128)], axis=1)
+
+
+def scales_mins(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 6-bit scales and mins, [n, 8] uint8 each, as ggml packs them in 12 bytes."""
+    packed = np.zeros((sc.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    packed[:, 4:8] = mn[:, :4] | (mn[:, 4:] >> 4) << 6
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | (mn[:, 4:] & 0xF) << 4
+    return packed
 
 
 def _q6_k(sub: np.ndarray) -> np.ndarray:

@@ -11,8 +11,10 @@ The file's layouts (ggml's, as the gguf package's dequantizers read them):
   sub-block of 16.
 
 The unpacked raw block (per row and block of 32, what pack_q_weight reads): Q5_0 / Q5_1 [fp16 d][fp16 m (0 for
-Q5_0)][32 u8 q]; the K-quants [fp32 d * sc][fp32 -dmin * mn, or for Q6_K the second half's d * sc][32 u8 q].
-Products of an fp16 and a 6- or 8-bit integer are exact in fp32, so the kernel's weights are the file's to the bit.
+Q5_0)][32 u8 q]; the K-quants [fp16 d][fp16 dmin (0 for Q6_K)][u8 sc][u8 mn, or for Q6_K: int8 sc of each half of
+16][32 u8 q], the super-block's d and dmin repeated in each of its 8 blocks. The kernel forms d * sc and dmin * mn
+in fp32 (w = (d * sc) * q - dmin * mn; Q6_K (d * sc_half) * (q - 32)): products of an fp16 and a 6- or 8-bit
+integer are exact there, so its weights are the file's to the bit.
 """
 import numpy as np
 
@@ -24,14 +26,14 @@ BLOCK_BYTES = {12: 144, 13: 176, 14: 210, 6: 22, 7: 24}
 
 
 def unpack(data: np.ndarray, qtype: int) -> np.ndarray:
-    """The file's rows [n, bytes] of qtype as pack_q_weight's raw blocks of 32: [n, k / 32 * (36 or 40)] uint8."""
+    """The file's rows [n, bytes] of qtype as pack_q_weight's raw blocks of 32: [n, k / 32 * (36 or 38)] uint8."""
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, BLOCK_BYTES[qtype])
     if qtype in FIVE:
         head, q = _five(blocks, qtype)
     else:
         head, q = (_q6_k if qtype == 14 else _q45_k)(blocks, qtype)
-    return np.concatenate([head.view(np.uint8), q], axis=-1).reshape(n, -1)
+    return np.concatenate([head, q], axis=-1).reshape(n, -1)
 
 
 def to_q8_0(data: np.ndarray, qtype: int) -> np.ndarray:
@@ -59,22 +61,20 @@ def _five(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     high = blocks[:, head:head + 4].copy().view("<u4")            # [blocks, 1]
     bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     q = _nibbles(blocks[:, head + 4:], 16).reshape(-1, 32) | bits << 4
-    scales = np.zeros((blocks.shape[0], 2), np.float16)
-    scales[:, :head // 2] = blocks[:, :head].copy().view(np.float16)
+    scales = np.zeros((blocks.shape[0], 4), np.uint8)
+    scales[:, :head] = blocks[:, :head]
     return scales, q
 
 
 def _q45_k(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     from gguf.quants import Q4_K
     nbl = blocks.shape[0]
-    d, dmin = (blocks[:, i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
     sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])                  # [blocks, 8] each
     q = _nibbles(blocks[:, -128:], 32)                            # [blocks, 8, 32]
     if qtype == 13:
         high = blocks[:, 16:48].reshape(nbl, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         q = q | (high & 1) << 4
-    head = np.stack([d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))], axis=-1)    # [blocks, 8, 2]
-    return head.reshape(-1, 2), q.reshape(-1, 32)
+    return _heads(blocks[:, :4], np.stack([sc, mn], axis=-1)), q.reshape(-1, 32)
 
 
 def _q6_k(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +82,11 @@ def _q6_k(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray]:
     low = _nibbles(blocks[:, :128], 64).reshape(nbl, 8, 32)
     high = blocks[:, 128:192].reshape(nbl, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     q = low | (high & 3).reshape(nbl, 8, 32) << 4
-    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-    head = d * blocks[:, 192:208].view(np.int8).astype(np.float32)          # [blocks, 16]: a pair per block of 32
-    return head.reshape(-1, 2), q.reshape(-1, 32)
+    d = np.concatenate([blocks[:, 208:210], np.zeros((nbl, 2), np.uint8)], axis=1)
+    return _heads(d, blocks[:, 192:208].reshape(nbl, 8, 2)), q.reshape(-1, 32)
+
+
+def _heads(supers: np.ndarray, subs: np.ndarray) -> np.ndarray:
+    """[blocks, 4] fp16 d and dmin bytes and [blocks, 8, 2] sub-block bytes -> [blocks * 8, 6]: the raw heads."""
+    per_block = np.broadcast_to(supers[:, None], (supers.shape[0], 8, 4))
+    return np.concatenate([per_block, subs.astype(np.uint8)], axis=-1).reshape(-1, 6)

@@ -20,7 +20,7 @@ from nanovllm_tp.layers import cpu_kernels, quant_kblocks
 from nanovllm_tp.layers.packed_linear import matmul
 from nanovllm_tp.layers.quant import (MixedBlocks, QuantBlocks, QuantParts, QuantWeight, pack_blocks, quant_embedding,
                                       round_activations, same_type, type_name, write_rows)
-from tests.kquant_blocks import random_blocks
+from tests.kquant_blocks import random_blocks, scales_mins
 from tests.quant_reference import assert_follows_reference, rounded_reference
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
@@ -38,9 +38,12 @@ def unpacked_values(blocks: QuantBlocks) -> tuple[np.ndarray, np.ndarray]:
     """(the weights the unpacked blocks say, in fp32; |d * (q - off)| + |m| per weight, float64)."""
     name, (n, k) = gguf.GGMLQuantizationType(blocks.qtype).name, blocks.shape
     raw = quant_kblocks.unpack(blocks.data.numpy(), blocks.qtype).reshape(n, k // 32, -1)
-    head = raw[..., :-32].copy().view(np.float16 if name in ("Q5_0", "Q5_1") else np.float32).astype(np.float32)
+    head = raw[..., :4].copy().view(np.float16).astype(np.float32)
     q = raw[..., -32:].astype(np.float32)
     first, second = head[..., :1], head[..., 1:2]
+    if name in quant_kblocks.SUPER.values():          # the super-block's d and dmin times the block's integers
+        ints = raw[..., 4:6].view(np.int8 if name == "Q6_K" else np.uint8).astype(np.float32)
+        first, second = first * ints[..., :1], first * ints[..., 1:] if name == "Q6_K" else -(second * ints[..., 1:])
     if name == "Q6_K":
         scaled = (q - 32) * np.concatenate([np.repeat(first, 16, -1), np.repeat(second, 16, -1)], -1)
         return scaled.reshape(n, k), np.abs(scaled).reshape(n, k).astype(np.float64)
@@ -94,6 +97,58 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
     ids = torch.tensor([0, n - 1, n // 2])
     rows_got = quant_embedding(ids, packed, torch.float32).double()
     assert ((rows_got - w[ids]).abs() <= size[ids] * 2.0 ** -23).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, bits", [("Q4_K", 4.625), ("Q5_K", 8.625), ("Q6_K", 8.5625)])
+def test_k_quants_are_packed_compact(name, bits):
+    """csrc/linear_q.c keeps a K-quant's fp16 d (and dmin) per super-block of 256 and its sub-block integers (one
+    byte each) per block of 32 beside the quants (4 or 8 bits): Q4_K 4.625 bits per weight (the file's 4.5, plus
+    the sub-block scales and mins unpacked to bytes), not 6 (fp32 d and m per block of 32); whole super-blocks
+    only."""
+    n, k = 50, 512
+    blocks = blocks_of(n, k, name, seed=7)
+    padded = -(-n // 32) * 32 * k
+    assert pack_blocks(blocks).data.numel() * 8 == padded * bits
+    assert cpu_kernels.load()._q_packed_bytes(n, k, blocks.qtype) * 8 == padded * bits
+    assert cpu_kernels.load()._q_packed_bytes(n, 288, blocks.qtype) == -1
+
+
+@needs_kernels
+def test_q4_k_extreme_scales_and_mins_are_the_files_values():
+    """Q4_K with sub-block scales and mins of 0 and 63 and super-block d and dmin from an fp16 subnormal to near
+    fp16's largest, either sign: the kernel's gathered rows are the file's weights to the bit, and its outputs
+    (one row, and chunks of rows, fp32 and bf16) the torch reference's up to fp32 sums in another order."""
+    n, k = 40, 2048
+    blocks = blocks_of(n, k, "Q4_K", seed=11)
+    raw = blocks.data.numpy().reshape(-1, 144)
+    nbl = raw.shape[0]
+    rng = np.random.default_rng(11)
+    sc, mn = rng.choice(np.array([0, 63], np.uint8), (2, nbl, 8))
+    sc[0], mn[0], sc[1], mn[1] = 0, 0, 63, 63
+    raw[:, 4:16] = scales_mins(sc, mn)
+    magnitudes = np.array([6e-8, 3e-5, 1e-3, 0.25, 1.0, 37.0, 1000.0, 60000.0], np.float32)
+    for at in (0, 2):
+        d = magnitudes[rng.integers(0, len(magnitudes), nbl)] * rng.choice([-1.0, 1.0], nbl).astype(np.float32)
+        raw[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(nbl, 2)
+    file = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), blocks.qtype).reshape(n, k))
+    assert torch.isfinite(file).all() and (file == 0).any() and file.abs().max() > 1e6
+    packed = pack_blocks(blocks)
+    assert torch.equal(quant_embedding(torch.arange(n), packed, torch.float32), file)
+    with cpu_kernels.switched(False):
+        reference = pack_blocks(blocks)
+    size = torch.from_numpy(unpacked_values(blocks)[1])
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 5):
+        x = torch.randn(rows, k, generator=g)
+        x[:, ::37] *= 50.0
+        for dtype in (torch.float32, torch.bfloat16):
+            want = matmul(x.to(dtype), torch.empty(0, k), reference, None).double()
+            bound = (round_activations(x.to(dtype)).double().abs() @ size.T) * (k // 32 + 4) * 2.0 ** -23
+            if dtype is torch.bfloat16:
+                bound += want.abs() * 2.0 ** -7
+            got = matmul(x.to(dtype), torch.empty(0, k), packed, None).double()
+            assert ((got - want).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("kernels", [True, False])

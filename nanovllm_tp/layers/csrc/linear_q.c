@@ -1,7 +1,8 @@
 /* Linear layers over block-quantized weights on CPU: out = x @ w.T (+ bias) where w stays in blocks of 32 inputs:
  * GGUF's Q8_0 (d * q, q int8), Q4_0 (d * (q - 8), q 4 bits), Q4_1 (d * q + m), Q5_0 (d * (q - 16), q 5 bits),
  * Q5_1 (d * q + m), with d and m fp16 per block; the K-quants unpacked by layers/quant_kblocks.py into blocks of
- * 32 with fp32 scales: Q4_K and Q5_K (d * q + m, q 4 or 5 bits), Q6_K (d_half * (q - 32), one d per 16 inputs).
+ * 32: Q4_K and Q5_K ((d * sc) * q - dmin * mn, q 4 or 5 bits), Q6_K ((d * sc_half) * (q - 32), one 8-bit sc per
+ * 16 inputs), with fp16 d (and dmin) per super-block of 256 inputs and 6- or 8-bit integers sc (and mn) per block.
  *
  * The weight is repacked once (pack_q_weight) into units of 32 outputs, two tiles of 16 lanes, so that one
  * 64-byte load holds 4 consecutive k of 16 outputs, the operand layout of VPDPBUSD (u8 x s8, 4 products summed
@@ -9,8 +10,12 @@
  *     quants  [unit][block][tile][group][16 lanes][4 bytes]     one byte per quant: 8 groups (Q8_0 as q + 128);
  *                                                               Q4_0, Q4_1, Q4_K: 4 groups of 4-bit pairs (low
  *                                                               nibble k = 4g + i, high 16 + 4g + i)
- *     scales  [unit][block][d x 32][m or Q6_K's second d x 32]  after every quant; fp16, fp32 for the K-quants
- * The last unit is zero-padded. A thread's units are one contiguous stream, read once per row group.
+ *     scales  [unit][block][d x 32][m x 32]                     after every quant; fp16
+ *             K-quants: [unit][super-block of 8 blocks][fp16 d x 32][fp16 dmin x 32 (not Q6_K)]
+ *                                                     [block][u8 sc x 32][u8 mn x 32, or Q6_K: int8 sc x 32 per half]
+ * (Q4_K: 4.625 bits per weight, Q6_K 8.5625; the kernel forms d * sc and dmin * mn in fp32, exact products of an
+ * fp16 and an integer of up to 8 bits, one multiply per block and 16 lanes.) The last unit is zero-padded. A
+ * thread's units are one contiguous stream, read once per row group.
  *
  * Activations are quantized per row and per block of 32 (as llama.cpp's Q8_0/Q8_1 activation blocks): scale
  * dx = amax * (1/127) in fp32, q = round-half-even(x * (1/dx)), kept beside their sum. Each (output, block) then
@@ -44,22 +49,35 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 /* What a type's packed blocks hold. Quants: one byte each (8 groups of 4 per tile), or 4-bit pairs (Q4_0, Q4_1,
  * Q4_K: 4 groups). Scales per output and block of 32: d, then a min m (w = d * (u - off) + m) or, for Q6_K, the
- * second half's d (its sub-blocks are 16 wide: w = d_half * (u - 32)); fp16 as the file stores them, fp32 for the
- * K-quants (d = super-block scale x sub-block scale, exact in fp32). off: subtracted from the stored u. */
+ * second half's d (its sub-blocks are 16 wide: w = d_half * (u - 32)); fp16 as the file stores them, for the
+ * K-quants formed from the super-block's fp16 and the block's integers (m = -(dmin * mn)). off: subtracted from the
+ * stored u. */
 static int byte_quants(int qt) { return qt != Q4_0 && qt != Q4_1 && qt != Q4_K; }
 static int has_min(int qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
 static int halves(int qt) { return qt == Q6_K; }
-static int wide(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+static int kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
 static int offset_of(int qt)
 {
     return qt == Q8_0 || qt == I8 ? 128 : qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q6_K ? 32 : 0;
 }
 static int scale_count(int qt) { return qt == I8 ? 0 : 1 + (has_min(qt) || halves(qt)); }
 static int64_t unit_quant_bytes(int qt) { return byte_quants(qt) ? 1024 : 512; }
-static int64_t unit_scale_bytes(int qt) { return scale_count(qt) * (wide(qt) ? 4 : 2) * UNIT; }  /* per unit, block */
+/* a K-quant super-block's scales per unit: its fp16 d (and dmin) x 32, then its 8 blocks' integers x 2 x 32 */
+static int64_t super_head_bytes(int qt) { return (1 + has_min(qt)) * 2 * UNIT; }
+static int64_t super_bytes(int qt) { return super_head_bytes(qt) + 8 * 2 * UNIT; }
+/* a unit's scales over nb blocks (I8: its 32 fp32 row scales), and block b's (a K-quant's integers) among them */
+static int64_t unit_scale_bytes(int qt, int64_t nb)
+{
+    return qt == I8 ? 4 * UNIT : kquant(qt) ? nb / 8 * super_bytes(qt) : nb * scale_count(qt) * 2 * UNIT;
+}
+static int64_t block_scales_at(int qt, int64_t b)
+{
+    return kquant(qt) ? b / 8 * super_bytes(qt) + super_head_bytes(qt) + b % 8 * 2 * UNIT
+                      : b * scale_count(qt) * 2 * UNIT;
+}
 /* the raw blocks pack_q_weight reads: the file's (Q8_0, Q4_0, Q4_1), or layers/quant_kblocks.py's per block of
- * 32 ([fp16 d][fp16 m][32 u8] for Q5_0 / Q5_1, [fp32 d][fp32 m or d2][32 u8] for the K-quants) */
-static int64_t raw_head_bytes(int qt) { return qt == Q8_0 || qt == Q4_0 ? 2 : wide(qt) ? 8 : 4; }
+ * 32 ([fp16 d][fp16 m][32 u8] for Q5_0 / Q5_1, [fp16 d][fp16 dmin][sc][mn or sc2][32 u8] for the K-quants) */
+static int64_t raw_head_bytes(int qt) { return qt == Q8_0 || qt == Q4_0 ? 2 : kquant(qt) ? 6 : 4; }
 static int64_t raw_block_bytes(int qt) { return raw_head_bytes(qt) + (qt == Q4_0 || qt == Q4_1 ? 16 : 32); }
 static int known(int qt)
 {
@@ -67,21 +85,21 @@ static int known(int qt)
            qt == Q6_K || qt == I8;
 }
 
-/* bytes of the packed form of an [n, k] weight, or -1 for a type this file does not know or k not whole blocks;
- * I8 keeps its 32 row scales (fp32) per unit after the quants */
+/* bytes of the packed form of an [n, k] weight, or -1 for a type this file does not know or k not whole blocks
+ * (super-blocks of 256 for the K-quants); I8 keeps its 32 row scales (fp32) per unit after the quants */
 int64_t q_packed_bytes(int64_t n, int64_t k, int qtype)
 {
-    if (!known(qtype) || k % QK) return -1;
+    if (!known(qtype) || k % (kquant(qtype) ? 8 * QK : QK)) return -1;
     const int64_t units = (n + UNIT - 1) / UNIT;
-    return units * ((k / QK) * (unit_quant_bytes(qtype) + unit_scale_bytes(qtype)) + (qtype == I8 ? 4 * UNIT : 0));
+    return units * ((k / QK) * unit_quant_bytes(qtype) + unit_scale_bytes(qtype, k / QK));
 }
 
 /* raw: rows of raw blocks [n][k / 32] (I8: rows of [fp32 scale][k int8]); packed: q_packed_bytes bytes */
 void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, int qtype)
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
-    const int64_t us = unit_scale_bytes(qtype), bb = raw_block_bytes(qtype), head = raw_head_bytes(qtype);
-    const int64_t size = wide(qtype) ? 4 : 2, groups = uq == 1024 ? 8 : 4, scales_n = scale_count(qtype);
+    const int64_t us = unit_scale_bytes(qtype, nb), bb = raw_block_bytes(qtype), head = raw_head_bytes(qtype);
+    const int64_t groups = uq == 1024 ? 8 : 4, scales_n = scale_count(qtype);
     const int offset = qtype == Q8_0 || qtype == I8 ? 0x80 : 0;    /* int8 quants are stored as u8 = q + 128 */
     const int expand4 = qtype == Q4_K;      /* one byte per quant in the raw block, packed into 4-bit pairs here */
     uint8_t *scales = packed + units * nb * uq;
@@ -93,7 +111,7 @@ void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, in
                 uint8_t *q = packed + (u * nb + b) * uq + (lane / 16) * (uq / 2) + (lane % 16) * 4;
                 const uint8_t *qs = NULL;
                 if (qtype == I8) {
-                    float *row_scales = (float *)(scales + u * 4 * UNIT);
+                    float *row_scales = (float *)(scales + u * us);
                     row_scales[lane] = 0.f;
                     if (row < n) {
                         memcpy(row_scales + lane, raw + row * (4 + k), 4);
@@ -101,11 +119,20 @@ void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, in
                     }
                 } else {
                     const uint8_t *src = row < n ? raw + (row * nb + b) * bb : NULL;
-                    uint8_t *s = scales + (u * nb + b) * us;
+                    uint8_t *s = scales + u * us + block_scales_at(qtype, b);
                     qs = src ? src + head : NULL;
-                    for (int64_t j = 0; j < scales_n; j++) {
-                        memset(s + (j * UNIT + lane) * size, 0, size);
-                        if (src) memcpy(s + (j * UNIT + lane) * size, src + j * size, size);
+                    if (kquant(qtype)) {      /* the super-block's fp16 with its first block, then the integers */
+                        uint8_t *sup = scales + u * us + b / 8 * super_bytes(qtype);
+                        for (int64_t j = 0; j < 1 + has_min(qtype) && b % 8 == 0; j++) {
+                            memset(sup + (j * UNIT + lane) * 2, 0, 2);
+                            if (src) memcpy(sup + (j * UNIT + lane) * 2, src + j * 2, 2);
+                        }
+                        for (int64_t j = 0; j < 2; j++) s[j * UNIT + lane] = src ? src[4 + j] : 0;
+                    } else {
+                        for (int64_t j = 0; j < scales_n; j++) {
+                            memset(s + (j * UNIT + lane) * 2, 0, 2);
+                            if (src) memcpy(s + (j * UNIT + lane) * 2, src + j * 2, 2);
+                        }
                     }
                 }
                 for (int g = 0; g < groups; g++)
@@ -142,16 +169,21 @@ static void store_float(void *out, int64_t i, float f, int bf16)
     ((uint16_t *)out)[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-static float scale_at(const uint8_t *s, int j, int lane, int qt)
+static float half_at(const uint8_t *s, int j, int lane)
 {
-    if (wide(qt)) {
-        float f;
-        memcpy(&f, s + (j * UNIT + lane) * 4, 4);
-        return f;
-    }
     uint16_t h;
     memcpy(&h, s + (j * UNIT + lane) * 2, 2);
     return half_to_float(h);
+}
+
+/* output lane's scale j (0: d; 1: the min, or Q6_K's second d) of block b, us: the unit's scales */
+static float scale_at(const uint8_t *us, int64_t b, int j, int lane, int qt)
+{
+    if (!kquant(qt)) return half_at(us + block_scales_at(qt, b), j, lane);
+    const uint8_t *sup = us + b / 8 * super_bytes(qt), *s = us + block_scales_at(qt, b);
+    const int i = s[j * UNIT + lane];
+    if (halves(qt)) return half_at(sup, 0, lane) * (float)(int8_t)i;
+    return j ? -(half_at(sup, 1, lane) * (float)i) : half_at(sup, 0, lane) * (float)i;
 }
 
 /* Rows ids[0..count) of a packed weight of a GGUF type (not I8), dequantized (d * (u - off) + m in fp32, then
@@ -160,7 +192,7 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
                    int qtype, int bf16)
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
-    const int64_t us = unit_scale_bytes(qtype);
+    const int64_t us = unit_scale_bytes(qtype, nb);
     const int off = offset_of(qtype), bytes = byte_quants(qtype);
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
@@ -168,9 +200,9 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
         const int64_t row = ids[e], u = row / UNIT, lane = row % UNIT;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *q = packed + (u * nb + b) * uq + (lane / 16) * (uq / 2) + (lane % 16) * 4;
-            const uint8_t *s = scales + (u * nb + b) * us;
-            const float d = scale_at(s, 0, lane, qtype);
-            const float d2 = scale_count(qtype) > 1 ? scale_at(s, 1, lane, qtype) : 0.f;
+            const uint8_t *s = scales + u * us;
+            const float d = scale_at(s, b, 0, lane, qtype);
+            const float d2 = scale_count(qtype) > 1 ? scale_at(s, b, 1, lane, qtype) : 0.f;
             for (int j = 0; j < QK; j++) {
                 const int jj = j % 16;
                 const int v = bytes ? q[j / 4 * 64 + j % 4] : (q[jj / 4 * 64 + jj % 4] >> (j < 16 ? 0 : 4)) & 0xf;
@@ -257,11 +289,17 @@ INLINE void quantize_row(const void *x, const int bf16, int64_t nb, int off, int
     }
 }
 
-/* 16 lanes (tile t) of a block's scale j (0: d; 1: the min, or Q6_K's second d), fp16 or fp32 (f32) */
-INLINE __m512 scales16(const uint8_t *s, int j, int t, const int f32)
+/* 16 lanes (tile t) of fp16 scales j (a block's 0: d; 1: the min, or Q6_K's second d; a super-block's d, dmin) */
+INLINE __m512 scales16(const uint8_t *s, int j, int t)
 {
-    if (f32) return _mm512_loadu_ps((const float *)s + 32 * j + 16 * t);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + 32 * j + 16 * t)));
+}
+
+/* 16 lanes (tile t) of a K-quant block's integers j (unsigned 6-bit sc, mn; Q6_K's signed sc) times fp16 sup */
+INLINE __m512 times16(__m512 sup, const uint8_t *s, int j, int t, const int is_signed)
+{
+    const __m128i i = _mm_loadu_si128((const __m128i *)(s + 32 * j + 16 * t));
+    return _mm512_mul_ps(sup, _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(i) : _mm512_cvtepu8_epi32(i)));
 }
 
 /* the weight stream PREFETCH bytes ahead of p, by a unit's first chunk of rows (the others find it in cache) */
@@ -281,7 +319,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     int64_t nb, const uint8_t *wq, const uint8_t *ws, int rows, int first, const float *bias,
                     void *out, int64_t n, int64_t left, const int bf16, const int R)
 {
-    const int64_t uq = unit_quant_bytes(qt), us = unit_scale_bytes(qt), tq = uq / 2;
+    const int64_t uq = unit_quant_bytes(qt), tq = uq / 2;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -319,10 +357,10 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         }
         nb = 0;          /* no per-block pass */
     }
-    const int bytes = byte_quants(qt), half = halves(qt), min = has_min(qt), f32 = wide(qt);
+    const int bytes = byte_quants(qt), half = halves(qt), min = has_min(qt), kq = kquant(qt);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = wq + b * uq;
-        const uint8_t *s = ws + b * us;
+        const uint8_t *s = ws + block_scales_at(qt, b), *sup = ws + b / 8 * super_bytes(qt);
         __m512i dot[ROWS][2], dot2[ROWS][2];      /* dot2: Q6_K's second half of the block */
         for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = dot2[r][0] = dot2[r][1] = _mm512_setzero_si512();
         if (bytes) {
@@ -358,8 +396,16 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                 }
         }
         #pragma GCC unroll 2
-        for (int t = 0; t < 2; t++) {      /* d, and the second scale: the min, or Q6_K's second half's d */
-            const __m512 dw = scales16(s, 0, t, f32), d2 = min || half ? scales16(s, 1, t, f32) : _mm512_setzero_ps();
+        for (int t = 0; t < 2; t++) {      /* d, and the second scale: the min (K-quants: -min), or Q6_K's second d */
+            __m512 dw, d2 = _mm512_setzero_ps();
+            if (kq) {
+                const __m512 d = scales16(sup, 0, t);
+                dw = times16(d, s, 0, t, half);
+                d2 = half ? times16(d, s, 1, t, 1) : times16(scales16(sup, 1, t), s, 1, t, 0);
+            } else {
+                dw = scales16(s, 0, t);
+                if (min || half) d2 = scales16(s, 1, t);
+            }
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 if (r < rows) {
@@ -367,7 +413,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512 dx = _mm512_set1_ps(xd[r * nb + b]);
                     if (!min) c = _mm512_sub_epi32(c, _mm512_set1_epi32(xc[r * nb + b]));
                     acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dw, dx), acc[r][t]);
-                    if (min) acc[r][t] = _mm512_fmadd_ps(d2, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+                    if (min && kq) acc[r][t] = _mm512_fnmadd_ps(d2, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
+                    else if (min) acc[r][t] = _mm512_fmadd_ps(d2, _mm512_set1_ps(xs[r * nb + b]), acc[r][t]);
                     if (half) {
                         const __m512i c2 = _mm512_sub_epi32(dot2[r][t], _mm512_set1_epi32(xh[r * nb + b]));
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_mul_ps(d2, dx), acc[r][t]);
@@ -399,8 +446,8 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
              int qtype, int bf16)
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
-    const int64_t us = unit_scale_bytes(qtype), groups = (m + GROUP_ROWS - 1) / GROUP_ROWS;
-    const int off = offset_of(qtype), per_output = qtype == I8;     /* I8: one fp32 scale per output */
+    const int64_t us = unit_scale_bytes(qtype, nb), groups = (m + GROUP_ROWS - 1) / GROUP_ROWS;
+    const int off = offset_of(qtype);
     const int64_t q_bytes = (m * k + 63) / 64 * 64;
     char *scratch = aligned_alloc(64, q_bytes + (m * nb * 16 + 63) / 64 * 64);
     if (!scratch) return -1;
@@ -422,7 +469,7 @@ int linear_q(const void *x, const uint8_t *packed, const float *bias, void *out,
     for (int64_t g = 0; g < groups; g++)
         for (int64_t u = 0; u < units; u++) {
             const int64_t col = u * UNIT, end = (g + 1) * GROUP_ROWS < m ? (g + 1) * GROUP_ROWS : m;
-            const uint8_t *wq = packed + u * nb * uq, *ws = per_output ? scales + u * 4 * UNIT : scales + u * nb * us;
+            const uint8_t *wq = packed + u * nb * uq, *ws = scales + u * us;
             const float *bias_u = bias ? bias + col : NULL;
             for (int64_t r = g * GROUP_ROWS; r < end; r += ROWS) {
                 const int rows = end - r < ROWS ? (int)(end - r) : ROWS;

@@ -18,8 +18,8 @@ from nanovllm_tp.bench.workload import MAX_TOKEN_ID, Workload, make_workload, sh
 
 __all__ = ["environment", "finish_environment", "default_out_path", "fmt", "format_table", "log", "median",
            "percentile", "plot_path", "save_plot", "save_result", "summarize", "write_json", "MAX_TOKEN_ID",
-           "Workload", "make_workload", "shared_prefix_prompts", "warmup_prompts", "add_workload_args", "add_paired_workload_args",
-           "apply_threads", "add_output_args", "out_path", "finish", "resolve_model", "model_vocab_size", "config_dict",
+           "Workload", "make_workload", "shared_prefix_prompts", "warmup_prompts", "add_workload_args",
+           "add_paired_workload_args", "apply_threads", "add_output_args", "out_path", "finish", "resolve_model", "model_vocab_size", "config_dict",
            "quiet_transformers"]
 
 

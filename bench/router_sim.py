@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from types import SimpleNamespace
 
 from nanovllm_tp.bench import common as bc
 from nanovllm_tp.scheduler.scheduler import Scheduler, SchedulerConfig
 from nanovllm_tp.scheduler.sequence import Sequence
-from nanovllm_tp.serving.router import POLICIES, make_router
+from nanovllm_tp.serving.router import POLICIES, ReplicaLoad, make_router
 
 NAME = "router_sim"
 
@@ -52,8 +51,7 @@ def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[li
 
     def submit(now: float) -> None:
         prompt, output_len = next(pending)
-        loads = [SimpleNamespace(running=len(s.running), waiting=len(s.waiting), kv_usage=s.block_manager.usage(),
-                                 alive=True, loras=frozenset()) for s in scheds]
+        loads = [ReplicaLoad(len(s.running), len(s.waiting), s.block_manager.usage()) for s in scheds]
         replica = router.route(prompt, loads)
         seq = Sequence(state["next_id"], prompt, max_tokens=output_len, ignore_eos=True)
         state["next_id"] += 1

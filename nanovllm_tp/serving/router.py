@@ -188,17 +188,18 @@ class PrefixAwareRouter(Router):
             if not holding:
                 break
             candidates, matched = holding, matched + 1
-        eligible = [i for i in alive if busy[i] <= least + self.load_threshold]
         if matched:
             holders = [i for i in alive if candidates >> i & 1]
             owner = self._owner[hashes[matched - 1]]
             nearest = min(busy[i] for i in holders)
-            replica = owner if candidates >> owner & 1 and busy[owner] <= nearest + self.load_threshold else \
+            replica = owner if owner in holders and busy[owner] <= nearest + self.load_threshold else \
                 min(holders, key=order)
-        elif hashes:            # a prefix no replica holds: to the one remembering the fewest blocks
-            replica = min(eligible, key=lambda i: (len(self._lru[i]), order(i)))
         else:
-            replica = min(eligible, key=order)
+            eligible = [i for i in alive if busy[i] <= least + self.load_threshold]
+            if hashes:          # a prefix no replica holds: to the one remembering the fewest blocks
+                replica = min(eligible, key=lambda i: (len(self._lru[i]), order(i)))
+            else:
+                replica = min(eligible, key=order)
         self._record(replica, hashes)
         return replica, matched > 0
 

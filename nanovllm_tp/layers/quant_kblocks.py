@@ -14,7 +14,8 @@ The unpacked raw block (per row and block of 32, what pack_q_weight reads): Q5_0
 Q5_0)][32 u8 q]; the K-quants [fp16 d][fp16 dmin (0 for Q6_K)][u8 sc][u8 mn, or for Q6_K: int8 sc of each half of
 16][32 u8 q], the super-block's d and dmin repeated in each of its 8 blocks. The kernel forms d * sc and dmin * mn
 in fp32 (w = (d * sc) * q - dmin * mn; Q6_K (d * sc_half) * (q - 32)): products of an fp16 and a 6- or 8-bit
-integer are exact there, so its weights are the file's to the bit.
+integer are exact there, so its weights are the file's to the bit. It packs each quant back into a nibble and the
+bits above it (one, or Q6_K's two) into planes of their own: the file's bits per weight in memory.
 """
 import numpy as np
 

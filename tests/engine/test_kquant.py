@@ -100,18 +100,21 @@ def test_kernel_is_the_rounded_math_summed_in_fp32(name, rows, n, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name, bits", [("Q4_K", 4.625), ("Q5_K", 8.625), ("Q6_K", 8.5625)])
+@pytest.mark.parametrize("name, bits", [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.5625), ("Q5_0", 5.5),
+                                        ("Q5_1", 6.0)])
 def test_k_quants_are_packed_compact(name, bits):
     """csrc/linear_q.c keeps a K-quant's fp16 d (and dmin) per super-block of 256 and its sub-block integers (one
-    byte each) per block of 32 beside the quants (4 or 8 bits): Q4_K 4.625 bits per weight (the file's 4.5, plus
-    the sub-block scales and mins unpacked to bytes), not 6 (fp32 d and m per block of 32); whole super-blocks
-    only."""
+    byte each) per block of 32 beside the quants, a nibble each plus the 5-bit types' fifth bit and Q6_K's two
+    high bits in planes of their own: the file's bits per weight (Q5_0 5.5, Q5_1 6) but for the K-quants' sub-block
+    scales and mins unpacked to bytes (Q4_K 4.625 against 4.5, Q5_K 5.625 against 5.5, Q6_K 6.5625 as the file,
+    whose scales are bytes already), not 6 / 8.625 / 8.5625 (fp32 scales, a byte per quant); the K-quants whole
+    super-blocks only."""
     n, k = 50, 512
     blocks = blocks_of(n, k, name, seed=7)
     padded = -(-n // 32) * 32 * k
     assert pack_blocks(blocks).data.numel() * 8 == padded * bits
     assert cpu_kernels.load()._q_packed_bytes(n, k, blocks.qtype) * 8 == padded * bits
-    assert cpu_kernels.load()._q_packed_bytes(n, 288, blocks.qtype) == -1
+    assert (cpu_kernels.load()._q_packed_bytes(n, 288, blocks.qtype) == -1) == name.endswith("_K")
 
 
 @needs_kernels

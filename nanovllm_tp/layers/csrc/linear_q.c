@@ -7,15 +7,21 @@
  * The weight is repacked once (pack_q_weight) into units of 32 outputs, two tiles of 16 lanes, so that one
  * 64-byte load holds 4 consecutive k of 16 outputs, the operand layout of VPDPBUSD (u8 x s8, 4 products summed
  * per int32 lane):
- *     quants  [unit][block][tile][group][16 lanes][4 bytes]     one byte per quant: 8 groups (Q8_0 as q + 128);
- *                                                               Q4_0, Q4_1, Q4_K: 4 groups of 4-bit pairs (low
- *                                                               nibble k = 4g + i, high 16 + 4g + i)
+ *     quants  [unit][block][tile][group][16 lanes][4 bytes]     Q8_0 (as q + 128), I8: one byte per quant, 8
+ *                                                               groups; the others 4 groups of 4-bit pairs (low
+ *                                                               nibble k = 4g + i, high 16 + 4g + i), then
+ *             [unit][block][tile][plane][16 lanes][4 bytes]     the bits above the nibble: 5-bit types one plane
+ *                                                               (byte i: bit g of k = 4g + i, bit 4 + g of
+ *                                                               16 + 4g + i), Q6_K two (bits 2g, 2g + 1 of
+ *                                                               k = 4g + i, then of 16 + 4g + i)
  *     scales  [unit][block][d x 32][m x 32]                     after every quant; fp16
  *             K-quants: [unit][super-block of 8 blocks][fp16 d x 32][fp16 dmin x 32 (not Q6_K)]
  *                                                     [block][u8 sc x 32][u8 mn x 32, or Q6_K: int8 sc x 32 per half]
- * (Q4_K: 4.625 bits per weight, Q6_K 8.5625; the kernel forms d * sc and dmin * mn in fp32, exact products of an
- * fp16 and an integer of up to 8 bits, one multiply per block and 16 lanes.) The last unit is zero-padded. A
- * thread's units are one contiguous stream, read once per row group.
+ * Bits per weight: Q4_0 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625 (the file's
+ * but for the K-quants' scales, a byte each instead of 6 bits: 0.125 more). The kernel forms d * sc and dmin * mn
+ * in fp32, exact products of an fp16 and an integer of up to 8 bits, one multiply per block and 16 lanes, and
+ * puts a quant's high bits back above its nibble with two shifts and masks per 64 bytes. The last unit is
+ * zero-padded. A thread's units are one contiguous stream, read once per row group.
  *
  * Activations are quantized per row and per block of 32 (as llama.cpp's Q8_0/Q8_1 activation blocks): scale
  * dx = amax * (1/127) in fp32, q = round-half-even(x * (1/dx)), kept beside their sum. Each (output, block) then
@@ -52,7 +58,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
  * second half's d (its sub-blocks are 16 wide: w = d_half * (u - 32)); fp16 as the file stores them, for the
  * K-quants formed from the super-block's fp16 and the block's integers (m = -(dmin * mn)). off: subtracted from the
  * stored u. */
-static int byte_quants(int qt) { return qt != Q4_0 && qt != Q4_1 && qt != Q4_K; }
+static int byte_quants(int qt) { return qt == Q8_0 || qt == I8; }
+/* bits of each quant above its nibble: the 5-bit types one, Q6_K two (kept in planes after the nibble pairs) */
+static int high_bits(int qt) { return qt == Q6_K ? 2 : qt == Q5_0 || qt == Q5_1 || qt == Q5_K; }
 static int has_min(int qt) { return qt == Q4_1 || qt == Q5_1 || qt == Q4_K || qt == Q5_K; }
 static int halves(int qt) { return qt == Q6_K; }
 static int kquant(int qt) { return qt == Q4_K || qt == Q5_K || qt == Q6_K; }
@@ -61,7 +69,7 @@ static int offset_of(int qt)
     return qt == Q8_0 || qt == I8 ? 128 : qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : qt == Q6_K ? 32 : 0;
 }
 static int scale_count(int qt) { return qt == I8 ? 0 : 1 + (has_min(qt) || halves(qt)); }
-static int64_t unit_quant_bytes(int qt) { return byte_quants(qt) ? 1024 : 512; }
+static int64_t unit_quant_bytes(int qt) { return byte_quants(qt) ? 1024 : 512 + 128 * high_bits(qt); }
 /* a K-quant super-block's scales per unit: its fp16 d (and dmin) x 32, then its 8 blocks' integers x 2 x 32 */
 static int64_t super_head_bytes(int qt) { return (1 + has_min(qt)) * 2 * UNIT; }
 static int64_t super_bytes(int qt) { return super_head_bytes(qt) + 8 * 2 * UNIT; }
@@ -99,9 +107,12 @@ void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, in
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
     const int64_t us = unit_scale_bytes(qtype, nb), bb = raw_block_bytes(qtype), head = raw_head_bytes(qtype);
-    const int64_t groups = uq == 1024 ? 8 : 4, scales_n = scale_count(qtype);
+    const int64_t groups = byte_quants(qtype) ? 8 : 4, scales_n = scale_count(qtype);
     const int offset = qtype == Q8_0 || qtype == I8 ? 0x80 : 0;    /* int8 quants are stored as u8 = q + 128 */
-    const int expand4 = qtype == Q4_K;      /* one byte per quant in the raw block, packed into 4-bit pairs here */
+    const int hb = high_bits(qtype);
+    /* one byte per quant in the raw block, packed into 4-bit pairs (and high planes) here; Q4_0 and Q4_1 raw
+     * blocks are the file's, already in pairs */
+    const int expand4 = !byte_quants(qtype) && qtype != Q4_0 && qtype != Q4_1;
     uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for schedule(static) if (n * k >= (1 << 20))
     for (int64_t u = 0; u < units; u++)
@@ -138,8 +149,18 @@ void pack_q_weight(const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k, in
                 for (int g = 0; g < groups; g++)
                     for (int i = 0; i < 4; i++)
                         q[g * 64 + i] = !qs ? 0
-                                        : expand4 ? (uint8_t)(qs[4 * g + i] | qs[16 + 4 * g + i] << 4)
+                                        : expand4 ? (uint8_t)((qs[4 * g + i] & 0xf) | (qs[16 + 4 * g + i] & 0xf) << 4)
                                         : (uint8_t)(qs[4 * g + i] ^ offset);
+                for (int i = 0; i < 4 && hb; i++) {     /* the high planes: byte i of a lane's 4 in each */
+                    uint8_t first = 0, second = 0;
+                    for (int g = 0; g < 4 && qs; g++) {
+                        const int a = qs[4 * g + i] >> 4, c = qs[16 + 4 * g + i] >> 4;
+                        if (hb == 1) first |= (uint8_t)((a & 1) << g | (c & 1) << (4 + g));
+                        else first |= (uint8_t)((a & 3) << 2 * g), second |= (uint8_t)((c & 3) << 2 * g);
+                    }
+                    q[256 + i] = first;
+                    if (hb == 2) q[320 + i] = second;
+                }
             }
 }
 
@@ -193,7 +214,7 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
 {
     const int64_t nb = k / QK, units = (n + UNIT - 1) / UNIT, uq = unit_quant_bytes(qtype);
     const int64_t us = unit_scale_bytes(qtype, nb);
-    const int off = offset_of(qtype), bytes = byte_quants(qtype);
+    const int off = offset_of(qtype), bytes = byte_quants(qtype), hb = high_bits(qtype);
     const uint8_t *scales = packed + units * nb * uq;
     #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
     for (int64_t e = 0; e < count; e++) {
@@ -204,8 +225,10 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
             const float d = scale_at(s, b, 0, lane, qtype);
             const float d2 = scale_count(qtype) > 1 ? scale_at(s, b, 1, lane, qtype) : 0.f;
             for (int j = 0; j < QK; j++) {
-                const int jj = j % 16;
-                const int v = bytes ? q[j / 4 * 64 + j % 4] : (q[jj / 4 * 64 + jj % 4] >> (j < 16 ? 0 : 4)) & 0xf;
+                const int jj = j % 16, second = j >= 16, g = jj / 4, i = jj % 4;
+                int v = bytes ? q[j / 4 * 64 + j % 4] : (q[g * 64 + i] >> (second ? 4 : 0)) & 0xf;
+                if (hb == 1) v |= (q[256 + i] >> (g + 4 * second) & 1) << 4;
+                else if (hb == 2) v |= (q[256 + 64 * second + i] >> 2 * g & 3) << 4;
                 const float w = halves(qtype) ? (float)(v - off) * (j < 16 ? d : d2)
                                 : has_min(qtype) ? (float)v * d + d2 : (float)(v - off) * d;
                 store_float(out, e * k + b * QK + j, w, bf16);
@@ -305,6 +328,12 @@ INLINE __m512 times16(__m512 sup, const uint8_t *s, int j, int t, const int is_s
 /* the weight stream PREFETCH bytes ahead of p, by a unit's first chunk of rows (the others find it in cache) */
 INLINE void ahead(const uint8_t *p, int first) { if (first) _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T1); }
 
+/* 16-bit lanes shifted left by s (right by -s); the callers keep only bits that stay inside their byte */
+INLINE __m512i shift16(__m512i v, const int s)
+{
+    return s > 0 ? _mm512_slli_epi16(v, (unsigned)s) : s < 0 ? _mm512_srli_epi16(v, (unsigned)-s) : v;
+}
+
 INLINE __m512i bcast4(const int8_t *p)
 {
     int32_t v;
@@ -320,7 +349,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     void *out, int64_t n, int64_t left, const int bf16, const int R)
 {
     const int64_t uq = unit_quant_bytes(qt), tq = uq / 2;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int hb = high_bits(qt);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
     __m512 acc[ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     if (qt == I8) {       /* per span: its integer sums x its activation scale; at the end x each output's scale */
@@ -372,26 +402,38 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
                     #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
-                        if (r < rows) {
-                            const __m512i xv = bcast4(xq + r * k + b * QK + 4 * g);
-                            if (half && g >= 4) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], v, xv);
-                            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, xv);
-                        }
+                        if (r < rows) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], v, bcast4(xq + r * k + b * QK + 4 * g));
                 }
         } else {
+            __m512i h0[2], h1[2];      /* the high planes of each tile (5-bit types: one; Q6_K: two) */
+            #pragma GCC unroll 2
+            for (int t = 0; t < 2; t++)
+                if (hb) {
+                    ahead(w + t * tq + 256, first);
+                    h0[t] = _mm512_loadu_si512(w + t * tq + 256);
+                    h1[t] = hb == 2 ? _mm512_loadu_si512(w + t * tq + 320) : h0[t];
+                }
             #pragma GCC unroll 4
             for (int g = 0; g < 4; g++)
                 #pragma GCC unroll 2
                 for (int t = 0; t < 2; t++) {
                     ahead(w + t * tq + g * 64, first);
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
-                    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    if (hb == 1) {          /* bit g (first half) and 4 + g (second) of each byte, to bit 4 */
+                        lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h0[t], 4 - g), bit4));
+                        hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h0[t], -g), bit4));
+                    } else if (hb == 2) {   /* bits 2g, 2g + 1 of each byte of a half's plane, to bits 4, 5 */
+                        lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h0[t], 4 - 2 * g), bits45));
+                        hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h1[t], 4 - 2 * g), bits45));
+                    }
                     #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
                         if (r < rows) {
                             const int8_t *xr = xq + r * k + b * QK + 4 * g;
                             dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo, bcast4(xr));
-                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi, bcast4(xr + 16));
+                            if (half) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], hi, bcast4(xr + 16));
+                            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi, bcast4(xr + 16));
                         }
                 }
         }

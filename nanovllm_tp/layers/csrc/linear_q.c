@@ -388,9 +388,16 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         nb = 0;          /* no per-block pass */
     }
     const int bytes = byte_quants(qt), half = halves(qt), min = has_min(qt), kq = kquant(qt);
+    /* a K-quant super-block's d and dmin per tile, for its 8 blocks */
+    __m512 dsup[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, msup[2] = {dsup[0], dsup[1]};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = wq + b * uq;
         const uint8_t *s = ws + block_scales_at(qt, b), *sup = ws + b / 8 * super_bytes(qt);
+        #pragma GCC unroll 2
+        for (int t = 0; t < 2 && kq && b % 8 == 0; t++) {
+            dsup[t] = scales16(sup, 0, t);
+            msup[t] = min ? scales16(sup, 1, t) : dsup[t];
+        }
         __m512i dot[ROWS][2], dot2[ROWS][2];      /* dot2: Q6_K's second half of the block */
         for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = dot2[r][0] = dot2[r][1] = _mm512_setzero_si512();
         if (bytes) {
@@ -441,9 +448,8 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
         for (int t = 0; t < 2; t++) {      /* d, and the second scale: the min (K-quants: -min), or Q6_K's second d */
             __m512 dw, d2 = _mm512_setzero_ps();
             if (kq) {
-                const __m512 d = scales16(sup, 0, t);
-                dw = times16(d, s, 0, t, half);
-                d2 = half ? times16(d, s, 1, t, 1) : times16(scales16(sup, 1, t), s, 1, t, 0);
+                dw = times16(dsup[t], s, 0, t, half);
+                d2 = times16(msup[t], s, 1, t, half);
             } else {
                 dw = scales16(s, 0, t);
                 if (min || half) d2 = scales16(s, 1, t);

@@ -79,9 +79,10 @@ class ScratchDesc(ctypes.Structure):
 
 @dataclass(slots=True)
 class CallerLinear:
-    """A linear that decoder.c leaves to its caller (oneDNN-packed for the table's row bucket): `run` is the
-    callable the module's matmul reaches for that bucket (ONEDNN.run, a ChosenWeight's run), on the scratch rows
-    `x`; its output goes to the rows `out`, after its LoRA deltas by the module's own `LoRALayer.apply`."""
+    """A linear that decoder.c leaves to its caller (oneDNN-packed for the table's row bucket): `run` (ONEDNN.run)
+    is the callable the module's matmul reaches for that bucket, directly or as its ChosenWeight's, here on the
+    scratch rows `x`; its output goes to the rows `out`, after its LoRA deltas by the module's own
+    `LoRALayer.apply`."""
     run: Callable
     form: torch.Tensor
     bias: torch.Tensor | None

@@ -84,16 +84,17 @@ def kernel_cache(tmp_path, monkeypatch):
     return cpu_build.cache_dir()
 
 
-def alternate_kernel_tables(cache) -> dict[str, list[str]]:
+def alternate_kernel_tables(cache, stagger: bool = True) -> dict[str, list[str]]:
     """Rewrite every kernel table in the cache directory so that its winners alternate between "c" and "onednn"
-    from bucket to bucket (starting with the other one on every other shape); {file name: shape keys}."""
+    from bucket to bucket, "c" first (with stagger, "onednn" first on every other shape); {file name: shape
+    keys}."""
     import json
     from nanovllm_tp.layers.kernel_choice import BUCKETS
     written = {}
     for path in sorted(cache.glob("kernel-choice-*.json")):
         body = json.loads(path.read_text())
         for i, entry in enumerate(body["shapes"].values()):
-            entry["winners"] = [("c", "onednn")[(b + i) % 2] for b in range(len(BUCKETS))]
+            entry["winners"] = [("c", "onednn")[(b + i * stagger) % 2] for b in range(len(BUCKETS))]
         path.write_text(json.dumps(body))
         written[path.name] = list(body["shapes"])
     return written

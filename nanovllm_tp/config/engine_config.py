@@ -77,10 +77,11 @@ class EngineConfig:
     cpu_kernels: bool = knob(help="CPU layers, attention decode and the sampler through the C kernels where "
                                   "they build (off: torch ops, the reference path); default from "
                                   "$NANOVLLM_TP_CPU_KERNELS", default_factory=_env_flag("NANOVLLM_TP_CPU_KERNELS"))
-    fused_decode: bool = knob(True, help="CPU decode and speculative verify steps: the decoder layers as one C "
-                                         "call of the kernels their modules call (csrc/decoder.c; a decode step's "
-                                         "results the modules' to the bit) where every piece has one; off: layer "
-                                         "by layer through the modules (comparisons)")
+    fused_decode: bool = knob(True, help="CPU decode and speculative verify steps: the decoder layers as C calls "
+                                         "of the kernels their modules call (csrc/decoder.c; one call for all layers "
+                                         "where every linear runs in C, oneDNN's linears between calls; a decode "
+                                         "step's results the modules' to the bit) where every piece has one; off: "
+                                         "layer by layer through the modules (comparisons)")
     packed_linear: str = knob(help="CPU linear kernels: auto (the fastest per weight shape and row count, measured "
                                    "on this CPU at load and cached; LLM.stats()['linear_kernels']), or one forced "
                                    "for comparisons: c+onednn (the table an AMX CPU measures, on any CPU: c up to "

@@ -49,9 +49,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "sample_rows": (_int, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                            _float, _ptr, _int, _ptr, _ptr, _ptr, _ptr]),
     "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
-    "decoder_attention": (_int, [_ptr, _ptr, _ptr, _ptr]),
-    "decoder_mlp": (_int, [_ptr, _ptr, _ptr, _ptr]),
-    "decoder_layers": (_int, [_ptr, _int, _ptr, _ptr, _ptr]),
+    "decoder_run": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]),
     "lora_apply": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says which: 1 for bf16

@@ -1,17 +1,22 @@
 """The fused decode layers (models/fused_decode.py, csrc/decoder.c): greedy tokens against transformers with the
 decode steps run there (its step count says they were), and its results the modules' to the bit (tokens and
 logprobs of rows decoded together, at different lengths: fp32 and bf16, dense and block-quantized and int8
-weights, q/k norms, biases, a sliding window, int8 and fp8 KV caches; LoRA rows of several adapters beside base
-rows); the steps it leaves to the modules."""
+weights, oneDNN-packed ones run between decoder.c's calls (forced, or chosen for some row-count buckets), q/k
+norms, biases, a sliding window, int8 and fp8 KV caches; LoRA rows of several adapters beside base rows); the
+plans of calls a step makes; the steps it leaves to the modules."""
 import pathlib
 
 import pytest
+import torch
 
 from nanovllm_tp import LLM, LoRARequest, SamplingParams
 from nanovllm_tp.config.engine_config import ModelConfig
 from nanovllm_tp.launch.make_tiny import make_tiny_arch
 from nanovllm_tp.layers import cpu_kernels
-from tests.helpers import hf_greedy, mixed_prompts
+from nanovllm_tp.layers.kernel_choice import bucket
+from nanovllm_tp.layers.packed_linear import ONEDNN
+from nanovllm_tp.models.fused_decode import DOWN, GATE_UP, O, PIECES, QKV, _plan
+from tests.helpers import alternate_kernel_tables, hf_greedy, kernel_cache, mixed_prompts
 
 pytestmark = pytest.mark.kernel_paths     # run again by .ci/run under --packed-linear c+onednn
 
@@ -19,6 +24,29 @@ KV = dict(kvcache_block_size=16, kv_cache_memory=32 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = (1, 9, 40, 130)      # rows of different lengths (blocks, a window's edge) in one decode batch
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels do not build here")
+# ten rows that finish at different steps: a decode step's rows fall from 10 through 7 and 4 and 2 to 1, so that
+# one generate call runs steps of the buckets 9-16, 5-8, 2-4 and 1
+BUCKET_LENGTHS = (1, 9, 40, 130, 3, 20, 7, 64, 12, 33)
+BUCKET_TOKENS = (16, 3, 3, 6, 6, 6, 10, 10, 12, 3)
+ROW_BUCKETS = {bucket(rows) for rows in (10, 7, 4, 2, 1)}
+
+
+def onednn_runs(dtype) -> bool:
+    return cpu_kernels.load() is not None and ONEDNN.can_run(torch.zeros(1, 2, dtype=dtype))
+
+
+def bucket_params(logprobs: int | None = 3) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in BUCKET_TOKENS]
+
+
+def buckets_run(fused) -> set[int]:
+    """The row-count buckets the fused layers described (one Table each: the steps they ran)."""
+    return {key[3] for key, table in fused.tables.items() if table is not None}
+
+
+def c_linears(table) -> int:
+    """How many linear pieces of a Table's layers decoder.c runs (those inside its plan's ranges)."""
+    return sum(p % PIECES in (QKV, O, GATE_UP, DOWN) for op in table.plan if isinstance(op, range) for p in op)
 
 
 def fused_of(llm):
@@ -41,6 +69,19 @@ def test_greedy_matches_transformers_through_the_fused_layers(tiny_llm, hf_model
     assert fused.steps - before >= GREEDY.max_tokens - 1
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, GREEDY.max_tokens)
+
+
+@pytest.mark.skipif(not onednn_runs(torch.float32), reason="oneDNN does not pack fp32 weights here")
+def test_greedy_matches_transformers_with_onednn_linears_between_the_c_calls(tiny_model_dir, hf_model, vocab):
+    """packed_linear=onednn: every linear of every layer runs through oneDNN between decoder.c's calls, in steps of
+    several row-count buckets, and greedy tokens are still transformers'."""
+    prompts = mixed_prompts(vocab, lengths=BUCKET_LENGTHS, seed=3)
+    with LLM(tiny_model_dir, packed_linear="onednn", **KV) as llm:
+        outs = llm.generate(prompts, bucket_params(None), use_tqdm=False)
+        fused = fused_of(llm)
+        assert fused.caller_steps == fused.steps >= max(BUCKET_TOKENS) - 1 and buckets_run(fused) == ROW_BUCKETS
+    for p, n, o in zip(prompts, BUCKET_TOKENS, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_model, p, n)
 
 
 def tiny_gguf(tmp_path, tiny_model_dir, qtype: str) -> str:
@@ -94,6 +135,96 @@ def test_fused_layers_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir,
             llm.close()
         results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert results[True] == results[False]
+
+
+def run_both(model, prompts, params, knobs, check) -> dict:
+    """{fused_decode: [(tokens, logprobs) per prompt]}; check(fused) on the fused engine's FusedDecode."""
+    results = {}
+    for on in (True, False):
+        with LLM(model, fused_decode=on, **KV, **knobs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if on:
+                check(fused_of(llm))
+            else:
+                assert fused_of(llm) is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return results
+
+
+ONEDNN_CASES = {   # name -> (model maker, knobs), every linear oneDNN's
+    "qwen3-fp32": (lambda tmp, tiny: tiny, {"packed_linear": "onednn"}),
+    "qwen3-bf16": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "packed_linear": "onednn"}),
+    "kv-int8-bf16": (lambda tmp, tiny: tiny, {"dtype": "bfloat16", "packed_linear": "onednn",
+                                              "kv_cache_dtype": "int8"}),
+    "qwen2-bias": (lambda tmp, tiny: tiny_arch(tmp, "qwen2"), {"packed_linear": "onednn"}),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", sorted(ONEDNN_CASES))
+def test_onednn_linears_run_fused_and_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir, vocab):
+    """packed_linear=onednn: each step of rows in the buckets 1, 2-4, 5-8 and 9-16 runs fused, its linears through
+    oneDNN between decoder.c's calls (q/k/v biases through oneDNN too), with the modules' tokens and logprobs
+    exactly."""
+    make, knobs = ONEDNN_CASES[case]
+    if not onednn_runs(getattr(torch, knobs.get("dtype", "float32"))):
+        pytest.skip("oneDNN does not pack weights of this dtype here")
+
+    def check(fused):
+        assert fused.caller_steps == fused.steps >= max(BUCKET_TOKENS) - 1 and buckets_run(fused) == ROW_BUCKETS
+
+    prompts = mixed_prompts(vocab, lengths=BUCKET_LENGTHS, seed=7)
+    results = run_both(make(tmp_path, tiny_model_dir), prompts, bucket_params(), knobs, check)
+    assert results[True] == results[False]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("stagger", [False, True], ids=["by-bucket", "by-shape-and-bucket"])
+def test_auto_tables_with_c_and_onednn_buckets_run_fused_and_are_the_modules(dtype, stagger, tmp_path,
+                                                                             monkeypatch, tiny_model_dir, vocab):
+    """packed_linear=auto with a cached table whose winners alternate between csrc/linear.c and oneDNN by bucket
+    (by-bucket: every shape alike, so a bucket's steps are one decoder.c call or have every linear between calls;
+    by-shape-and-bucket: the other way round on every other shape, so a layer's linears mix the two): steps of
+    both kinds of bucket run fused, with the modules' tokens and logprobs exactly."""
+    if not (onednn_runs(getattr(torch, dtype)) and getattr(torch, dtype) in cpu_kernels.load().linear_dtypes):
+        pytest.skip("csrc/linear.c or oneDNN does not run weights of this dtype here")
+    cache = kernel_cache(tmp_path, monkeypatch)
+    knobs = {"dtype": dtype, "packed_linear": "auto"}
+    with LLM(tiny_model_dir, **KV, **knobs):      # measures the table, written to the cache
+        pass
+    assert alternate_kernel_tables(cache, stagger)
+    c_buckets = {b for b in ROW_BUCKETS if b % 2 == 0}       # "c" wins the even buckets ("1", "5-8")
+
+    def check(fused):
+        assert fused.steps >= max(BUCKET_TOKENS) - 1 and buckets_run(fused) == ROW_BUCKETS
+        tables = {key[3]: table for key, table in fused.tables.items()}
+        for b in ROW_BUCKETS:
+            if stagger:      # every bucket's layers hold both kernels' linears
+                assert tables[b].callers and c_linears(tables[b]) > 0
+            elif b in c_buckets:     # all csrc/linear.c's: one call for every layer
+                assert tables[b].plan == [range(len(fused.layers) * PIECES)]
+            else:                    # all oneDNN's: each between two calls
+                assert tables[b].callers and c_linears(tables[b]) == 0
+        assert (fused.caller_steps == fused.steps) if stagger else (0 < fused.caller_steps < fused.steps)
+
+    prompts = mixed_prompts(vocab, lengths=BUCKET_LENGTHS, seed=21)
+    results = run_both(tiny_model_dir, prompts, bucket_params(), knobs, check)
+    assert results[True] == results[False]
+
+
+def test_a_step_plan_cuts_decoder_calls_at_the_callers_linears_and_the_all_reduces():
+    """The plan of a two-layer table: one decoder_run range where C runs everything at one rank; a cut around each
+    linear run between the calls (in its piece's place); a None (the all-reduce) after o and down at TP > 1."""
+    end = 2 * PIECES
+    assert _plan([{}, {}], reduce=False) == [range(0, end)]
+    assert _plan([{}, {}], reduce=True) == [range(0, O + 1), None, range(O + 1, DOWN + 1), None,
+                                            range(PIECES, PIECES + O + 1), None, range(PIECES + O + 1, end), None]
+    qkv, gate_up, down = "qkv", "gate_up", "down"     # stand-ins for CallerLinears
+    assert _plan([{QKV: qkv}, {GATE_UP: gate_up, DOWN: down}], reduce=False) == [
+        range(0, QKV), qkv, range(QKV + 1, PIECES + GATE_UP), gate_up, range(PIECES + GATE_UP + 1, PIECES + DOWN),
+        down]
+    assert _plan([{}, {DOWN: down}], reduce=True)[-3:] == [range(PIECES + O + 1, PIECES + DOWN), down, None]
 
 
 @needs_kernels
@@ -161,6 +292,8 @@ def lora_model(tmp_path, tiny_model_dir, case: str) -> tuple[str, list]:
 LORA_CASES = {   # name -> knobs
     "fp32": {},
     "bf16": {"dtype": "bfloat16", "packed_linear": "c"},
+    "onednn-fp32": {"packed_linear": "onednn"},      # LoRALayer.apply after each linear run between the calls
+    "onednn-bf16": {"dtype": "bfloat16", "packed_linear": "onednn"},
     "fp32-bf16-adapters": {"lora_dtype": "bfloat16"},
     "gguf-q4_1-bf16-adapters": {"lora_dtype": "bfloat16"},
 }

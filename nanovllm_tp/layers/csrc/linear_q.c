@@ -35,8 +35,9 @@
  * one integer dot product per span, scaled by the span's dx, times its own scale at the end:
  * y = sw * sum over spans of dx * (dot - 128 * sum(q)). (On SmolLM2 one scale per row cost 3.96% of perplexity,
  * spans of 128 1.03% with a quarter of the int32 -> fp32 steps of blocks of 32, which cost 0.44%.) One kernel
- * serves decode (bound by reading the weights: prefetched PREFETCH bytes ahead into L2, which took one row on an
- * AMD EPYC from 9 to 13-16 GB/s) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without
+ * serves decode (bound by reading the weights: every 64 bytes of the stream prefetched PREFETCH bytes ahead into
+ * L2, which took one row on an AMD EPYC from 9 to 13-16 GB/s; 8 KiB ahead read 1B-shaped weights at 2 threads
+ * 5-10% faster than 4 KiB, and leaving Q6_K's second plane to the hardware prefetcher cost it 40%) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without
  * AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load instead.
  */
 #include <stdint.h>
@@ -243,7 +244,7 @@ void gather_q_rows(const uint8_t *packed, const int64_t *ids, void *out, int64_t
 #define ROWS 4            /* rows per chunk: 2 x ROWS int and float accumulators stay in registers */
 #define GROUP_ROWS 32     /* rows per work unit: the unit's weights stay in L1/L2 across its chunks */
 #define PARALLEL_MIN_MACS (1 << 18)
-#define PREFETCH 4096     /* bytes ahead in the weight stream (into L2) */
+#define PREFETCH 8192     /* bytes ahead in the weight stream (into L2) */
 #define INLINE static inline __attribute__((always_inline))
 
 int linear_q_available(void) { return 1; }
@@ -328,10 +329,19 @@ INLINE __m512 times16(__m512 sup, const uint8_t *s, int j, int t, const int is_s
 /* the weight stream PREFETCH bytes ahead of p, by a unit's first chunk of rows (the others find it in cache) */
 INLINE void ahead(const uint8_t *p, int first) { if (first) _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T1); }
 
-/* 16-bit lanes shifted left by s (right by -s); the callers keep only bits that stay inside their byte */
-INLINE __m512i shift16(__m512i v, const int s)
+/* bits from .. from + count - 1 of each byte of a high plane moved to bits 4 .. 3 + count, every other bit 0:
+ * with GFNI one affine transform per 64 bytes (dst bit i = parity(src & matrix byte 7 - i)), else a 16-bit shift
+ * (bits crossing into the next byte are masked off) and a mask */
+INLINE __m512i above4(__m512i h, const int from, const int count)
 {
-    return s > 0 ? _mm512_slli_epi16(v, (unsigned)s) : s < 0 ? _mm512_srli_epi16(v, (unsigned)-s) : v;
+#ifdef __GFNI__
+    const uint64_t matrix = (uint64_t)(1u << from) << 24 | (count == 2 ? (uint64_t)(2u << from) << 16 : 0);
+    return _mm512_gf2p8affine_epi64_epi8(h, _mm512_set1_epi64((long long)matrix), 0);
+#else
+    const int s = 4 - from;
+    const __m512i moved = s > 0 ? _mm512_slli_epi16(h, (unsigned)s) : s < 0 ? _mm512_srli_epi16(h, (unsigned)-s) : h;
+    return _mm512_and_si512(moved, _mm512_set1_epi8(count == 2 ? 0x30 : 0x10));
+#endif
 }
 
 INLINE __m512i bcast4(const int8_t *p)
@@ -350,7 +360,7 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
 {
     const int64_t uq = unit_quant_bytes(qt), tq = uq / 2;
     const int hb = high_bits(qt);
-    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     if (qt == I8) {       /* per span: its integer sums x its activation scale; at the end x each output's scale */
@@ -415,10 +425,14 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
             __m512i h0[2], h1[2];      /* the high planes of each tile (5-bit types: one; Q6_K: two) */
             #pragma GCC unroll 2
             for (int t = 0; t < 2; t++)
-                if (hb) {
+                if (hb) {      /* every 64 bytes of the stream prefetched: the planes too */
                     ahead(w + t * tq + 256, first);
                     h0[t] = _mm512_loadu_si512(w + t * tq + 256);
-                    h1[t] = hb == 2 ? _mm512_loadu_si512(w + t * tq + 320) : h0[t];
+                    h1[t] = h0[t];
+                    if (hb == 2) {
+                        ahead(w + t * tq + 320, first);
+                        h1[t] = _mm512_loadu_si512(w + t * tq + 320);
+                    }
                 }
             #pragma GCC unroll 4
             for (int g = 0; g < 4; g++)
@@ -426,13 +440,14 @@ INLINE void q_chunk(const int qt, const int8_t *xq, const float *xd, const int32
                 for (int t = 0; t < 2; t++) {
                     ahead(w + t * tq + g * 64, first);
                     const __m512i v = _mm512_loadu_si512(w + t * tq + g * 64);
-                    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                    if (hb == 1) {          /* bit g (first half) and 4 + g (second) of each byte, to bit 4 */
-                        lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h0[t], 4 - g), bit4));
-                        hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h0[t], -g), bit4));
-                    } else if (hb == 2) {   /* bits 2g, 2g + 1 of each byte of a half's plane, to bits 4, 5 */
-                        lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h0[t], 4 - 2 * g), bits45));
-                        hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h1[t], 4 - 2 * g), bits45));
+                    __m512i lo, hi;
+                    if (hb) {     /* the nibble's bits 0-3 beside the high bits at 4 (and 5): vpternlogd's select */
+                        lo = _mm512_ternarylogic_epi32(v, above4(h0[t], hb == 1 ? g : 2 * g, hb), low4, 0xE4);
+                        hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4),
+                                                       above4(h1[t], hb == 1 ? 4 + g : 2 * g, hb), low4, 0xE4);
+                    } else {
+                        lo = _mm512_and_si512(v, low4);
+                        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                     }
                     #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)

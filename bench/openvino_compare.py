@@ -5,7 +5,9 @@
 
 OpenVINO GenAI is never imported here, nor a dependency: its virtualenv (`pip install openvino-genai
 "optimum-intel[openvino]" nncf`) is named by --peer-python, by default $NANOVLLM_TP_OPENVINO_PYTHON. Order: that
-python must import openvino_genai and --model be a HF directory, both checked before anything loads; the model is
+python must import openvino_genai and --model be a HF directory (or --peer-model one of --model's shape: the
+engine then runs --model, a GGUF file of the same weights, and OpenVINO the directory), checked before anything
+loads; the directory is
 exported once with that virtualenv's `optimum-cli export openvino --task text-generation-with-past
 --weight-format fp32|int8|int4` (`--group-size 64` for int4 where the hidden or MLP size is not a multiple of 128)
 and kept in the cache (a second run reuses it); the engine is built, yields its first token (cold start), warms
@@ -44,6 +46,10 @@ def add_peer_args(parser) -> None:
     g.add_argument("--peer-weight-format", choices=WEIGHT_FORMATS, default="fp32",
                    help="optimum-cli export openvino --weight-format (fp32 keeps the weights; int8 / int4 compress "
                         "them)")
+    g.add_argument("--peer-model", metavar="HF_DIR",
+                   help="the Hugging Face directory OpenVINO exports (default: --model), so that the engine can run "
+                        "a GGUF file of the same model, e.g. make-shape's directory beside its Q4_K_M file; its "
+                        "shape must be --model's")
 
 
 # =============================================================================================== checks
@@ -79,14 +85,36 @@ def optimum_cli(python: str) -> str:
     return os.path.join(os.path.dirname(python), "optimum-cli")
 
 
+SHAPE_FACTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim")
+
+
+def peer_source(args) -> str | None:
+    """The Hugging Face directory OpenVINO exports: --peer-model, else --model (None: a preset, resolved later).
+    ValueError where it is no such directory, or --peer-model's shape is not --model's."""
+    source = args.peer_model or args.model
+    if source and not os.path.isfile(os.path.join(source, "config.json")):
+        flag = "--peer-model" if args.peer_model else "--model"
+        raise ValueError(f"--compare openvino needs {flag} to be a Hugging Face directory (config.json), got "
+                         f"{source!r}; nanovllm-tp convert MODEL.gguf DIR makes one, or give --peer-model DIR")
+    if args.peer_model:
+        if not args.model:
+            raise ValueError("--peer-model needs --model: the engine's checkpoint of the same shape")
+        from nanovllm_tp.config.model_config import ModelConfig
+        ours, theirs = ModelConfig.from_pretrained(args.model), ModelConfig.from_pretrained(source)
+        differ = [f"{k} {getattr(ours, k, None)} against {getattr(theirs, k, None)}" for k in SHAPE_FACTS
+                  if getattr(ours, k, None) != getattr(theirs, k, None)]
+        if differ:
+            raise ValueError(f"--peer-model {source!r} is not --model's shape: {'; '.join(differ)}")
+    return source
+
+
 def check_args(args) -> tuple[str, dict]:
-    """(the peer's python, its versions) once it and --model are fit; else SystemExit with why."""
+    """(the peer's python, its versions) once it and the model it exports are fit; else SystemExit with why."""
     python = peer_python(args)
     try:
         versions = check_peer_python(python)
-        if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"--compare openvino needs --model to be a Hugging Face directory (config.json), got "
-                             f"{args.model!r}; nanovllm-tp convert MODEL.gguf DIR makes one")
+        peer_source(args)
     except ValueError as exc:
         raise SystemExit(f"bench: {exc}") from None
     return python, versions
@@ -148,7 +176,8 @@ def main(args) -> dict:
     bc.apply_threads(args)
     args.model_source = args.model or f"preset {args.preset}"
     args.model = bc.resolve_model(args)
-    model_dir = exported(python, args.model, args.peer_weight_format, versions, args.peer_timeout)
+    source = peer_source(args)
+    model_dir = exported(python, source, args.peer_weight_format, versions, args.peer_timeout)
     vocab = bc.model_vocab_size(args.model)
     workload = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)
     warm_prompts, warm_outs = bc.warmup_prompts(vocab, args.seed)
@@ -176,7 +205,7 @@ def main(args) -> dict:
                PEER_KEY: {**bench_compare.peer_figures(runs["engine"], runs[PEER_KEY], ready[PEER_KEY],
                                                        ("load_s", "first_token_s", "import_s", "properties")),
                           "weight_format": args.peer_weight_format, "exported": str(model_dir),
-                          "export_argv": export_argv(python, args.model, args.peer_weight_format, str(model_dir))}}
+                          "export_argv": export_argv(python, source, args.peer_weight_format, str(model_dir))}}
     bench_compare.add_shares(figures)
     result = {"name": "bench", "config": bc.config_dict(args), "workload": workload.describe(),
               "environment": {**bc.finish_environment(env), **versions}, "figures": figures}

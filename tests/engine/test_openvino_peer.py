@@ -2,6 +2,7 @@
 Without it: the config's checks, the export's command line, the refusals before anything loads. With it (skipped
 otherwise, as on CI): the peer end to end on the tiny checkpoint in fp32, greedy tokens equal to transformers',
 stopped except while it answers, nothing left behind, and the comparison's JSON and table."""
+import argparse
 import json
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from nanovllm_tp import envs
 from nanovllm_tp.bench import common as bench_common, openvino_compare as ov, openvino_peer, throughput as bench
-from tests.helpers import hf_greedy
+from tests.helpers import GGUF, hf_greedy, smollm2
 from tests.procs import alive
 from tests.unit.test_bench_peer import children, stopped
 
@@ -52,6 +53,24 @@ def test_refusals_before_anything_loads(monkeypatch, tmp_path):
         bench.main(["--compare", "openvino", "--peer-python", "/nonexistent/python", "--model", str(tmp_path)])
     with pytest.raises(SystemExit, match="cannot import openvino_genai"):       # this interpreter has none
         bench.main(["--compare", "openvino", "--peer-python", sys.executable, "--model", str(tmp_path)])
+
+
+@smollm2
+def test_peer_model_is_the_directory_exported_and_must_be_the_engines_shape(tiny_model_dir):
+    """--peer-model names the HF directory OpenVINO exports while the engine runs --model (a GGUF file of the same
+    model): without it a GGUF --model is refused; a --peer-model of another shape is refused naming the facts
+    that differ; one of the same shape is what gets exported."""
+    def args(model, peer_model=None):
+        return argparse.Namespace(model=model, peer_model=peer_model)
+
+    assert ov.peer_source(args(tiny_model_dir)) == tiny_model_dir
+    with pytest.raises(ValueError, match="needs --model to be a Hugging Face directory"):
+        ov.peer_source(args(GGUF))
+    with pytest.raises(ValueError, match=r"not --model's shape: vocab_size 49152 against \d+; hidden_size 576"):
+        ov.peer_source(args(GGUF, tiny_model_dir))
+    with pytest.raises(ValueError, match="needs --peer-model to be a Hugging Face directory"):
+        ov.peer_source(args(tiny_model_dir, GGUF))
+    assert ov.peer_source(args(tiny_model_dir, tiny_model_dir)) == tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ OpenVINO GenAI is never imported here, nor a dependency: its virtualenv (`pip in
 "optimum-intel[openvino]" nncf`) is named by --peer-python, by default $NANOVLLM_TP_OPENVINO_PYTHON. Order: that
 python must import openvino_genai and --model be a HF directory (or --peer-model one of --model's shape: the
 engine then runs --model, a GGUF file of the same weights, and OpenVINO the directory), checked before anything
-loads; the directory is
-exported once with that virtualenv's `optimum-cli export openvino --task text-generation-with-past
---weight-format fp32|int8|int4` (`--group-size 64` for int4 where the hidden or MLP size is not a multiple of 128)
+loads; the directory is exported once with that virtualenv's `optimum-cli export openvino --task
+text-generation-with-past --weight-format fp32|int8|int4` (`--group-size 64` for int4 where the hidden or MLP size
+is not a multiple of 128)
 and kept in the cache (a second run reuses it); the engine is built, yields its first token (cold start), warms
 up; then bench/openvino_peer.py starts under that python with one ContinuousBatchingPipeline on the CPU:
 INFERENCE_PRECISION_HINT bf16 or f32 as the engine's dtype, KV_CACHE_PRECISION as the engine's KV (its dtype, or

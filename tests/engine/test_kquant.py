@@ -265,3 +265,22 @@ def test_without_vnni_the_weights_are_dequantized_with_a_log_line(kquant_gguf, t
     assert "weights dequantized at load: this CPU has no AVX-512 VNNI" in done.stderr
     assert result["stats"]["quantization"] == "none"
     assert result["tokens"] == hf_greedy(ref, [5, 6, 7, 8], 6)
+
+
+@pytest.mark.spawn
+def test_without_gfni_the_high_bits_are_put_back_by_shifts_and_masks(tmp_path):
+    """The kernels compiled for a CPU without GFNI (a compiler wrapper adds -mno-gfni: AVX-512 VNNI CPUs before
+    Ice Lake) put the 5-bit types' fifth bit and Q6_K's two high bits back above the nibble with 16-bit shifts and
+    masks instead of the affine transform: the same kernel checks pass (the rounded math summed in fp32, for every
+    type with high bits, rows 1 / 5 / 33, three shapes)."""
+    calls = tmp_path / "cc-calls"
+    wrapper = tmp_path / "cc-no-gfni"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec cc "$@" -mno-gfni\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CC": str(wrapper), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_kernel_is_the_rounded_math_summed_in_fp32", "-k", "Q5 or Q6"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=pathlib.Path(__file__).parents[2])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "36 passed" in done.stdout
+    assert "linear_q.c" in calls.read_text()          # the kernels were built here, by the wrapper

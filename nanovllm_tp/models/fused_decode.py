@@ -18,8 +18,9 @@ prefill attention. With LoRA, each adapted linear's `LoRATables` sit in its `Lin
 `LoRALayer.apply` makes; after a oneDNN linear `LoRALayer.apply` itself adds them.
 
 It runs where every piece of every layer has such a kernel: the plain `DecoderLayer` of blocks.py (SiLU MLP,
-q/k norms or none, any window and logit cap), weights quantized for csrc/linear_q.c, packed for csrc/linear.c or
-by oneDNN (in the activations' dtype; which, where packed_linear=auto packed both, by the step's bucket), no bias
+q/k norms or none, any window and logit cap), weights quantized for csrc/linear_q.c (a merged layer of two
+quantized types, QuantParts, run between calls through quant_matmul), packed for csrc/linear.c or by oneDNN (in
+the activations' dtype; which, where packed_linear=auto packed both, by the step's bucket), no bias
 on the row-parallel layers, a KV cache in the model dtype or quantized (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2:
 the K/V stored by csrc/kv_store.c with their scales and read by the decode kernel, as the attention layer's
 modules do), the `cpu` attention backend, no layer hooks (`--trace-layers`), and LoRA rows only where the step's
@@ -39,7 +40,7 @@ from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.layers.kernel_choice import ChosenWeight, bucket
 from nanovllm_tp.layers.norm_rope_act import RMSNorm, SiluAndMul
 from nanovllm_tp.layers.packed_linear import ONEDNN, BlockedWeight
-from nanovllm_tp.layers.quant import QuantWeight
+from nanovllm_tp.layers.quant import QuantParts, QuantWeight, quant_matmul
 from nanovllm_tp.models.blocks import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP
 from nanovllm_tp.utils.context import get_context
 
@@ -79,12 +80,12 @@ class ScratchDesc(ctypes.Structure):
 
 @dataclass(slots=True)
 class CallerLinear:
-    """A linear that decoder.c leaves to its caller (oneDNN-packed for the table's row bucket): `run` (ONEDNN.run)
-    is the callable the module's matmul reaches for that bucket, directly or as its ChosenWeight's, here on the
-    scratch rows `x`; its output goes to the rows `out`, after its LoRA deltas by the module's own
-    `LoRALayer.apply`."""
+    """A linear that decoder.c leaves to its caller: oneDNN-packed for the table's row bucket, or a merged layer
+    whose parts are of two quantized types (QuantParts). `run` (ONEDNN.run, quant_matmul) is the callable the
+    module's matmul reaches for that bucket, directly or as its ChosenWeight's, here on the scratch rows `x`; its
+    output goes to the rows `out`, after its LoRA deltas by the module's own `LoRALayer.apply`."""
     run: Callable
-    form: torch.Tensor
+    form: object             # the packed form `run` takes: oneDNN's tensor, or QuantParts
     bias: torch.Tensor | None
     lora: object | None      # a lora.layers.LoRALayer
     x: str
@@ -296,6 +297,10 @@ class FusedDecode:
             n, k = packed.shape
             return (LinearDesc(None, None, None, n, k, LINEAR_CALLER, 0),
                     CallerLinear(run, packed, bias, lin.lora, *LINEAR_PIECES[piece]))
+        if isinstance(packed, QuantParts) and all(isinstance(p, QuantWeight) for p in packed.parts):
+            # a merged layer of two quantized types (Q4_K_M's q, k in Q4_K beside v in Q6_K): part by part
+            return (LinearDesc(None, None, None, packed.out_features, packed.parts[0].in_features, LINEAR_CALLER, 0),
+                    CallerLinear(quant_matmul, packed, bias, lin.lora, *LINEAR_PIECES[piece]))
         if isinstance(packed, QuantWeight):
             kind, qtype, n, k, bias = LINEAR_QUANT, packed.qtype, packed.out_features, packed.in_features, \
                 None if bias is None else bias.float().contiguous()

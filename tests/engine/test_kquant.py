@@ -226,6 +226,31 @@ def test_greedy_tokens_are_the_rounded_math(mix, tp, kernels, kquant_gguf):
 
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_merged_layer_of_two_types_runs_in_the_fused_decode_layers(dtype, kquant_gguf):
+    """Q4_K_M's merged q/k/v of two types (q, k Q4_K beside v Q6_K: QuantParts) runs between the fused decode
+    layers' C calls, part by part through the modules' quant_matmul, instead of sending every decode step to the
+    modules: decode steps run fused, with the modules' tokens and logprobs to the bit."""
+    if 14 not in KERNEL_TYPES:
+        pytest.skip("csrc/linear_q.c needs AVX-512 VNNI")
+    from nanovllm_tp import LLM, SamplingParams
+    path, _ = kquant_gguf("k")
+    prompts = [[5, 6, 7, 8], list(range(20, 45)), [9] * 3]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = {}
+    for on in (True, False):
+        with LLM(str(path), fused_decode=on, dtype=dtype, kvcache_block_size=16, kv_cache_memory=16 << 20) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            fused = llm.engine.runner.model.model.fused
+            assert llm.stats()["quantization"] == RUNS["k"]
+            if on:
+                assert fused.steps >= 7 and fused.caller_steps == fused.steps
+            else:
+                assert fused is None
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results[True] == results[False]
+
+
 def test_a_tp_size_that_splits_a_super_block_is_refused(kquant_gguf):
     from nanovllm_tp.config.engine_config import EngineConfig
     path, _ = kquant_gguf("k", intermediate_size=256)        # ffn_down Q5_K: 128 inputs per rank

@@ -209,7 +209,8 @@ TP2 = (pytest.mark.spawn, pytest.mark.slow)
 
 @pytest.mark.parametrize("mix, tp, kernels", [
     ("q4_k_m", 1, True), ("k", 1, True), ("k", 1, False),
-    pytest.param("q4_k_m", 2, True, marks=TP2), pytest.param("k", 2, False, marks=TP2)])
+    pytest.param("q4_k_m", 2, True, marks=TP2), pytest.param("k", 2, True, marks=TP2),
+    pytest.param("k", 2, False, marks=TP2)])
 def test_greedy_tokens_are_the_rounded_math(mix, tp, kernels, kquant_gguf):
     """The engine against transformers with every linear input rounded per block of 32 (tests/quant_reference.py
     says what is compared: tokens up to the first near tie, teacher-forced logprobs everywhere; at this width a

@@ -79,8 +79,9 @@ class EngineConfig:
                                   "$NANOVLLM_TP_CPU_KERNELS", default_factory=_env_flag("NANOVLLM_TP_CPU_KERNELS"))
     fused_decode: bool = knob(True, help="CPU decode and speculative verify steps: the decoder layers as C calls "
                                          "of the kernels their modules call (csrc/decoder.c; one call for all layers "
-                                         "where every linear runs in C, oneDNN's linears between calls; a decode "
-                                         "step's results the modules' to the bit) where every piece has one; off: "
+                                         "where every linear runs in C, oneDNN's linears and merged layers of two "
+                                         "quantized types between calls; a decode step's results the modules' to "
+                                         "the bit) where every piece has one; off: "
                                          "layer by layer through the modules (comparisons)")
     packed_linear: str = knob(help="CPU linear kernels: auto (the fastest per weight shape and row count, measured "
                                    "on this CPU at load and cached; LLM.stats()['linear_kernels']), or one forced "

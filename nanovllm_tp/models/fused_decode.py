@@ -284,8 +284,8 @@ class FusedDecode:
     def _linear(self, lin, dtype: torch.dtype, row_bucket: int,
                 piece: int) -> tuple[LinearDesc, CallerLinear | None] | None:
         """The layer's matmul (and its LoRA tables) as decoder.c runs it, with a CallerLinear where it is oneDNN's
-        for the bucket (decoder.c stops before it); None: a form neither has a kernel for, or a row-parallel bias
-        (added after the all-reduce)."""
+        for the bucket or QuantParts (decoder.c stops before it); None: a form neither has a kernel for, or a
+        row-parallel bias (added after the all-reduce)."""
         packed, bias = lin.packed, lin.bias
         if piece in ROW_PARALLEL and bias is not None:
             return None

@@ -8,7 +8,8 @@
  * their slots, paged decode), o, post-attention norm, gate/up, SiLU-and-mul, down. decoder_run runs a range of
  * them over a table of layers, so the caller decides where to stop: nowhere (one call for every layer of one rank
  * whose linears all run here), at the all-reduces after o and down (TP), and around a linear run by the caller
- * (kind LINEAR_CALLER: oneDNN-packed, which the caller runs through torch on the scratch rows, then resumes).
+ * (kind LINEAR_CALLER: oneDNN-packed, or a merged layer of two quantized types, which the caller runs through
+ * torch's or the modules' matmul on the scratch rows, then resumes).
  *
  * The layers are described once (layer_desc, filled by nanovllm_tp/models/fused_decode.py from the modules'
  * packed weights and the layer's KV cache); a step passes its rows' positions, KV slots, block tables and lengths,

@@ -20,7 +20,8 @@
  * Bits per weight: Q4_0 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625 (the file's
  * but for the K-quants' scales, a byte each instead of 6 bits: 0.125 more). The kernel forms d * sc and dmin * mn
  * in fp32, exact products of an fp16 and an integer of up to 8 bits, one multiply per block and 16 lanes, and
- * puts a quant's high bits back above its nibble with two shifts and masks per 64 bytes. The last unit is
+ * puts a quant's high bits back above its nibble with a GFNI affine transform (without GFNI a shift and a mask)
+ * and a vpternlogd select per 64 bytes. The last unit is
  * zero-padded. A thread's units are one contiguous stream, read once per row group.
  *
  * Activations are quantized per row and per block of 32 (as llama.cpp's Q8_0/Q8_1 activation blocks): scale
@@ -37,7 +38,8 @@
  * spans of 128 1.03% with a quarter of the int32 -> fp32 steps of blocks of 32, which cost 0.44%.) One kernel
  * serves decode (bound by reading the weights: every 64 bytes of the stream prefetched PREFETCH bytes ahead into
  * L2, which took one row on an AMD EPYC from 9 to 13-16 GB/s; 8 KiB ahead read 1B-shaped weights at 2 threads
- * 5-10% faster than 4 KiB, and leaving Q6_K's second plane to the hardware prefetcher cost it 40%) and prefill (chunks of ROWS rows reuse a unit's weights from cache). Without
+ * 5-10% faster than 4 KiB, and leaving Q6_K's second plane to the hardware prefetcher cost it 40%) and prefill
+ * (chunks of ROWS rows reuse a unit's weights from cache). Without
  * AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load instead.
  */
 #include <stdint.h>

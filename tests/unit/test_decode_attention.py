@@ -99,10 +99,12 @@ def test_head_dims(head_dim, kv):
 
 @needs_compiler
 @pytest.mark.parametrize("kv", ["bfloat16", "int8", "fp8_e4m3"])
-@pytest.mark.parametrize("window,softcap", [(20, 0.0), (37, 0.0), (0, 3.0), (50, 2.0)])
-def test_windows_and_soft_caps(kv, window, softcap):
-    """A window that starts inside a block and inside a 16-key chunk; Gemma 2's soft cap."""
-    k, v, kv_scales, table = cache(LENGTHS, 16, 3, 64, kv, seed=window)
+@pytest.mark.parametrize("window,softcap", [(20, 0.0), (37, 0.0), (0, 3.0), (50, 2.0), (90, 0.0)])
+@pytest.mark.parametrize("block_size", [16, 40])
+def test_windows_and_soft_caps(kv, window, softcap, block_size):
+    """A window that starts inside a block and inside a 16-key chunk (so a span of four chunks starts there too);
+    Gemma 2's soft cap."""
+    k, v, kv_scales, table = cache(LENGTHS, block_size, 3, 64, kv, seed=window)
     q_dtype = torch.bfloat16 if kv == "bfloat16" else torch.float32
     q = torch.randn(len(LENGTHS), 9, 64, generator=torch.Generator().manual_seed(2)).to(q_dtype)
     for portable in FORMS:

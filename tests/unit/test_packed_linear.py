@@ -16,7 +16,7 @@ KERNEL_DTYPES = cpu_kernels.load().linear_dtypes if cpu_kernels.load() else ()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 48, 50, 301])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 17, 48, 50, 301])
 @pytest.mark.parametrize("out_features,in_features", [(1, 2), (17, 6), (50, 96), (160, 578), (600, 64)])
 def test_kernel_rounds_the_exact_product_once(dtype, rows, out_features, in_features):
     """Every output of csrc/linear.c is the float64 product (+ bias) up to fp32 accumulation, rounded once to the
@@ -45,6 +45,22 @@ def test_kernel_rounds_the_exact_product_once(dtype, rows, out_features, in_feat
         finally:
             torch.set_num_threads(threads)
     assert matmul(x.reshape(rows, 1, in_features), w, packed).shape == (rows, 1, out_features)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_row_is_the_same_in_any_batch(dtype):
+    """csrc/linear.c splits a group's rows into chunks of one to eight, each with a loop of its own; a row's outputs
+    are the same whichever chunk, chunk size or group it falls in: rows 0..m-1 of an m-row product equal each row
+    alone, bit for bit, for every m from 1 to 60 (the batch invariance packed_linear=c promises)."""
+    if dtype not in KERNEL_DTYPES:
+        pytest.skip(f"csrc/linear.c is not built for {dtype} on this CPU")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(60, 200, generator=g).to(dtype)
+    w = torch.randn(70, 200, generator=g).to(dtype)
+    packed = pack_weight(w, "c")
+    alone = torch.cat([matmul(x[r:r + 1], w, packed) for r in range(60)])
+    for m in range(1, 61):
+        assert torch.equal(matmul(x[:m], w, packed), alone[:m]), m
 
 
 @needs_bf16

@@ -5,19 +5,21 @@
  *
  * A unit of work is a row (or one KV head of a row, where rows are fewer than threads); the query heads of a KV
  * head (GQA's group) share every K/V vector read. A row's visible tokens go by chunks of up to 16 keys of one block,
- * and per KV head:
- *   1. the chunk's K vectors of the head are widened once into a tile: fp32 (fp8 by its bits, bf16 by a shift
+ * and by spans of up to 4 chunks (64 keys, from one or several blocks); per span and KV head:
+ *   1. each chunk's K vectors of the head are widened once into a tile: fp32 (fp8 by its bits, bf16 by a shift
  *      where the CPU lacks AVX-512 BF16; with it bf16 keys are read in place), or int16 for int8; the quantized
  *      scales beside them (one masked gather each);
  *   2. per query head, 16 partial-product vectors (one per key: head_dim / 16 FMAs, or head_dim / 32 pair
  *      products, int16 or bf16) are reduced by a transpose-add tree into one vector of 16 scores, instead of 16
  *      horizontal sums;
- *   3. the online softmax takes the chunk at once (one max, one exp of 16 lanes, one sum);
+ *   3. the online softmax takes the span's scores at once (one max, one exp of 16 lanes a chunk, one sum, one
+ *      rescale of the outputs): taken per chunk it was a quarter of the time;
  *   4. each V vector is widened once, in place (fp8's, a dozen instructions, through a tile), for up to 4 query
  *      heads, whose outputs stay in registers for the chunk.
  * The block two ahead (past a row's end: the next row's) is prefetched while one is used, a KV head's lines at a
  * time, with its scales: blocks sit at random places in a large pool, and at 32 rows of a few hundred tokens the KV
- * bytes a step reads are as many as the weights'.
+ * bytes a step reads are as many as the weights'. K's lines are fetched before the scores, V's before V's pass
+ * (both before the scores, in one burst, was 1.2x slower; 4 or 6 blocks ahead no faster than 2 at two threads).
  */
 #include <float.h>
 #include <math.h>
@@ -34,6 +36,14 @@
 
 #define CHUNK 16
 #define MAX_GROUP_BLOCK 4      /* query heads whose outputs one pass over V's tile keeps in registers */
+#define SPAN 4                 /* chunks whose scores take one step of the online softmax */
+
+typedef struct {     /* a chunk of a row's keys: up to CHUNK of one block */
+    const char *kb, *vb;       /* its block's K and V */
+    const char *kf, *vf;       /* the block whose lines are prefetched meanwhile, or NULL */
+    int64_t scale_row;         /* (block * block_size + i0) * kv_heads: its first key's scales, KV head 0 */
+    int i0, cnt;               /* its first key in the block, its keys */
+} Chunk;
 
 enum { KV_F32, KV_BF16, KV_INT8, KV_E4M3, KV_E5M2 };     /* cache formats, compile-time constants below */
 
@@ -199,8 +209,9 @@ INLINE __m512 soft_cap(__m512 s, float cap)      /* cap * tanh(s / cap), lane by
     return _mm512_loadu_ps(lanes);
 }
 
-/* acc[g] = acc[g] * rescale[g] + sum over the chunk's keys i of p[g][i] * v_i, for gb query heads at once; v_i
- * widened from element e + i * stride of v in `format` (the cache itself, or for fp8 the chunk's fp32 tile) */
+/* acc[g] = acc[g] * rescale[g] (rescale NULL: 1) + sum over the chunk's keys i of p[g * CHUNK + i] * v_i, for gb
+ * query heads at once; v_i widened from element e + i * stride of v in `format` (the cache itself, or for fp8 the
+ * chunk's fp32 tile) */
 INLINE void accumulate(float *acc, const float *p, const float *rescale, const void *v, int64_t e, int64_t stride,
                        int cnt, const int dim, const int gb, const int format)
 {
@@ -208,8 +219,10 @@ INLINE void accumulate(float *acc, const float *p, const float *rescale, const v
     #pragma GCC unroll 4
     for (int g = 0; g < gb; g++)
         #pragma GCC unroll 16
-        for (int c = 0; c < dim / 16; c++) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * dim + 16 * c),
-                                                                   _mm512_set1_ps(rescale[g]));
+        for (int c = 0; c < dim / 16; c++) {
+            a[g][c] = _mm512_loadu_ps(acc + g * dim + 16 * c);
+            if (rescale) a[g][c] = _mm512_mul_ps(a[g][c], _mm512_set1_ps(rescale[g]));
+        }
     for (int i = 0; i < cnt; i++, e += stride) {
         #pragma GCC unroll 16
         for (int c = 0; c < dim / 16; c++) {
@@ -242,10 +255,12 @@ INLINE void accumulate_any(float *acc, const float *p, const float *rescale, con
 #undef ACC
 }
 
-/* Per thread: K and V tiles, then per query head of the item: query, output, softmax weights of the chunk, running
- * max, sum and the chunk's rescale, and for an int8 cache the query in int16 and its scale. */
-#define SCRATCH_FLOATS(dim, heads) (2 * CHUNK * (size_t)(dim) + (size_t)(heads) * (5 * (dim) / 2 + CHUNK + 4))
-#define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched (2, 3, 4 measured alike) */
+/* Per thread: a K tile and a span's V tiles, then per query head of the item: query, output, the span's scores
+ * and softmax weights, running max, sum and the span's rescale, and for an int8 cache the query in int16 and its
+ * scale. */
+#define SCRATCH_FLOATS(dim, heads) ((1 + SPAN) * CHUNK * (size_t)(dim) \
+                                    + (size_t)(heads) * (5 * (dim) / 2 + SPAN * CHUNK + 4))
+#define PREFETCH_BLOCKS 2      /* how far ahead a row's blocks are fetched */
 
 /* bytes from p into L2: the hint T1, as the linear kernels (into L1 was 20-35% slower on an AMD EPYC, NTA too) */
 INLINE void prefetch_lines(const void *p, int64_t bytes)
@@ -289,7 +304,8 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     const int64_t kv_size = format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1, head_bytes = dim * kv_size;
     const int64_t block_bytes = (int64_t)block_size * token_stride * kv_size;
     float *kt = scratch, *vt = kt + CHUNK * dim;
-    float *qf = vt + CHUNK * dim, *acc = qf + heads * dim, *p = acc + heads * dim, *m = p + heads * CHUNK;
+    float *qf = vt + SPAN * CHUNK * dim, *acc = qf + heads * dim, *p = acc + heads * dim;
+    float *m = p + SPAN * heads * CHUNK;
     float *l = m + heads, *rescale = l + heads, *qs = rescale + heads;
     int16_t *q16 = (int16_t *)(qs + heads), *kt16 = (int16_t *)kt;
     for (int e = 0; e < heads * dim; e++) {
@@ -306,76 +322,114 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     const int blocks = (len + block_size - 1) / block_size;
     const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
     const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
-    for (int b = first / block_size; b < blocks; b++) {
-        const char *kb = (const char *)k_cache + table[b] * block_bytes;
-        const char *vb = (const char *)v_cache + table[b] * block_bytes;
-        const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
-        /* prefetch: the row's second block at its start; then, spread over the block's KV heads below (a block
-         * at once was up to 1.25x slower: the fetches come in one burst), the block PREFETCH_BLOCKS ahead, or past
-         * the row's end the next row's first (its thread is likely this one), and that block's scales */
-        for (int ahead = 1; b == first / block_size && ahead < PREFETCH_BLOCKS && b + ahead < blocks; ahead++)
-            prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
-                           (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
-                           token_stride * kv_size, head_bytes, h0, h1);
-        const int later = b + PREFETCH_BLOCKS;
-        const int64_t fetch = later < blocks ? table[later] : later - blocks < next_blocks ? next_table[later - blocks]
-                                                                                            : -1;
-        const char *kf = fetch >= 0 ? (const char *)k_cache + fetch * block_bytes : NULL;
-        const char *vf = fetch >= 0 ? (const char *)v_cache + fetch * block_bytes : NULL;
-        if (fetch >= 0 && quantized) {
-            prefetch_lines(k_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
-            prefetch_lines(v_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+    int b = first / block_size, i0 = first - b * block_size;
+    while (b < blocks) {
+        Chunk ch[SPAN];       /* the span: up to SPAN chunks of the row, in order, from one or more blocks */
+        int nc = 0;
+        for (; nc < SPAN && b < blocks; nc++) {
+            Chunk *c = ch + nc;
+            const int n = len - b * block_size < block_size ? len - b * block_size : block_size;
+            c->kb = (const char *)k_cache + table[b] * block_bytes;
+            c->vb = (const char *)v_cache + table[b] * block_bytes;
+            c->cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
+            c->i0 = i0;
+            c->scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads;
+            /* prefetch: the row's second block at its start; then, spread over the block's chunks and KV heads
+             * below (a block at once was up to 1.25x slower: the fetches come in one burst), the block
+             * PREFETCH_BLOCKS ahead, or past the row's end the next row's first (its thread is likely this one),
+             * and that block's scales with the block's first chunk */
+            const int entering = i0 == (b == first / block_size ? first - b * block_size : 0);
+            for (int ahead = 1; entering && b == first / block_size && ahead < PREFETCH_BLOCKS && b + ahead < blocks;
+                 ahead++)
+                prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
+                               (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
+                               token_stride * kv_size, head_bytes, h0, h1);
+            const int later = b + PREFETCH_BLOCKS;
+            const int64_t fetch = later < blocks ? table[later]
+                                : later - blocks < next_blocks ? next_table[later - blocks] : -1;
+            c->kf = fetch >= 0 ? (const char *)k_cache + fetch * block_bytes : NULL;
+            c->vf = fetch >= 0 ? (const char *)v_cache + fetch * block_bytes : NULL;
+            if (entering && fetch >= 0 && quantized) {
+                prefetch_lines(k_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+                prefetch_lines(v_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+            }
+            i0 += c->cnt;
+            if (i0 >= n) {
+                b++;
+                i0 = 0;
+            }
         }
-        for (int i0 = first > b * block_size ? first - b * block_size : 0; i0 < n; i0 += CHUNK) {
-            const int cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
-            const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
-            for (int head = h0; head < h1; head++) {
-                const int64_t scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads + head;
-                const int64_t e = (int64_t)i0 * token_stride + (int64_t)head * dim;     /* 1. the tiles */
-                if (kf)
-                    for (int i = 0; i < cnt; i++) {
-                        prefetch_lines(kf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
-                        prefetch_lines(vf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
-                    }
+        for (int head = h0; head < h1; head++) {
+            const int g0 = (head - h0) * group;
+            __m512 vs[SPAN];
+            __mmask16 valid[SPAN];
+            for (int k = 0; k < nc; k++) {      /* 1, 2. each chunk's tiles and its scores, per query head */
+                const Chunk *c = ch + k;
+                const int cnt = c->cnt;
+                valid[k] = (__mmask16)((1u << cnt) - 1);
+                const int64_t e = (int64_t)c->i0 * token_stride + (int64_t)head * dim;
+                if (c->kf)
+                    for (int i = 0; i < cnt; i++)
+                        prefetch_lines(c->kf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                float *vtk = vt + k * CHUNK * dim;
                 switch (format) {
-                case KV_F32: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_F32, kt, vt); break;
-                case KV_BF16: if (!BF16_SCORES) fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_BF16, kt, vt); break;
-                case KV_INT8: fill_int16_tile(kb, e, token_stride, cnt, dim, kt16); break;
-                case KV_E4M3: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E4M3, kt, vt); break;
-                default: fill_tiles(kb, vb, e, token_stride, cnt, dim, KV_E5M2, kt, vt);
+                case KV_F32: fill_tiles(c->kb, c->vb, e, token_stride, cnt, dim, KV_F32, kt, vtk); break;
+                case KV_BF16: if (!BF16_SCORES) fill_tiles(c->kb, c->vb, e, token_stride, cnt, dim, KV_BF16, kt, vtk);
+                              break;
+                case KV_INT8: fill_int16_tile(c->kb, e, token_stride, cnt, dim, kt16); break;
+                case KV_E4M3: fill_tiles(c->kb, c->vb, e, token_stride, cnt, dim, KV_E4M3, kt, vtk); break;
+                default: fill_tiles(c->kb, c->vb, e, token_stride, cnt, dim, KV_E5M2, kt, vtk);
                 }
-                /* the chunk's scales: every kv_heads-th float from scale_row, lanes past cnt 0 */
-                const __m512 ks = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,
+                /* the chunk's scales: every kv_heads-th float from its row, lanes past cnt 0 */
+                const int64_t scale_row = c->scale_row + head;
+                const __m512 ks = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[k], strided,
                                                                        k_scale + scale_row, 4) : _mm512_setzero_ps();
-                const __m512 vs = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, strided,
-                                                                       v_scale + scale_row, 4) : _mm512_setzero_ps();
+                vs[k] = quantized ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid[k], strided,
+                                                             v_scale + scale_row, 4) : _mm512_setzero_ps();
                 const __m512 key_scale = quantized ? _mm512_mul_ps(_mm512_set1_ps(scale), ks) : _mm512_set1_ps(scale);
-                const int g0 = (head - h0) * group;
-                for (int g = g0; g < g0 + group; g++) {    /* 2, 3. scores and the softmax, per query head */
-                    __m512 s;
+                for (int g = g0; g < g0 + group; g++) {
+                    __m512 sc;
                     if (format == KV_INT8)
-                        s = _mm512_mul_ps(int_scores(q16 + g * dim, kt16, dim),
-                                          _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])));
+                        sc = _mm512_mul_ps(int_scores(q16 + g * dim, kt16, dim),
+                                           _mm512_mul_ps(key_scale, _mm512_set1_ps(qs[g])));
 #if BF16_SCORES
                     else if (format == KV_BF16)
-                        s = _mm512_mul_ps(bf16_scores((const uint16_t *)q + (int64_t)h0 * group * dim + g * dim, kb, e,
-                                                      token_stride, cnt, dim), key_scale);
+                        sc = _mm512_mul_ps(bf16_scores((const uint16_t *)q + (int64_t)h0 * group * dim + g * dim,
+                                                       c->kb, e, token_stride, cnt, dim), key_scale);
 #endif
                     else
-                        s = _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);
-                    if (softcap > 0.f) s = soft_cap(s, softcap);
-                    const float top = _mm512_mask_reduce_max_ps(valid, s), new_max = top > m[g] ? top : m[g];
-                    const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-                    rescale[g] = expf(m[g] - new_max);
-                    l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(w);
-                    m[g] = new_max;
-                    _mm512_storeu_ps(p + g * CHUNK, quantized ? _mm512_mul_ps(w, vs) : w);
+                        sc = _mm512_mul_ps(float_scores(qf + g * dim, kt, dim), key_scale);
+                    if (softcap > 0.f) sc = soft_cap(sc, softcap);
+                    _mm512_storeu_ps(p + ((int64_t)k * heads + g) * CHUNK, sc);
                 }
-                for (int g = g0; g < g0 + group; g += gmax) {  /* 4. V, shared by up to gmax query heads */
+            }
+            for (int g = g0; g < g0 + group; g++) {     /* 3. the online softmax, once for the span */
+                __m512 top = _mm512_set1_ps(-FLT_MAX);
+                for (int k = 0; k < nc; k++)
+                    top = _mm512_mask_max_ps(top, valid[k], top, _mm512_loadu_ps(p + ((int64_t)k * heads + g) * CHUNK));
+                const float span_max = _mm512_reduce_max_ps(top), new_max = span_max > m[g] ? span_max : m[g];
+                __m512 sum = _mm512_setzero_ps();
+                for (int k = 0; k < nc; k++) {
+                    float *pk = p + ((int64_t)k * heads + g) * CHUNK;
+                    const __m512 w = _mm512_maskz_mov_ps(valid[k], exp16(_mm512_sub_ps(_mm512_loadu_ps(pk),
+                                                                                       _mm512_set1_ps(new_max))));
+                    sum = _mm512_add_ps(sum, w);
+                    _mm512_storeu_ps(pk, quantized ? _mm512_mul_ps(w, vs[k]) : w);
+                }
+                rescale[g] = expf(m[g] - new_max);
+                l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(sum);
+                m[g] = new_max;
+            }
+            for (int k = 0; k < nc; k++) {      /* 4. V, shared by up to gmax query heads */
+                const Chunk *c = ch + k;
+                const int64_t e = (int64_t)c->i0 * token_stride + (int64_t)head * dim;
+                if (c->vf)
+                    for (int i = 0; i < c->cnt; i++)
+                        prefetch_lines(c->vf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                for (int g = g0; g < g0 + group; g += gmax) {
                     const int gb = g0 + group - g < gmax ? g0 + group - g : gmax;
-                    float *a = acc + g * dim;
-                    const float *pg = p + g * CHUNK, *rg = rescale + g;
-                    accumulate_any(a, pg, rg, vb, vt, e, token_stride, cnt, dim, gb, format);
+                    accumulate_any(acc + g * dim, p + ((int64_t)k * heads + g) * CHUNK, k ? NULL : rescale + g,
+                                   c->vb, vt + k * CHUNK * dim, e, token_stride, c->cnt, dim, gb, format);
                 }
             }
         }

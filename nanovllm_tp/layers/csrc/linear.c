@@ -6,10 +6,12 @@
  *     packed[block][k / 2][16 outputs][2 k]     block = 16 outputs, the last block zero-padded; k even
  * A step then reads the weight once, front to back, with no horizontal sums: each load is multiplied by one
  * broadcast pair of x per row and accumulated into 16 fp32 outputs. Work units are pairs of blocks (32 outputs)
- * against groups of rows; inside a unit, chunks of ROWS rows reuse the unit's weight from L1, so one kernel
- * serves decode (one to a few rows: bound by reading the weights, prefetched ahead into L2) and prefill (many
- * rows: bound by the multiply-adds). Built into the same library as cpu_kernels.c; without AVX-512 BF16 (or F, for
- * fp32) at compile time the functions report that they are unavailable and the layers use oneDNN instead.
+ * against groups of rows; inside a unit, chunks of up to ROWS rows (the group's rows split evenly: 16 rows as
+ * 8 + 8, not 6 + 6 + 4) reuse the unit's weight from L1, so one kernel serves decode (one to a few rows: bound by
+ * reading the weights, prefetched ahead into L2) and prefill (many rows: bound by the multiply-adds). Each count of
+ * rows is its own copy of the loop (chunk_rows): 1.15-1.25x at 8-48 rows against one loop testing each row.
+ * Built into the same library as cpu_kernels.c; without AVX-512 BF16 (or F, for fp32) at compile time the
+ * functions report that they are unavailable and the layers use oneDNN instead.
  */
 #include <stdint.h>
 
@@ -18,7 +20,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "simd.h"
 
-#define ROWS 6            /* rows per chunk: 2 x ROWS accumulators + 2 weight registers stay in registers */
+#define ROWS 8            /* most rows per chunk: 2 x ROWS accumulators, 2 weight registers and a broadcast */
 #define GROUP_ROWS 48     /* rows per work unit: the unit's weight stays in L1/L2 across its chunks */
 #define PREFETCH 32       /* k pairs ahead (2 KiB per block) */
 #define PARALLEL_MIN_MACS (1 << 18)
@@ -46,9 +48,12 @@ static inline __m512 bias_of(const uint16_t *bias, __mmask16 mask)
 }
 
 /* rows (<= ROWS) rows of x (k/2 int32 pairs apart) against blocks w0 and w1; w1's outputs are masked off when
- * the unit has one block only */
-static inline void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0, const uint16_t *w1, int rows,
-                         int prefetch, const uint16_t *bias, uint16_t *out, int64_t n, __mmask16 m0, __mmask16 m1)
+ * the unit has one block only. Inlined for each count of rows (chunk_rows): a count known to the compiler leaves
+ * the loop over pairs no test per row and no register spills, only loads and multiply-adds. */
+static inline __attribute__((always_inline)) void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0,
+                                                        const uint16_t *w1, const int rows, int prefetch,
+                                                        const uint16_t *bias, uint16_t *out, int64_t n, __mmask16 m0,
+                                                        __mmask16 m1)
 {
     __m512 acc[ROWS][2];
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -59,7 +64,7 @@ static inline void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0, co
         }
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
         const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 32);
-        #pragma GCC unroll 6
+        #pragma GCC unroll 16
         for (int r = 0; r < ROWS; r++) {
             if (r < rows) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[r * pairs + p]);
@@ -75,6 +80,23 @@ static inline void chunk(const int32_t *x, int64_t pairs, const uint16_t *w0, co
     }
 }
 
+static void chunk_rows(const int32_t *x, int64_t pairs, const uint16_t *w0, const uint16_t *w1, int rows,
+                       int prefetch, const uint16_t *bias, uint16_t *out, int64_t n, __mmask16 m0, __mmask16 m1)
+{
+#define CHUNK_OF(R) chunk(x, pairs, w0, w1, R, prefetch, bias, out, n, m0, m1)
+    switch (rows) {     /* 1 to ROWS */
+    case 8: CHUNK_OF(8); break;
+    case 7: CHUNK_OF(7); break;
+    case 6: CHUNK_OF(6); break;
+    case 5: CHUNK_OF(5); break;
+    case 4: CHUNK_OF(4); break;
+    case 3: CHUNK_OF(3); break;
+    case 2: CHUNK_OF(2); break;
+    default: CHUNK_OF(1);
+    }
+#undef CHUNK_OF
+}
+
 /* x [m, k] and out [m, n] contiguous bf16, k even; packed from pack_bf16_weight; bias [n] bf16 or NULL */
 void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
                  int64_t n, int64_t k)
@@ -88,10 +110,13 @@ void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias
             const uint16_t *w0 = packed + 2 * u * pairs * 32, *w1 = 2 * u + 1 < blocks ? w0 + pairs * 32 : w0;
             const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
-            const int64_t end = (g + 1) * GROUP_ROWS < m ? (g + 1) * GROUP_ROWS : m;
-            for (int64_t r = g * GROUP_ROWS; r < end; r += ROWS)
-                chunk((const int32_t *)(x + r * k), pairs, w0, w1, end - r < ROWS ? (int)(end - r) : ROWS,
-                      r == g * GROUP_ROWS, bias ? bias + col : bias, out + r * n + col, n, m0, m1);
+            const int64_t start = g * GROUP_ROWS, end = (g + 1) * GROUP_ROWS < m ? (g + 1) * GROUP_ROWS : m;
+            const int64_t chunks = (end - start + ROWS - 1) / ROWS;     /* the group's rows split evenly */
+            for (int64_t j = 0; j < chunks; j++) {
+                const int64_t r = start + j * (end - start) / chunks, r1 = start + (j + 1) * (end - start) / chunks;
+                chunk_rows((const int32_t *)(x + r * k), pairs, w0, w1, (int)(r1 - r), !j, bias ? bias + col : bias,
+                           out + r * n + col, n, m0, m1);
+            }
         }
 }
 

@@ -164,7 +164,7 @@ class FusedDecode:
         self.steps = 0       # the steps run here
         self.verify_steps = 0     # of which steps of several tokens a row (see _token_rows)
         self.lora_steps = 0       # of which steps with adapted rows
-        self.caller_steps = 0     # of which steps with linears run between decoder.c's calls (oneDNN's)
+        self.caller_steps = 0     # of which steps with linears run between decoder.c's calls (oneDNN's, QuantParts)
 
     @classmethod
     def of(cls, model) -> "FusedDecode | None":

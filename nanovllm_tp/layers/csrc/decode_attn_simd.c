@@ -40,7 +40,7 @@
 
 typedef struct {     /* a chunk of a row's keys: up to CHUNK of one block */
     const char *kb, *vb;       /* its block's K and V */
-    const char *kf, *vf;       /* the block whose lines are prefetched meanwhile, or NULL */
+    int64_t fetch;             /* the block whose lines are prefetched meanwhile, or -1 */
     int64_t scale_row;         /* (block * block_size + i0) * kv_heads: its first key's scales, KV head 0 */
     int i0, cnt;               /* its first key in the block, its keys */
 } Chunk;
@@ -322,7 +322,15 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
     const int blocks = (len + block_size - 1) / block_size;
     const int next_blocks = next_table ? (next_len + block_size - 1) / block_size : 0;
     const int first = window > 0 && len > window ? len - window : 0;     /* first visible position */
-    int b = first / block_size, i0 = first - b * block_size;
+    int b = first / block_size, i0 = first - b * block_size, entering = 1;     /* entering: a block's first chunk */
+    /* prefetch: the row's next blocks at its start; then, spread over each block's chunks and KV heads below (a
+     * block at once was up to 1.25x slower: the fetches come in one burst), the block PREFETCH_BLOCKS ahead, or past
+     * the row's end the next row's first (its thread is likely this one), and that block's scales with the block's
+     * first chunk */
+    for (int ahead = 1; ahead < PREFETCH_BLOCKS && b + ahead < blocks; ahead++)
+        prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
+                       (const char *)v_cache + table[b + ahead] * block_bytes, block_size, token_stride * kv_size,
+                       head_bytes, h0, h1);
     while (b < blocks) {
         Chunk ch[SPAN];       /* the span: up to SPAN chunks of the row, in order, from one or more blocks */
         int nc = 0;
@@ -334,27 +342,17 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
             c->cnt = n - i0 < CHUNK ? n - i0 : CHUNK;
             c->i0 = i0;
             c->scale_row = ((int64_t)table[b] * block_size + i0) * kv_heads;
-            /* prefetch: the row's second block at its start; then, spread over the block's chunks and KV heads
-             * below (a block at once was up to 1.25x slower: the fetches come in one burst), the block
-             * PREFETCH_BLOCKS ahead, or past the row's end the next row's first (its thread is likely this one),
-             * and that block's scales with the block's first chunk */
-            const int entering = i0 == (b == first / block_size ? first - b * block_size : 0);
-            for (int ahead = 1; entering && b == first / block_size && ahead < PREFETCH_BLOCKS && b + ahead < blocks;
-                 ahead++)
-                prefetch_block((const char *)k_cache + table[b + ahead] * block_bytes,
-                               (const char *)v_cache + table[b + ahead] * block_bytes, block_size,
-                               token_stride * kv_size, head_bytes, h0, h1);
             const int later = b + PREFETCH_BLOCKS;
-            const int64_t fetch = later < blocks ? table[later]
-                                : later - blocks < next_blocks ? next_table[later - blocks] : -1;
-            c->kf = fetch >= 0 ? (const char *)k_cache + fetch * block_bytes : NULL;
-            c->vf = fetch >= 0 ? (const char *)v_cache + fetch * block_bytes : NULL;
-            if (entering && fetch >= 0 && quantized) {
-                prefetch_lines(k_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
-                prefetch_lines(v_scale + fetch * block_size * kv_heads, block_size * kv_heads * (int64_t)sizeof(float));
+            c->fetch = later < blocks ? table[later] : later - blocks < next_blocks ? next_table[later - blocks] : -1;
+            if (entering && c->fetch >= 0 && quantized) {
+                prefetch_lines(k_scale + c->fetch * block_size * kv_heads,
+                               block_size * kv_heads * (int64_t)sizeof(float));
+                prefetch_lines(v_scale + c->fetch * block_size * kv_heads,
+                               block_size * kv_heads * (int64_t)sizeof(float));
             }
             i0 += c->cnt;
-            if (i0 >= n) {
+            entering = i0 >= n;
+            if (entering) {
                 b++;
                 i0 = 0;
             }
@@ -368,9 +366,10 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
                 const int cnt = c->cnt;
                 valid[k] = (__mmask16)((1u << cnt) - 1);
                 const int64_t e = (int64_t)c->i0 * token_stride + (int64_t)head * dim;
-                if (c->kf)
+                if (c->fetch >= 0)
                     for (int i = 0; i < cnt; i++)
-                        prefetch_lines(c->kf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                        prefetch_lines((const char *)k_cache + c->fetch * block_bytes
+                                       + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
                 float *vtk = vt + k * CHUNK * dim;
                 switch (format) {
                 case KV_F32: fill_tiles(c->kb, c->vb, e, token_stride, cnt, dim, KV_F32, kt, vtk); break;
@@ -423,9 +422,10 @@ INLINE void decode_heads(const void *q, const void *k_cache, const void *v_cache
             for (int k = 0; k < nc; k++) {      /* 4. V, shared by up to gmax query heads */
                 const Chunk *c = ch + k;
                 const int64_t e = (int64_t)c->i0 * token_stride + (int64_t)head * dim;
-                if (c->vf)
+                if (c->fetch >= 0)
                     for (int i = 0; i < c->cnt; i++)
-                        prefetch_lines(c->vf + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
+                        prefetch_lines((const char *)v_cache + c->fetch * block_bytes
+                                       + (e + (int64_t)i * token_stride) * kv_size, head_bytes);
                 for (int g = g0; g < g0 + group; g += gmax) {
                     const int gb = g0 + group - g < gmax ? g0 + group - g : gmax;
                     accumulate_any(acc + g * dim, p + ((int64_t)k * heads + g) * CHUNK, k ? NULL : rescale + g,

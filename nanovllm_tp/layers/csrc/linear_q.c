@@ -21,8 +21,8 @@
  * but for the K-quants' scales, a byte each instead of 6 bits: 0.125 more). The kernel forms d * sc and dmin * mn
  * in fp32, exact products of an fp16 and an integer of up to 8 bits, one multiply per block and 16 lanes, and
  * puts a quant's high bits back above its nibble with a GFNI affine transform (without GFNI a shift and a mask)
- * and a vpternlogd select per 64 bytes. The last unit is
- * zero-padded. A thread's units are one contiguous stream, read once per row group.
+ * and a vpternlogd select per 64 bytes. The last unit is zero-padded. A thread's units are one contiguous stream,
+ * read once per row group.
  *
  * Activations are quantized per row and per block of 32 (as llama.cpp's Q8_0/Q8_1 activation blocks): scale
  * dx = amax * (1/127) in fp32, q = round-half-even(x * (1/dx)), kept beside their sum. Each (output, block) then
@@ -39,8 +39,8 @@
  * serves decode (bound by reading the weights: every 64 bytes of the stream prefetched PREFETCH bytes ahead into
  * L2, which took one row on an AMD EPYC from 9 to 13-16 GB/s; 8 KiB ahead read 1B-shaped weights at 2 threads
  * 5-10% faster than 4 KiB, and leaving Q6_K's second plane to the hardware prefetcher cost it 40%) and prefill
- * (chunks of ROWS rows reuse a unit's weights from cache). Without
- * AVX-512 VNNI at compile time linear_q_available() says 0 and the weights are dequantized at load instead.
+ * (chunks of ROWS rows reuse a unit's weights from cache). Without AVX-512 VNNI at compile time
+ * linear_q_available() says 0 and the weights are dequantized at load instead.
  */
 #include <stdint.h>
 #include <stdlib.h>

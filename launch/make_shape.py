@@ -2,7 +2,7 @@
 fit in cache.
 
     nanovllm-tp make-shape llama-3.2-1b OUT_DIR                      # HF directory, bf16 safetensors in shards
-    nanovllm-tp make-shape llama-3.1-8b OUT.gguf --format q4_0       # a GGUF file, quantized as it is written
+    nanovllm-tp make-shape llama-3.1-8b OUT.gguf --format q4_k_m     # a GGUF file, quantized as it is written
     nanovllm-tp make-shape qwen3-1.7b OUT_DIR --layers 2 --dtype float32   # its first 2 layers (tests)
     nanovllm-tp make-shape --list                                    # the shapes and their facts
 
@@ -18,8 +18,9 @@ padded rows of real models.
 Every tensor is drawn from a generator seeded by (seed, its name, a row chunk): same arguments, same bytes, and
 the --layers variant holds exactly the first layers of the full checkpoint. Tensors are made one at a time and
 written as they come: safetensors in shards of at most 1 GiB (convert.write_weights), GGUF tensor by tensor
-(F32, BF16, Q8_0 or Q4_0 layers; the embedding and LM head of a quantized file in Q8_0), so making a shape holds
-about one shard (or one tensor) in memory. A GGUF file of a Llama shape stores q/k rows in llama.cpp's order (so
+(F32, BF16, Q8_0 or Q4_0 layers, the embedding and LM head of a quantized file in Q8_0; or Q4_K_M, llama.cpp's
+mix of Q4_K and Q6_K per tensor, through k_quants.py), so making a shape holds about one shard (or one tensor) in
+memory. A GGUF file of a Llama shape stores q/k rows in llama.cpp's order (so
 it holds the same model as the safetensors of that shape) and no rope_freqs tensor: its RoPE is unscaled (llama3
 scaling changes which tokens come out, not their cost).
 
@@ -43,6 +44,7 @@ import pathlib
 import numpy as np
 import torch
 
+from nanovllm_tp.launch import k_quants
 from nanovllm_tp.launch.convert import write_tokenizer, write_weights
 from nanovllm_tp.launch.make_tiny import cached_build, write_json
 from nanovllm_tp.launch.tiny_qwen3 import NORM_NOISE_STD, PROJ_GAIN
@@ -76,7 +78,9 @@ SHAPES = {
 }
 # bf16 bytes past which a shape is made as GGUF only (16 GB of Llama-3.1-8B does not fit beside a peer in 24 GB)
 SAFETENSORS_MAX_BYTES = 8 << 30
-FORMATS = ("safetensors", "f32", "bf16", "q8_0", "q4_0")         # all but the first: one GGUF file
+FORMATS = ("safetensors", "f32", "bf16", "q8_0", "q4_0", "q4_k_m")       # all but the first: one GGUF file
+# general.file_type of each GGUF format (llama.cpp's llama_ftype: MOSTLY_Q4_K_M is 15)
+FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15}
 DTYPES = ("bfloat16", "float32")
 SHARD_BYTES = 1 << 30
 # Embedding std: with tied embeddings a token's own row scores |e|^2 / rms(h) against others' spread |e| * rms(n):
@@ -85,7 +89,7 @@ SHARD_BYTES = 1 << 30
 EMBED_STD = 0.25
 CHUNK_ROWS = 4096              # rows drawn per generator: a tensor is made (and quantized) a chunk at a time
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SOURCES = ("make_shape.py", "convert.py")
+_SOURCES = ("make_shape.py", "convert.py", "k_quants.py")
 
 
 def smollm2_gguf() -> str | None:
@@ -213,10 +217,13 @@ def llama_cpp_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
-def _gguf_type(fmt: str, name: str, ndim: int):
+def _gguf_type(fmt: str, name: str, shape: tuple[int, ...], config: dict):
     import gguf
-    if ndim < 2:
+    if len(shape) < 2:
         return gguf.GGMLQuantizationType.F32
+    if fmt == "q4_k_m":
+        kind = k_quants.q4_k_m_type(name, shape[-1], config["shape_layers"], config["tie_word_embeddings"])
+        return gguf.GGMLQuantizationType[kind]
     if fmt in ("q8_0", "q4_0") and ("embed_tokens" in name or "lm_head" in name):
         return gguf.GGMLQuantizationType.Q8_0
     return gguf.GGMLQuantizationType[fmt.upper()]
@@ -228,6 +235,8 @@ def _gguf_data(x: torch.Tensor, kind) -> np.ndarray:
         return x.float().numpy()
     if kind == gguf.GGMLQuantizationType.BF16:
         return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    if kind.name in k_quants.K_TYPES:
+        return k_quants.quantize(x.float().numpy(), kind.name)
     return gguf.quants.quantize(x.float().numpy(), kind)
 
 
@@ -253,13 +262,13 @@ def write_gguf(config: dict, path: pathlib.Path, seed: int, fmt: str, meta: dict
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type({"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2}[fmt])
+    writer.add_file_type(FILE_TYPES[fmt])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, meta, config["vocab_size"])
     planned = []
     for name, shape, kind in tensor_specs(config):
         base, _, suffix = name.rpartition(".")
-        qtype = _gguf_type(fmt, name, len(shape))
+        qtype = _gguf_type(fmt, name, shape, config)
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         row_bytes = shape[-1] // block * block_bytes
         np_dtype = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.BF16: np.uint16}
@@ -317,7 +326,7 @@ def make_shape(out, name: str, *, fmt: str = "safetensors", layers: int | None =
         nbytes = sum(int(np.prod(s)) for _, s, _ in specs) * (2 if dtype == "bfloat16" else 4)
         if nbytes > SAFETENSORS_MAX_BYTES:
             raise SystemExit(f"make-shape: {name} takes {nbytes / 1e9:.1f} GB as {dtype} safetensors, more than "
-                             f"fits beside a peer: make it as GGUF (--format q8_0 or q4_0), or fewer --layers")
+                             f"fits beside a peer: make it as GGUF (--format q8_0, q4_0 or q4_k_m), or fewer --layers")
     tokenizer = _tokenizer_file(tokenizer)
     meta = tokenizer_metadata(tokenizer)
     config = shape_config(name, layers=layers, dtype=dtype, tokenizer_meta=meta, **overrides)
@@ -360,7 +369,8 @@ def main(argv=None) -> None:
     parser.add_argument("out", nargs="?", help="a directory (safetensors) or a .gguf path (--format other than "
                         "safetensors)")
     parser.add_argument("--format", choices=FORMATS, default="safetensors",
-                        help="safetensors (an HF directory) or one GGUF file of f32, bf16, q8_0 or q4_0 layers")
+                        help="safetensors (an HF directory) or one GGUF file: f32, bf16, q8_0 or q4_0 layers, or "
+                        "q4_k_m (llama.cpp's mix of Q4_K and Q6_K)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="of the safetensors (and config.json)")
     parser.add_argument("--layers", type=int, help="only the first N decoder layers")
     parser.add_argument("--seed", type=int, default=0)

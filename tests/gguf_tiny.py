@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from tests import kquant_blocks
+from nanovllm_tp.launch import k_quants
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -80,7 +80,7 @@ def write_gguf(hf_model, tokenizer_dir, path, arch: str = "llama", extra_metadat
         if w.ndim >= 2:
             chosen = next((t for part, t in (layer_qtypes or {}).items() if part in base), qtype)
             kind = gguf.GGMLQuantizationType[embed_qtype if "embed" in base or "lm_head" in base else chosen]
-            data = kquant_blocks.quantize(w, kind.name) if kind.name.endswith("_K") else gguf.quants.quantize(w, kind)
+            data = k_quants.quantize(w, kind.name) if kind.name.endswith("_K") else gguf.quants.quantize(w, kind)
             writer.add_tensor(name, data, raw_dtype=kind)
         else:
             writer.add_tensor(name, w)

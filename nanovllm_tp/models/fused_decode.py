@@ -11,9 +11,10 @@ bucket (packed_linear onednn, or auto where oneDNN won the bucket: a `CallerLine
 through the callable the module's matmul reaches (`ONEDNN.run` on the packed form) on decoder.c's scratch rows
 (`Scratch`, kept from step to step). The C code calls the kernels the modules call, in their order, so a decode
 step's hidden states are the modules' to the bit. Steps whose rows each add a few tokens to a cached prefix
-(speculative verify steps) run too, as one decode row per token (the attention backend's `as_decode`): their
-attention is then the decode kernel's, each token's as a decode step of it would compute it, instead of the
-prefill attention. With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the step's
+(speculative verify steps), and prompt steps whose prompts the `cpu` backend takes as decode rows (up to 512
+tokens in all), run too, as one decode row per token (the attention backend's `as_decode`): their attention is
+then the decode kernel's, each token's as a decode step of it would compute it, instead of the prefill
+attention. With LoRA, each adapted linear's `LoRATables` sit in its `LinearDesc` and the step's
 `SlotGroups` in its `StepDesc`: decoder.c adds the deltas after the linear with csrc/lora.c's call, the one
 `LoRALayer.apply` makes; after a oneDNN linear `LoRALayer.apply` itself adds them.
 
@@ -25,8 +26,8 @@ on the row-parallel layers, a KV cache in the model dtype or quantized (kv_cache
 the K/V stored by csrc/kv_store.c with their scales and read by the decode kernel, as the attention layer's
 modules do), the `cpu` attention backend, no layer hooks (`--trace-layers`), and LoRA rows only where the step's
 adapted tokens all go to csrc/lora.c (`LoRABatch.heavy` empty: no slot with more than KERNEL_TOKENS_PER_SLOT
-tokens). Anything else (prompts, F.linear weights (packed_linear off), other layer kinds, a step with more than
-that many tokens of one adapter) runs through the modules.
+tokens). Anything else (a step with a longer prompt, F.linear weights (packed_linear off), other layer kinds, a
+step with more than that many tokens of one adapter) runs through the modules.
 """
 import ctypes
 from ctypes import c_float, c_int32, c_int64, c_void_p
@@ -227,9 +228,10 @@ class FusedDecode:
     @staticmethod
     def _token_rows(ctx, backend):
         """A step whose rows each continue their sequence by a few tokens (speculative verify steps; a short last
-        prompt chunk over a cached prefix) as one decode row per token: the (block tables, context lengths) the
-        attention backend worked out for it (`as_decode`, each token seeing its row's KV up to itself). None for
-        other steps (prompts, which go through the modules' prefill attention)."""
+        prompt chunk over a cached prefix) or are prompts the backend takes as decode rows (the `cpu` backend's of
+        up to 512 tokens in all), as one decode row per token: the (block tables, context lengths) the attention
+        backend worked out for it (`as_decode`, each token seeing its row's KV up to itself). None for other steps
+        (a longer prompt among its rows: the modules' prefill attention)."""
         if ctx.as_decode is None:
             backend.prepare(ctx)
         short, index, decode_ctx = ctx.as_decode or ((), None, None)

@@ -21,17 +21,18 @@ class TorchBackend(AttentionBackend):
     kv_dtypes = ALL_KV_DTYPES
     reads_quantized = True
     every_row_as_decode = False     # batch_invariant: every prefill token as a decode row (config_checks.py)
+    prompt_as_decode = 0            # a prefill row of at most this many tokens in all (cached + new): decode rows
 
     def prepare(self, ctx: Context) -> None:
         """A prefill step's rows of a few tokens over cached KV (a mixed step's decode rows, a speculative row's
-        proposals), each token as a decode row over the KV up to its own position (under batch_invariant, every
-        prefill token: a query's result then never depends on how its prompt was chunked or cached): worked out
-        once per step, not once per layer."""
+        proposals) and its rows of at most `prompt_as_decode` tokens in all, each token as a decode row over the
+        KV up to its own position (under batch_invariant, every prefill token: a query's result then never depends
+        on how its prompt was chunked or cached): worked out once per step, not once per layer."""
         if not ctx.is_prefill or ctx.q_lens_cpu is None:
             return
         short, rows, tokens, lens, start = [], [], [], [], 0
         for row, (q_len, kv_len) in enumerate(zip(ctx.q_lens_cpu, ctx.context_lens_cpu)):
-            if self.every_row_as_decode or (q_len <= AS_DECODE and q_len < kv_len):
+            if self.every_row_as_decode or kv_len <= self.prompt_as_decode or (q_len <= AS_DECODE and q_len < kv_len):
                 short.append(row)
                 rows += [row] * q_len
                 tokens += range(start, start + q_len)

@@ -48,6 +48,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError(f"structured_outputs.json: {exc}") from None
         if params.disable_additional_properties is not False and kind == "json":
             schema = _closed(schema, every=bool(params.disable_additional_properties))
+        schema = _bounded_integers(schema)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         if not params.disable_any_whitespace:
             options["whitespace_pattern"] = params.whitespace_pattern or WHITESPACE
@@ -96,6 +97,35 @@ def _closed(schema, every: bool, in_all_of: bool = False):
     return out
 
 
+def _bounded_integers(schema):
+    """The schema with JSON's interoperable integer range, -(2^53 - 1) to 2^53 - 1 (RFC 8259 section 6: the
+    integers every JSON parser reads exactly), as the bounds of each integer that does not set its own on that
+    side: at most 16 digits, so that a sampled answer cannot write digits until max_tokens (as llama.cpp's
+    grammars hold an integer part to 16 digits). A bound the schema sets is kept, and none is added that would
+    leave its range empty."""
+    if isinstance(schema, list):
+        return [_bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else
+           {name: _bounded_integers(sub) for name, sub in value.items()} if key in _SCHEMA_MAPS and
+           isinstance(value, dict) else _bounded_integers(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        low = next((out[k] for k in ("minimum", "exclusiveMinimum") if _is_number(out.get(k))), None)
+        high = next((out[k] for k in ("maximum", "exclusiveMaximum") if _is_number(out.get(k))), None)
+        if high is None and (low is None or low < JSON_SAFE_INTEGER):
+            out["maximum"] = JSON_SAFE_INTEGER
+        if low is None and (high is None or high > -JSON_SAFE_INTEGER):
+            out["minimum"] = -JSON_SAFE_INTEGER
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+JSON_SAFE_INTEGER = 2 ** 53 - 1
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 

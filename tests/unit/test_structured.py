@@ -209,6 +209,27 @@ def test_objects_that_list_properties_take_no_other_unless_the_schema_or_the_req
     assert anything.consume_tokens(tokenizer.encode('{"z": 2}', add_special_tokens=False)) and anything.is_accepting()
 
 
+def test_integers_stay_in_jsons_interoperable_range_unless_the_schema_bounds_them(backend, tokenizer):
+    """An integer without bounds takes at most 2^53 - 1 either way (16 digits, so a sampled answer cannot write
+    digits until max_tokens); a bound the schema sets is kept on its side, and one past the range is not made
+    empty; numbers that are not integers, and schema-like values inside enum / const data, are left alone."""
+    def takes(schema, text: str) -> bool:
+        g = backend.compile(StructuredOutputsParams(json=schema)).new().matcher
+        return g.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and g.is_accepting()
+    integer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert takes(integer, '{"n": 9007199254740991}') and takes(integer, '{"n": -9007199254740991}')
+    assert not takes(integer, '{"n": 9007199254740992}') and not takes(integer, '{"n": 12345678901234567}')
+    nullable = {"type": ["integer", "null"], "minimum": 5}
+    assert takes(nullable, "null") and takes(nullable, "9007199254740991") and not takes(nullable, "4")
+    assert not takes(nullable, "9007199254740992")
+    huge = {"type": "integer", "minimum": 10 ** 17}
+    assert takes(huge, str(10 ** 17 + 7)) and not takes(huge, "5")
+    below = {"type": "integer", "exclusiveMaximum": -(10 ** 16)}
+    assert takes(below, str(-(10 ** 17))) and not takes(below, "0")
+    assert takes({"type": "number"}, "12345678901234567890.5")
+    assert takes({"const": {"type": "integer"}}, '{"type": "integer"}')        # data, not a schema
+
+
 def test_properties_keep_the_schemas_order(backend, tokenizer):
     """An answer writes the properties in the order the schema lists them (as xgrammar and llguidance do), while
     the compile cache's key stays the same for the same schema written with its keywords in another order."""

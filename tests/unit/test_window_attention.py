@@ -95,6 +95,9 @@ def test_decode_kernel_soft_cap_changes_the_result_and_bf16_agrees():
 # per row: (cached tokens, new tokens): a whole prompt longer than the window; a chunk over a cached prefix
 # longer than the window; a few new tokens (the decode path of the torch backend); a short whole prompt
 PREFILL_ROWS = [(0, 70), (45, 30), (100, 3), (0, 9)]
+# past the cpu backend's prompt_as_decode (512 tokens in all): SDPA there, whole and over a cached prefix, in the
+# same step as rows it takes as decode rows
+LONG_ROWS = [(0, 530), (500, 20)]
 
 
 @pytest.mark.parametrize("window", [1, 8, 20, 200])
@@ -103,16 +106,17 @@ PREFILL_ROWS = [(0, 70), (45, 30), (100, 3), (0, 9)]
 def test_prefill_sees_only_the_window(backend, window, softcap):
     if backend == "cpu" and cpu_kernels.load() is None:
         pytest.skip("no C compiler")
-    lens = [c + n for c, n in PREFILL_ROWS]
+    assert all(c + n <= CpuBackend.prompt_as_decode < c2 + n2 for c, n in PREFILL_ROWS for c2, n2 in LONG_ROWS)
+    rows = PREFILL_ROWS + LONG_ROWS
+    lens = [c + n for c, n in rows]
     k_cache, v_cache, table = random_paged_cache(lens, BLOCK, KV_HEADS, DIM, seed=window)
-    new = [n for _, n in PREFILL_ROWS]
+    new = [n for _, n in rows]
     q = torch.randn(sum(new), KV_HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(5))
     # this step's K/V are in the cache already (Attention.forward stores them first): read them back
-    slots = torch.cat([TorchBackend._slots(table[r:r + 1], BLOCK, lens[r])[0, c:]
-                       for r, (c, _) in enumerate(PREFILL_ROWS)])
+    slots = torch.cat([TorchBackend._slots(table[r:r + 1], BLOCK, lens[r])[0, c:] for r, (c, _) in enumerate(rows)])
     k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-    want = reference(q, k_cache, v_cache, table, PREFILL_ROWS, window, softcap)
-    poison_before_windows(k_cache, v_cache, table, [c + 1 for c, _ in PREFILL_ROWS], window)
+    want = reference(q, k_cache, v_cache, table, rows, window, softcap)
+    poison_before_windows(k_cache, v_cache, table, [c + 1 for c, _ in rows], window)
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
     ctx = Context(is_prefill=True, cu_seqlens_q=cu, max_seqlen_q=max(new), max_seqlen_k=max(lens),
                   context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, has_cached_prefix=True,
@@ -120,6 +124,8 @@ def test_prefill_sees_only_the_window(backend, window, softcap):
     impl = CpuBackend() if backend == "cpu" else TorchBackend()
     got = impl.forward(q, k, v, k_cache, v_cache, ctx, SCALE, window, softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    # the rows taken as decode rows: the cpu backend's whole short prompts, the torch backend's few new tokens
+    assert ctx.as_decode[0] == ([0, 1, 2, 3] if backend == "cpu" else [2])
 
 
 # ---------------------------------------------------------------- the Triton kernels, through Triton's interpreter

@@ -45,6 +45,7 @@ BENCHES = {
     "lora": ("nanovllm_tp.bench.lora", "requests with LoRA adapters against the base model"),
     "embed": ("nanovllm_tp.bench.embed", "embeddings throughput"),
     "attention": ("nanovllm_tp.bench.attention", "the paged decode attention kernel alone"),
+    "prompt-attention": ("nanovllm_tp.bench.prompt_attention", "a prompt's attention: SDPA against decode rows"),
     "step": ("nanovllm_tp.bench.step", "one step's cost and the plan broadcast"),
     "limits": ("nanovllm_tp.bench.limits", "what hostile clients cost the server"),
 }

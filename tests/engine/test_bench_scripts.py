@@ -223,3 +223,18 @@ def test_bench_embed_against_transformers(tiny_model_dir, tmp_path, capsys):
     assert "engine/transformers" in table and len(result["runs"]["engine"]) == 2
     with open(result["out"]) as fh:
         check_environment(json.load(fh)["environment"])
+
+
+def test_prompt_attention_bench_times_both_and_they_agree(tmp_path, capsys):
+    """bench prompt-attention: SDPA and the C kernel's decode rows on the same prompts, timed, and their outputs
+    within bf16's rounding of each other (the lengths cross a block edge)."""
+    from nanovllm_tp.bench import prompt_attention
+    from nanovllm_tp.layers import cpu_kernels
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    out = tmp_path / "prompt.json"
+    result = prompt_attention.main(["--lengths", "20", "70", "--repeats", "1", "--quiet", "--out", str(out)])
+    assert set(result["figures"]) == {20, 70} and out.exists()
+    for f in result["figures"].values():
+        assert f["sdpa_ms"] > 0 and f["kernel_ms"] > 0 and f["max_abs_diff"] < 0.05
+    assert "SDPA / kernel" in capsys.readouterr().out

@@ -11,8 +11,9 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     devices = ("cpu",)
     # Prompts of up to 512 tokens in all run through the C kernel too, each token a decode row reading the KV up to
-    # itself in place: 1.5-2.8x SDPA's causal prefill at 32-512 tokens on an AMD EPYC (AVX-512 BF16, 2 threads;
-    # SmolLM2's, Llama-3.2-1B's and Qwen3's heads), 1.4x at 1024, even at 2048, where SDPA's blocking starts to win
+    # itself in place: 1.5-3.1x SDPA's causal prefill at 32-512 tokens on an AMD EPYC (AVX-512 BF16, 2 threads;
+    # SmolLM2's, Llama-3.2-1B's and Qwen3's heads), 1.1-1.5x at 1024, 1.0-1.2x at 2048, where SDPA's blocking
+    # catches up (`bench prompt-attention`)
     prompt_as_decode = 512
 
     @classmethod

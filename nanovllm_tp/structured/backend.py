@@ -107,9 +107,14 @@ def _bounded_integers(schema):
         return [_bounded_integers(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in _DATA_KEYWORDS else
-           {name: _bounded_integers(sub) for name, sub in value.items()} if key in _SCHEMA_MAPS and
-           isinstance(value, dict) else _bounded_integers(value) for key, value in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _bounded_integers(sub) for name, sub in value.items()}
+        else:
+            out[key] = _bounded_integers(value)
     kinds = out.get("type")
     if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
         low = next((out[k] for k in ("minimum", "exclusiveMinimum") if _is_number(out.get(k))), None)

@@ -12,6 +12,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from nanovllm_tp.structured.schema import rewrite_subschemas
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"          # Llama 3.x: what a JSON tool call may start with
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -62,12 +64,6 @@ class ToolMode:
         return ToolStreamer(self)
 
 
-# Keywords whose values are data, not schemas: a "$ref" inside them is a value and stays as it is; and those
-# whose values map names (any names, "enum" or "$ref" too) to schemas.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def rebase_refs(schema, root: str):
     """A copy of `schema` with every local reference ("#", "#/...") made relative to `root` (where the schema
     is placed inside another one); other references are left for the schema compiler to judge."""
@@ -75,16 +71,10 @@ def rebase_refs(schema, root: str):
         return [rebase_refs(s, root) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = root + value[1:]
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: rebase_refs(sub, root) for name, sub in value.items()}
-        else:
-            out[key] = rebase_refs(value, root)
+    out = rewrite_subschemas(schema, lambda sub, key: rebase_refs(sub, root))    # a "$ref" inside data stays
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
     return out
 
 

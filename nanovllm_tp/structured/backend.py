@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import numpy as np
 
 from nanovllm_tp.structured.params import StructuredOutputsParams
-from nanovllm_tp.structured.schema import check_terminates
+from nanovllm_tp.structured.schema import check_terminates, rewrite_subschemas
 
 log = logging.getLogger("nanovllm_tp")
 WHITESPACE = r"(\x0D?\x0A)?[\x20\x09]{0,16}"   # JSON whitespace between tokens: one line break, indentation
@@ -78,14 +78,7 @@ def _closed(schema, every: bool, in_all_of: bool = False):
         return [_closed(s, every, in_all_of) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _closed(sub, every) for name, sub in value.items()}
-        else:
-            out[key] = _closed(value, every, key == "allOf")
+    out = rewrite_subschemas(schema, lambda sub, key: _closed(sub, every, key == "allOf"))
     lists = "properties" in out
     if every:
         close = out.get("type") == "object" or lists
@@ -107,14 +100,7 @@ def _bounded_integers(schema):
         return [_bounded_integers(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _bounded_integers(sub) for name, sub in value.items()}
-        else:
-            out[key] = _bounded_integers(value)
+    out = rewrite_subschemas(schema, lambda sub, key: _bounded_integers(sub))
     kinds = out.get("type")
     if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
         low = next((out[k] for k in ("minimum", "exclusiveMinimum") if _is_number(out.get(k))), None)
@@ -131,8 +117,6 @@ def _is_number(value) -> bool:
 
 
 JSON_SAFE_INTEGER = 2 ** 53 - 1
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class Grammar:

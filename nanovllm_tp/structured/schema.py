@@ -1,4 +1,6 @@
-"""A JSON schema check the grammar backend does not make: whether the schema's local references let a value end.
+"""JSON schemas walked: the keywords that hold data or maps of schemas, `rewrite_subschemas` (one object's
+subschemas rewritten, for the backend's and the tools' schema rewrites), and a check the grammar backend does not
+make: whether the schema's local references let a value end.
 
 `{"$defs": {"A": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}},
 "$ref": "#/$defs/A"}` compiles, but every value it describes holds another one inside it: no finite JSON value
@@ -53,7 +55,24 @@ def _text_of_keys(schema) -> set:
     return keys
 
 
-_DATA = frozenset({"const", "enum", "default", "examples", "example"})
+# keywords whose values are data, not schemas; keywords whose values map names (any names, "enum" or "$ref" too)
+# to schemas
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rewrite_subschemas(schema: dict, rewrite) -> dict:
+    """A copy of one schema object with rewrite(value, keyword) in place of each keyword's value, the data
+    keywords' values kept as written and each schema of a map keyword rewritten under the map's keyword."""
+    out = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rewrite(sub, key) for name, sub in value.items()}
+        else:
+            out[key] = rewrite(value, key)
+    return out
 
 
 def _collect(node, root, refs: dict) -> None:
@@ -70,7 +89,7 @@ def _collect(node, root, refs: dict) -> None:
         if target is not _MISSING:
             refs[ref] = target
     for key, value in node.items():
-        if key not in _DATA:
+        if key not in DATA_KEYWORDS:
             _collect(value, root, refs)
 
 

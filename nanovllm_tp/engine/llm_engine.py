@@ -207,6 +207,21 @@ class LLMEngine:
             progressed = sched.postprocess(tokens, lp, prompt_lp)
         return progressed, step.plan.num_tokens, step.plan.is_prefill
 
+    def check_ranks(self) -> None:
+        """Raise (and stop the engine, as a failed step does) if another rank died or reported an error since the
+        last step: an idle engine publishes no plan, so without this a rank's death would go unseen until the next
+        request reached it. Cheap (the channel's monitor thread does the watching): call it as often as you like."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        if self.writer is None:
+            return
+        from nanovllm_tp.distributed.channel import PeerError
+        try:
+            self.writer.check_readers()
+        except PeerError as exc:
+            self._step_failed(exc)
+            raise RuntimeError(self.dead) from exc
+
     def _step_failed(self, exc: BaseException) -> None:
         """Every request ends (aborted) and the engine stops: no rank is left waiting for a plan."""
         self.scheduler.abort_all()

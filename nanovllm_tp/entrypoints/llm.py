@@ -339,6 +339,21 @@ class LLM:
                 self._forget(state)
         return outputs
 
+    def check_ranks(self) -> None:
+        """Raise RuntimeError if a rank of this engine died or failed since its last step (the engine is then
+        stopped, as after a failed step): what an idle server calls so that a death is seen without a request."""
+        try:
+            self.engine.check_ranks()
+        except BaseException:
+            self._forget_all()
+            raise
+
+    def _forget_all(self) -> None:
+        """The engine failed every request (the error raised says why): none is tracked any more."""
+        for state in list(self._requests.values()):
+            self._forget(state)
+        self._dirty.clear()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished() or bool(self._dirty)
 
@@ -347,9 +362,7 @@ class LLM:
         try:
             progressed, num_tokens, is_prefill = self.engine.step()
         except BaseException:
-            for state in list(self._requests.values()):     # the engine failed them all; the error says why
-                self._forget(state)
-            self._dirty.clear()
+            self._forget_all()
             raise
         with trace.span("detokenize"):
             for seq in progressed:

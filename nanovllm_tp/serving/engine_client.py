@@ -100,8 +100,7 @@ class EngineClient:
         self.name, self.on_gone, self.rescue = name, on_gone, rescue
         self.dead: str | None = None
         self._starting = False
-        self.stats = {"running": 0, "waiting": 0, "preemptions": 0, "kv_usage": 0.0, "draft_tokens": 0,
-                      "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0}
+        self.stats = dict(wire.NO_STATS)
         self._ctx = zmq.asyncio.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._outputs = self._ctx.socket(zmq.PULL)
@@ -237,8 +236,9 @@ class EngineClient:
                     if future is not None and not future.done():
                         future.set_result(None) if error is None else \
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
-            elif op == "dead":
-                self.fail_all(msg["why"], msg.get("shutdown", False))
+            elif op == "dead":        # a replica's reason names it: /health lists the replicas that are down
+                self.fail_all(msg["why"] if self.on_gone is None else f"{self.name}: {msg['why']}",
+                              msg.get("shutdown", False))
             elif op == "ready" and self.dead is not None:      # a replica up late, or restarted on the same sockets
                 (log.info if self._starting else log.warning)("%s is %s", self.name,
                                                               "ready" if self._starting else "back")

@@ -46,9 +46,10 @@ class _StopWhileSending(Exception):
 def scheduler_stats(llm) -> dict:
     """The figures /metrics shows, from LLM.stats()."""
     s = llm.stats()
-    return {"running": s["num_running"], "waiting": s["num_waiting"], "preemptions": s["num_preemptions"],
-            "kv_usage": s["kv_cache_usage"], "draft_tokens": s["num_draft_tokens"],
-            "accepted_tokens": s["num_accepted_tokens"], "accepted_per_pos": s["num_accepted_tokens_per_pos"],
+    return {"running": s["num_running"], "waiting": s["num_waiting"], "max_seqs": llm.config.max_num_seqs,
+            "kv_usage": s["kv_cache_usage"], "kv_blocks": s["num_kv_blocks"], "preemptions": s["num_preemptions"],
+            "draft_tokens": s["num_draft_tokens"], "accepted_tokens": s["num_accepted_tokens"],
+            "accepted_per_pos": s["num_accepted_tokens_per_pos"],
             "prefix_queries": s["prefix_cache_query_tokens"], "prefix_hits": s["prefix_cache_hit_tokens"]}
 
 
@@ -81,6 +82,7 @@ class EngineLoop:
                 self._gate.secure(sock)
             sock.bind(endpoint)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._last_stats = dict(wire.NO_STATS)
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
@@ -108,23 +110,34 @@ class EngineLoop:
             if self._commands.poll(0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS):
                 changed = self._take_commands(dead) or changed
             if changed and not dead and not self.llm.has_unfinished_requests():
-                self._send_stats()
+                self._send_stats(dead)
             if dead or not self.llm.has_unfinished_requests():
+                if not dead:
+                    try:
+                        self.llm.check_ranks()     # idle: a rank that died meanwhile is seen now, not at the next request
+                    except Exception as exc:
+                        if self._engine_failed(exc):
+                            return
+                        dead = True
                 if time.monotonic() - self._last_sent > HEARTBEAT_S:
-                    self._send_stats()
+                    self._send_stats(dead)
                 continue
             try:
                 outs = self.llm.step()
             except Exception as exc:       # a dead rank, a bug: the HTTP side fails every open request
-                why = self.failed = f"the engine stopped: {exc}"
-                log.error("engine loop: %s", why)
-                self._send({"op": "dead", "why": why})
-                if self.exit_when_dead:
+                if self._engine_failed(exc):
                     return
                 dead = True
                 continue
-            self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs],
-                        "stats": scheduler_stats(self.llm)})
+            self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs], "stats": self._stats()})
+
+    def _engine_failed(self, exc: Exception) -> bool:
+        """The engine stopped (a dead rank, a bug): the HTTP side is told, and fails every open request. Returns
+        whether the loop ends here (a replica's process exits, to be started again)."""
+        why = self.failed = f"the engine stopped: {exc}"
+        log.error("engine loop: %s", why)
+        self._send({"op": "dead", "why": why})
+        return self.exit_when_dead
 
     def stop(self, why: str) -> None:
         """The server is going away: every open request ends with this error (the HTTP process answers 503).
@@ -134,8 +147,16 @@ class EngineLoop:
         except zmq.ZMQError:
             pass
 
-    def _send_stats(self) -> None:
-        self._send({"op": "outputs", "outputs": [], "stats": scheduler_stats(self.llm)})
+    def _send_stats(self, dead: bool = False) -> None:
+        self._send({"op": "outputs", "outputs": [], "stats": self._stats(dead)})
+
+    def _stats(self, dead: bool = False) -> dict:
+        """The scheduler's figures; a stopped engine runs nothing, and keeps its counters where they were."""
+        if dead:
+            self._last_stats.update(running=0, waiting=0, kv_usage=0.0)
+        else:
+            self._last_stats = scheduler_stats(self.llm)
+        return self._last_stats
 
     def _to_wire(self, out) -> list:
         """An output for the HTTP process: the prompt only with a request's first output (wire.py)."""

@@ -88,12 +88,13 @@ class Detokenizer:
 
 
 class _Completion:
-    __slots__ = ("seq", "detok", "num_detok", "sent_chars", "sent_tokens", "sent_logprobs")
+    __slots__ = ("seq", "detok", "num_detok", "sent_chars", "sent_tokens", "sent_logprobs", "sent_finish")
 
     def __init__(self, seq, detok: Detokenizer):
         self.seq, self.detok = seq, detok
         self.num_detok = 0                     # completion tokens given to the detokenizer
         self.sent_chars = self.sent_tokens = self.sent_logprobs = 0
+        self.sent_finish = False               # a delta output carried its finish: it is never reported again
 
 
 class RequestState:
@@ -199,8 +200,9 @@ class RequestState:
         ids = seq.completion_token_ids
         lps = seq.logprobs
         start_chars, start_tokens, start_lps = (c.sent_chars, c.sent_tokens, c.sent_logprobs) if delta else (0, 0, 0)
-        if delta and visible == c.sent_chars and len(ids) == c.sent_tokens and not seq.is_finished:
-            return None
+        if delta and (c.sent_finish or visible == c.sent_chars and len(ids) == c.sent_tokens and not seq.is_finished):
+            return None       # nothing new (a finished completion of n > 1 while its siblings run: nothing ever)
+        c.sent_finish = delta and seq.is_finished
         c.sent_chars, c.sent_tokens = visible, len(ids)
         c.sent_logprobs = len(lps) if lps is not None else 0
         logprobs = None

@@ -44,7 +44,8 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
             abort) -> StreamingResponse:
     """Server-sent events: a chunk each time any of the streams has news (a stream's outputs not yet sent are
     merged into one chunk), an error event after the chunk that ends a choice the engine ended with an error
-    (its grammar failed), a usage chunk if asked, then [DONE]."""
+    (its grammar failed), a usage chunk if asked, then [DONE]; a stream the engine could not finish ends with an
+    error event (503) and [DONE]."""
     async def events():
         ready, finals, started = streams[0].ready, {}, set()
         try:
@@ -53,8 +54,9 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
                 for i, s in enumerate(streams):
                     try:
                         item = s.take()
-                    except EngineDead as exc:
+                    except EngineDead as exc:       # an error event, then [DONE] as after any other end
                         yield _sse(error_body(str(exc), "service_unavailable", 503))
+                        yield "data: [DONE]\n\n"
                         return
                     if item is None:
                         continue

@@ -99,3 +99,69 @@ def test_a_pipeline_stage_killed_while_idle_is_seen_and_the_server_stays_up(tiny
         text = err.read()
     os.unlink(log)
     assert "Traceback" not in text, text[-3000:]
+
+
+def sse_events(port: int, route: str, body: dict, timeout: float = 120) -> list:
+    """Every event of a streamed request, raw: the parsed JSON bodies, and "[DONE]" as itself."""
+    events = []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/{route}", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+N_BODY = {"model": "tiny", "n": 4, "temperature": 1.0, "seed": 3, "max_tokens": 30, "stop": [" t"], "stream": True}
+
+
+def check_one_finish_per_choice(events: list, n: int, text_key) -> None:
+    """Each choice's finish_reason comes once, in its last chunk; the choices end at different steps (the case
+    that repeated the finished ones), and the stream ends with [DONE]."""
+    assert events[-1] == "[DONE]"
+    finishes, last_text = {}, {}
+    for k, ev in enumerate(events[:-1]):
+        for ch in ev["choices"]:
+            assert ch["index"] not in finishes, f"choice {ch['index']} after its finish: {ev}"
+            if ch.get("finish_reason") is not None:
+                finishes[ch["index"]] = k
+            if text_key(ch):
+                last_text[ch["index"]] = k
+    assert sorted(finishes) == list(range(n))
+    assert len(set(finishes.values())) > 1, "every choice ended in the same chunk: the case is not exercised"
+
+
+@pytest.mark.parametrize("extra", [(), ("--pipeline-parallel-size", "2")], ids=["pp1", "pp2"])
+def test_streamed_choices_finish_once_each(tiny_model_dir, extra):
+    """n = 4 streamed, choices ending at different steps: once a choice has finished no later chunk carries it
+    (OpenAI's and vLLM's streams: one finish per choice), completions and chat, with and without stages."""
+    port, ctx = start_server(tiny_model_dir, *extra)
+    with ctx as proc:
+        wait_ready(port, proc)
+        events = sse_events(port, "completions", {**N_BODY, "prompt": "Once upon a time there"})
+        check_one_finish_per_choice(events, 4, lambda ch: ch["text"])
+        events = sse_events(port, "chat/completions",
+                            {**N_BODY, "messages": [{"role": "user", "content": "Once upon a time there"}]})
+        check_one_finish_per_choice(events, 4, lambda ch: ch["delta"].get("content"))
+
+
+def test_a_stream_cut_by_a_dead_rank_ends_with_an_error_event_then_done(tiny_model_dir):
+    """-pp 2, a long stream running: kill -9 of stage 1. The stream's last events are an error (503) and
+    [DONE], as vLLM ends a stream it cannot finish."""
+    port, ctx = start_server(tiny_model_dir, "--pipeline-parallel-size", "2", "--max-model-len", "4096")
+    with ctx as proc:
+        wait_ready(port, proc)
+        victim = titled(proc.pid, "nanovllm_tp::tp1")
+        events = []
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == 2:
+                        os.kill(victim, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == 503 and "rank 1" in events[-2]["error"]["message"], events[-2]
+        assert all("choices" in ev for ev in events[:-2])

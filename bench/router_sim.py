@@ -30,7 +30,8 @@ NAME = "router_sim"
 
 def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[list[int], int]], *,
              concurrency: int, block_size: int = 16, max_model_len: int = 1024, step_s: float = 0.010,
-             token_s: float = 0.0005, router_kwargs: dict | None = None, state: dict | None = None) -> dict:
+             token_s: float = 0.0005, router_kwargs: dict | None = None, state: dict | None = None,
+             max_num_seqs: int = 256) -> dict:
     """One repeat: `requests` (prompt, output length) through a closed loop of `concurrency` streams. `state`
     carries the replicas, router and clocks from one repeat to the next (what stays cached); pass the same dict."""
     if replicas < 1 or kv_blocks < 1 or concurrency < 1 or not requests:
@@ -38,9 +39,13 @@ def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[li
                          f"{kv_blocks}, {concurrency}, {len(requests)}")
     state = {} if state is None else state
     if not state:
-        config = SchedulerConfig(kv_blocks, block_size, max_model_len)
+        config = SchedulerConfig(kv_blocks, block_size, max_model_len, max_num_seqs)
         state.update(scheds=[Scheduler(config) for _ in range(replicas)], clock=[0.0] * replicas, next_id=0,
-                     router=make_router(policy, replicas, block_size, **(router_kwargs or {})))
+                     router=make_router(policy, replicas, block_size, **(router_kwargs or {})),
+                     reported=[[0, 0, 0.0] for _ in range(replicas)], unreported=[0] * replicas)
+    # what the router sees, as from a server: each replica's figures as of the end of its last step, and the
+    # requests sent to it since
+    reported, unreported = state["reported"], state["unreported"]
     scheds, clock, router = state["scheds"], state["clock"], state["router"]
     hits0 = sum(s.block_manager.num_prefix_hit_tokens for s in scheds)
     queries0 = sum(s.block_manager.num_prefix_query_tokens for s in scheds)
@@ -51,8 +56,10 @@ def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[li
 
     def submit(now: float) -> None:
         prompt, output_len = next(pending)
-        loads = [ReplicaLoad(len(s.running), len(s.waiting), s.block_manager.usage()) for s in scheds]
+        loads = [ReplicaLoad(running, waiting, usage, pending=unreported[i], max_seqs=max_num_seqs)
+                 for i, (running, waiting, usage) in enumerate(reported)]
         replica = router.route(prompt, loads)
+        unreported[replica] += 1
         seq = Sequence(state["next_id"], prompt, max_tokens=output_len, ignore_eos=True)
         state["next_id"] += 1
         scheds[replica].add(seq)
@@ -67,7 +74,10 @@ def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[li
         i = min((i for i, s in enumerate(scheds) if s.has_unfinished()), key=lambda i: clock[i])
         step = scheds[i].schedule()
         clock[i] += step_s + token_s * int(step.plan.num_tokens)
-        for seq in scheds[i].postprocess([0] * len(step.sampling.seqs)):
+        progressed = scheds[i].postprocess([0] * len(step.sampling.seqs))
+        reported[i] = [len(scheds[i].running), len(scheds[i].waiting), scheds[i].block_manager.usage()]
+        unreported[i] = 0
+        for seq in progressed:
             if seq.num_completion_tokens == 1:
                 ttfts.append(clock[i] - sent[seq.seq_id])
             if seq.is_finished:
@@ -79,6 +89,7 @@ def simulate(policy: str, replicas: int, kv_blocks: int, requests: list[tuple[li
     hits = sum(s.block_manager.num_prefix_hit_tokens for s in scheds) - hits0
     queries = sum(s.block_manager.num_prefix_query_tokens for s in scheds) - queries0
     return {"hit_rate": hits / queries, "makespan_s": max(clock) - start, "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p90_s": bc.percentile(ttfts, 90),
             "routed": router.counters()["routed"]}
 
 
@@ -91,21 +102,25 @@ def requests_of(args, draw: int) -> list[tuple[list[int], int]]:
 
 def run_policy(args, policy: str, replicas: int, kv_blocks: int) -> dict:
     kwargs = {"load_threshold": args.load_threshold, "miss_threshold": args.miss_threshold,
-              "idle_routes": args.idle_routes} if policy == "prefix-aware" else {}
+              "idle_routes": args.idle_routes, "queue_match": args.queue_match} if policy == "prefix-aware" else {}
     state: dict = {}
     runs = [simulate(policy, replicas, kv_blocks, requests_of(args, r + 1), concurrency=args.concurrency,
                      block_size=args.block_size, max_model_len=args.max_model_len, step_s=args.step_ms / 1e3,
-                     token_s=args.token_ms / 1e3, router_kwargs=kwargs, state=state) for r in range(args.repeats)]
+                     token_s=args.token_ms / 1e3, router_kwargs=kwargs, state=state, max_num_seqs=args.max_num_seqs)
+            for r in range(args.repeats)]
     return {"policy": policy, "replicas": replicas, "kv_blocks": kv_blocks,
             "hit_rate": bc.median([r["hit_rate"] for r in runs]), "hit_rates": [r["hit_rate"] for r in runs],
             "makespan_s": bc.median([r["makespan_s"] for r in runs]),
-            "ttft_p50_s": bc.median([r["ttft_p50_s"] for r in runs]), "routed": runs[-1]["routed"]}
+            "ttft_p50_s": bc.median([r["ttft_p50_s"] for r in runs]),
+            "ttft_p90_s": bc.median([r["ttft_p90_s"] for r in runs]), "routed": runs[-1]["routed"]}
 
 
 def table(rows: list[dict], ratios: dict) -> str:
     cells = [[r["layout"], f"{r['hit_rate']:.1%}", " / ".join(f"{h:.1%}" for h in r["hit_rates"]),
-              f"{r['makespan_s']:.2f}", f"{r['ttft_p50_s'] * 1e3:.0f}", ratios.get(r["layout"], "")] for r in rows]
-    return bc.format_table(["layout, policy", "hit rate", "repeats", "makespan s", "TTFT p50 ms", "ratios"], cells,
+              f"{r['makespan_s']:.2f}", f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p90_s'] * 1e3:.0f}",
+              ratios.get(r["layout"], "")] for r in rows]
+    return bc.format_table(["layout, policy", "hit rate", "repeats", "makespan s", "TTFT p50 ms", "TTFT p90 ms",
+                            "ratios"], cells,
                            title="router simulation (modelled time; medians)")
 
 
@@ -124,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=16, help="streams in the closed loop")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="each replica's sequences at once")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-ms", type=float, default=10.0, help="modelled cost of a step")
@@ -131,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--load-threshold", type=float, default=8, help="prefix-aware's (router.py)")
     parser.add_argument("--miss-threshold", type=float, default=16, help="prefix-aware's (router.py)")
     parser.add_argument("--idle-routes", type=int, default=8, help="prefix-aware's (router.py)")
+    parser.add_argument("--queue-match", type=int, default=8, help="prefix-aware's (router.py; 0: patience only)")
     parser.add_argument("--no-one-engine", action="store_true", help="skip the one-engine reference run")
     bc.add_output_args(parser)
     args = parser.parse_args(argv)

@@ -117,6 +117,7 @@ class EngineClient:
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._last_heard = time.monotonic()
+        self._accepted_since_stats = 0
 
     async def wait_ready(self) -> dict:
         """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
@@ -159,7 +160,12 @@ class EngineClient:
         return f"{prefix}-{next(self._ids)}"
 
     def num_waiting(self) -> int:
-        return self.stats["waiting"] + len(self._accepting)
+        return self.stats["waiting"] + self.num_unreported()
+
+    def num_unreported(self) -> int:
+        """Requests handed to the engine that its figures do not count yet: batches waiting for "accepted", and
+        requests accepted since its last report."""
+        return len(self._accepting) + self._accepted_since_stats
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None,
@@ -227,7 +233,7 @@ class EngineClient:
             self._last_heard = time.monotonic()
             op = msg["op"]
             if op == "outputs":
-                self.stats = msg["stats"]
+                self.stats, self._accepted_since_stats = msg["stats"], 0
                 for row in msg["outputs"]:
                     self._deliver(wire.output_from_wire(row))
             elif op == "accepted":
@@ -236,6 +242,7 @@ class EngineClient:
                     if future is not None and not future.done():
                         future.set_result(None) if error is None else \
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
+                    self._accepted_since_stats += error is None and future is not None
             elif op == "dead":        # a replica's reason names it: /health lists the replicas that are down
                 self.fail_all(msg["why"] if self.on_gone is None else f"{self.name}: {msg['why']}",
                               msg.get("shutdown", False))

@@ -104,8 +104,9 @@ class ReplicaSet:
         return max((c.silent_for() for c in self.replicas if c.dead is None), default=0.0)
 
     def _loads(self, lora_id: int | None) -> list[ReplicaLoad]:
-        return [ReplicaLoad(running=c.stats["running"], waiting=c.num_waiting() + self._sent[i],
-                            kv_usage=c.stats["kv_usage"], alive=c.dead is None, loras=frozenset(self._loras[i]))
+        return [ReplicaLoad(running=c.stats["running"], waiting=c.stats["waiting"], kv_usage=c.stats["kv_usage"],
+                            alive=c.dead is None, loras=frozenset(self._loras[i]),
+                            pending=c.num_unreported() + self._sent[i], max_seqs=c.stats.get("max_seqs", 0))
                 for i, c in enumerate(self.replicas)]
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,

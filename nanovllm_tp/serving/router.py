@@ -39,6 +39,19 @@ A replica that stays idle is another matter: when one has had nothing to do at m
 row, the traffic does not ask for what it holds (one shared system prompt, say, would keep every request on one
 replica), and the patience drops to `load_threshold`, so the prefix gets a copy there.
 
+Room: a queue costs more than a short match saves. A replica has room when a sequence slot (`--max-num-seqs`) is
+free once the requests queued there and on their way have taken theirs (ReplicaLoad.has_room). A request sent
+where it must queue waits for a running one to finish, a whole answer's decode; a match of a few blocks saves a
+prefill of a few dozen tokens. So a request whose match (or, for a prompt no replica holds, whose own length) is
+under `queue_match` blocks goes to a replica with room when the one patience picked has none, and when none has
+room, to the least busy: queues stay even. Longer matches keep their patience, as do new prompts of that length
+(the first request of a long system prompt decides who owns it). Measured with `--max-num-seqs 4` and 16 chat
+streams that share only the chat template, patience alone split them 11 and 5 (12 and 4 in another run), 7
+waiting on one replica while the other had free slots, the last first tokens after 11 s where an even split gives
+about 6 s. In `bench router-sim` (modelled time, medians of 6 seeds; BENCHMARKS.md) a one-block shared prefix at 4
+and 8 slots per replica has its TTFT p90 1.8x and 1.9x lower; the shared-prefix workload (600-token prefixes) is
+routed exactly as before at every slot count.
+
 A prompt none of them holds goes to the one that remembers the fewest blocks among the replicas within
 `load_threshold` of the least loaded (then least-load's order), as
 SGLang's cache-aware router sends a miss to its smallest tree: new prefixes spread evenly over the caches, so no
@@ -67,12 +80,26 @@ class NoReplica(RuntimeError):
 
 @dataclass(slots=True)
 class ReplicaLoad:
-    """What a replica last reported (every engine step, and every second when idle)."""
+    """What a replica last reported (every engine step, and every second when idle), and what was sent to it
+    since."""
     running: int = 0                # sequences running
-    waiting: int = 0                # sequences waiting, plus requests sent to the replica and not yet accepted
+    waiting: int = 0                # sequences its scheduler could not start yet (no slot, no KV room): a queue
     kv_usage: float = 0.0           # fraction of its KV blocks in use, 0..1
     alive: bool = True              # False: dead (or restarting): never routed to
     loras: frozenset = frozenset()  # lora_int_ids of the adapters this replica has loaded or used recently
+    pending: int = 0                # requests sent to it that its last report does not count yet
+    max_seqs: int = 0               # the most sequences it runs at once (--max-num-seqs); 0: not known
+
+    @property
+    def busy(self) -> int:
+        """Requests on the replica: running, queued, or on their way."""
+        return self.running + self.waiting + self.pending
+
+    @property
+    def has_room(self) -> bool:
+        """Whether a sequence slot is free for a request sent now, once those queued and on their way have taken
+        theirs (always, while max_seqs is not known)."""
+        return not self.max_seqs or self.busy < self.max_seqs
 
 
 def block_hashes(prompt: Sequence[int], block_size: int, max_blocks: int, lora_id: int | None = None) -> list[int]:
@@ -127,7 +154,7 @@ class Router:
         def key(i: int) -> tuple:
             load = loads[i]
             has_adapter = lora_id is not None and lora_id in load.loras
-            return load.running + load.waiting, not has_adapter, load.kv_usage, self._routed[i], i
+            return load.busy, not has_adapter, load.kv_usage, self._routed[i], i
         return key
 
 
@@ -155,15 +182,16 @@ class PrefixAwareRouter(Router):
     policy = "prefix-aware"
 
     def __init__(self, num_replicas: int, block_size: int = 16, *, max_blocks: int = 32, capacity: int = 50_000,
-                 load_threshold: float = 8, miss_threshold: float = 16, idle_routes: int = 8):
+                 load_threshold: float = 8, miss_threshold: float = 16, idle_routes: int = 8, queue_match: int = 8):
         super().__init__(num_replicas, block_size)
-        if max_blocks < 1 or capacity < 1 or not 0 <= load_threshold <= miss_threshold or idle_routes < 0:
-            raise ValueError(f"max_blocks and capacity must be at least 1, 0 <= load_threshold <= miss_threshold and "
-                             f"idle_routes >= 0, got {max_blocks}, {capacity}, {load_threshold}, {miss_threshold}, "
-                             f"{idle_routes}")
+        if max_blocks < 1 or capacity < 1 or not 0 <= load_threshold <= miss_threshold or min(idle_routes,
+                                                                                            queue_match) < 0:
+            raise ValueError(f"max_blocks and capacity must be at least 1, 0 <= load_threshold <= miss_threshold, "
+                             f"idle_routes >= 0 and queue_match >= 0, got {max_blocks}, {capacity}, {load_threshold}, "
+                             f"{miss_threshold}, {idle_routes}, {queue_match}")
         self.max_blocks, self.capacity = max_blocks, capacity
         self.load_threshold, self.miss_threshold = load_threshold, miss_threshold
-        self.idle_routes = idle_routes
+        self.idle_routes, self.queue_match = idle_routes, queue_match
         self._idle = [0] * num_replicas         # per replica: the routes in a row it had nothing to do at
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._holders: dict[int, int] = {}      # block hash -> bit mask of the replicas whose LRU holds it
@@ -175,10 +203,22 @@ class PrefixAwareRouter(Router):
 
     def _choose(self, prompt, loads, alive, lora_id):
         hashes = block_hashes(prompt, self.block_size, self.max_blocks, lora_id)
-        order = self._load_order(loads, lora_id)
-        busy = [load.running + load.waiting for load in loads]
-        least = min(busy[i] for i in alive)
+        busy = [load.busy for load in loads]
         self._idle = [n + 1 if b == 0 else 0 for n, b in zip(self._idle, busy)]
+        replica, matched = self._pick(hashes, loads, alive, lora_id)
+        worth = matched if matched else len(hashes)     # a new prompt of many blocks: likely a prefix to own
+        if worth < self.queue_match and not loads[replica].has_room:     # see the note on room
+            least = min(busy[i] for i in alive)
+            roomy = [i for i in alive if loads[i].has_room] or [i for i in alive if busy[i] == least]
+            replica, matched = self._pick(hashes, loads, roomy, lora_id)
+        self._record(replica, hashes)
+        return replica, matched > 0
+
+    def _pick(self, hashes: list[int], loads, alive: list[int], lora_id) -> tuple[int, int]:
+        """(the replica among `alive` by affinity and patience, the blocks of the prompt it holds)."""
+        order = self._load_order(loads, lora_id)
+        busy = [load.busy for load in loads]
+        least = min(busy[i] for i in alive)
         spare = any(self._idle[i] > self.idle_routes for i in alive)       # a replica left idle: see the note
         patience = self.load_threshold if spare else self.miss_threshold
         candidates = sum(1 << i for i in alive if busy[i] <= least + patience)
@@ -200,8 +240,7 @@ class PrefixAwareRouter(Router):
                 replica = min(eligible, key=lambda i: (len(self._lru[i]), order(i)))
             else:
                 replica = min(eligible, key=order)
-        self._record(replica, hashes)
-        return replica, matched > 0
+        return replica, matched
 
     def _record(self, replica: int, hashes: list[int]) -> None:
         lru, bit = self._lru[replica], 1 << replica

@@ -310,3 +310,34 @@ def test_prefix_aware_a_stray_copy_does_not_keep_a_prefix_on_two_replicas():
         assert router.route(prompt(7), [ReplicaLoad(waiting=busier), ReplicaLoad()]) == 0
     router.forget_replica(0)
     assert router.route(prompt(7), [ReplicaLoad(), ReplicaLoad(waiting=3)]) == 1
+
+
+def test_prefix_aware_a_short_match_goes_where_a_slot_is_free():
+    """--max-num-seqs 4 each: a prompt sharing one block with replica 0, whose slots are taken (3 running and 1 on
+    its way), goes to replica 1, which has a free slot; with no slot free anywhere, to the shorter queue. A match of
+    queue_match blocks or more keeps patience and waits where its prefix is."""
+    router = make_router("prefix-aware", 2, BS)
+    short, long_ = prompt(1, blocks=1, tail=5), prompt(2, blocks=8)
+    assert router.route(short, idle(2)) == 0 and router.route(long_, idle(2)) == 1
+    full = [ReplicaLoad(running=3, pending=1, max_seqs=4), ReplicaLoad(running=1, max_seqs=4)]
+    assert not full[0].has_room and full[1].has_room
+    assert router.route(short + [9], full) == 1
+    assert router.route(short + [9], [ReplicaLoad(running=2, max_seqs=4), full[1]]) == 0     # room at home
+    queued = [ReplicaLoad(running=4, waiting=2, max_seqs=4), ReplicaLoad(running=4, waiting=1, max_seqs=4)]
+    assert router.route(short + [9], queued) == 1             # no room anywhere: the shorter queue
+    home_full = [ReplicaLoad(running=4, max_seqs=4), ReplicaLoad(running=4, waiting=3, max_seqs=4)]
+    assert router.route(long_ + [9], home_full[::-1]) == 1    # 8 blocks matched: patience, as without slots
+    assert router.route(short + [9], [ReplicaLoad(running=9), ReplicaLoad(running=1)]) == 0     # slots unknown
+
+
+def test_prefix_aware_a_new_long_prompt_keeps_patience_a_new_short_one_takes_room():
+    router = make_router("prefix-aware", 2, BS)
+    router.route(prompt(5, blocks=3), idle(2))                # replica 0 now holds more blocks than replica 1
+    loads = [ReplicaLoad(running=1, max_seqs=4), ReplicaLoad(running=4, max_seqs=4)]
+    assert router.route(prompt(6, blocks=8), loads) == 1      # the fewest blocks, within load_threshold
+    assert router.route(prompt(7, blocks=2), loads) == 0     # short: where a slot is free
+
+
+def test_pending_requests_count_as_load():
+    router = make_router("least-load", 2)
+    assert router.route([1], [ReplicaLoad(running=1, pending=2), ReplicaLoad(running=2)]) == 1

@@ -22,9 +22,12 @@ class Sequence:
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams | None = None, *,
                  seed: int = 0, index: int = 0, priority: int = 0, grammar=None, pooling=None, lora=None,
-                 **sampling):
+                 output_ids=(), **sampling):
         """`sampling` builds the params when none are given (greedy, 16 tokens unless told otherwise). `pooling`
-        (pooling_params.Pooling): an embedding request, prefill only: it samples nothing and ends with its prompt."""
+        (pooling_params.Pooling): an embedding request, prefill only: it samples nothing and ends with its prompt.
+        `output_ids`: tokens this completion generated already (a request resumed from another engine): they count
+        as its output (max_tokens, penalties, the sampler's noise counter) and are computed with the prompt, as
+        after a preemption."""
         if params is None:
             params = SamplingParams(**{"temperature": 0.0, **sampling})
         elif sampling:
@@ -33,6 +36,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.token_ids += output_ids
         self.num_cached_tokens = 0       # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0    # tokens computed in the step being run
         self.block_table: list[int] = []

@@ -101,18 +101,25 @@ class RequestState:
     """One request (its n completions) on rank 0, between the engine and the caller."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list, tokenizer, token_texts, incremental: bool = True, stream_interval: int = 1):
+                 seqs: list, tokenizer, token_texts, incremental: bool = True, stream_interval: int = 1,
+                 resumed: list | None = None):
         """incremental=False: nobody reads the text before the request ends (no stop strings, only its final
-        output is wanted), so it is decoded once at the end."""
+        output is wanted), so it is decoded once at the end. `resumed`: the ResumedChoice of each of seqs (a
+        request taken over from another engine): their tokens so far are decoded now and count as sent, and so
+        do the characters of their text that the client has seen."""
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.interval = stream_interval
         self.incremental = incremental or bool(params.stop_strings)
         self.completions = [_Completion(s, Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
                             for s in seqs]
         self.token_texts = token_texts         # ids -> a token id -> text map holding them, for logprobs
-        self.sent_prompt_logprobs = False
         self.hold = max((len(s) for s in params.stop_strings), default=1) - 1 \
             if not params.include_stop_str_in_output else 0
+        for c, ch in zip(self.completions, resumed or ()):
+            c.detok.add(ch.token_ids)
+            c.num_detok = c.sent_tokens = c.sent_logprobs = len(ch.token_ids)
+            c.sent_chars = min(ch.sent_chars, len(c.detok.text))
+        self.sent_prompt_logprobs = resumed is not None
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceABC
 
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.engine.output_processor import RequestState
+from nanovllm_tp.engine.resume import ResumedChoice, check_resume
 from nanovllm_tp.entrypoints.prompts import check_prompt_length, is_token_ids, render_chat
 from nanovllm_tp.outputs import RequestOutput
 from nanovllm_tp.pooling.embeddings import EmbeddingRequestOutput, EmbeddingState
@@ -92,11 +93,16 @@ class LLM:
 
     def add_requests(self, prompts: list, sampling_params: SamplingParams | PoolingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
-                     priority: int = 0, lora_request=None) -> list[str]:
+                     priority: int = 0, lora_request=None, resume: list | None = None) -> list[str]:
         """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or
         none: every prompt, id and parameter is checked before the first is queued. Returns their request ids.
-        PoolingParams make them embedding requests (step() reports each once, as an EmbeddingRequestOutput)."""
+        PoolingParams make them embedding requests (step() reports each once, as an EmbeddingRequestOutput).
+        `resume`: per prompt, the ResumedChoice list of a request taken over from another engine
+        (engine/resume.py), whose outputs are delta outputs that go on where its client stopped."""
         ids = self._new_request_ids(prompts, request_ids)
+        if resume is not None and (isinstance(sampling_params, PoolingParams) or not isinstance(resume, list)
+                                   or len(resume) != len(prompts)):
+            raise ValueError("resume needs one list of resumed completions per prompt, and a generation request")
         if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
             if lora_request is not None:
                 raise ValueError("embedding requests run on the base model: lora_request must be None")
@@ -115,9 +121,15 @@ class LLM:
                                      f"and this request asks for {len(token_ids) + sp.max_tokens}: {len(token_ids)} "
                                      f"in the prompt, {sp.max_tokens} in max_tokens. Lower max_tokens or shorten "
                                      "the prompt.")
+        if resume is not None:
+            if sp.output_kind != RequestOutputKind.DELTA:
+                raise ValueError("a resumed request's outputs are delta outputs: output_kind must be DELTA")
+            resume = [check_resume(r, sp.n, len(token_ids), sp.max_tokens, self.config.max_model_len,
+                                   self.config.model_config.vocab_size) for (_, token_ids), r in zip(items, resume)]
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
-        return [self._add(text, token_ids, sp, rid, incremental, rank, lora)
-                for (text, token_ids), rid in zip(items, ids)]
+        resume = resume or [None] * len(items)
+        return [self._add(text, token_ids, sp, rid, incremental, rank, lora, resumed)
+                for (text, token_ids), rid, resumed in zip(items, ids, resume)]
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter: requests running with it finish with it, its slot goes to the next adapter that needs
@@ -133,22 +145,40 @@ class LLM:
         return self._run(ids, use_tqdm, "Generating")
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
-             incremental: bool = False, priority: int = 0, lora=None) -> str:
+             incremental: bool = False, priority: int = 0, lora=None, resumed: list | None = None) -> str:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
         compiled = None if sp.structured_outputs is None else self.grammars.compile(sp.structured_outputs)
-        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + i * _SEED_MIX) % (1 << 63), index=i,
-                         priority=priority, grammar=None if compiled is None else compiled.new(), lora=lora)
-                for i in range(sp.n)]
-        seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
-        self.engine.add(seqs[0])
+        choices = resumed or [ResumedChoice(i, []) for i in range(sp.n)]
+        seqs = [Sequence(next(self._seq_ids), token_ids, sp, seed=(base + ch.index * _SEED_MIX) % (1 << 63),
+                         index=ch.index, priority=priority, grammar=None if compiled is None else compiled.new(),
+                         lora=lora, output_ids=ch.token_ids)
+                for ch in choices]
+        if resumed is None:
+            seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
+            self.engine.add(seqs[0])
+        else:
+            self._resume(seqs)
         state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,
-                             max(sp.stream_interval or 1, self.config.stream_interval))
+                             max(sp.stream_interval or 1, self.config.stream_interval), resumed)
         self._requests[request_id] = state
         for seq in seqs:
             self._by_seq[seq.seq_id] = state
         return request_id
+
+    def _resume(self, seqs: list[Sequence]) -> None:
+        """Resumed completions (engine/resume.py) into the engine, each on its own: their grammars replay the
+        tokens so far (ValueError if a token leaves the language, before any is queued), their logprobs and
+        prompt logprobs went out with the first engine's outputs."""
+        for seq in seqs:
+            if seq.grammar is not None and (error := seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)):
+                raise ValueError(f"resumed completion {seq.index}: {error}")
+        for seq in seqs:
+            seq.prompt_logprobs = None
+            if seq.logprobs is not None:
+                seq.logprobs = [None] * seq.num_completion_tokens     # never sent again (delta outputs)
+            self.engine.add(seq)
 
     def _token_texts(self, ids) -> dict[int, str]:
         """The token id -> text cache of logprobs, holding every id of ids: the missing ones decoded in one batch

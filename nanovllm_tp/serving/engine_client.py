@@ -32,17 +32,24 @@ class Overloaded(RuntimeError):
 class RequestStream:
     """One request's outputs as its handler reads them. `ready` is set whenever there is something to read;
     handlers reading several streams at once give them one shared event."""
-    __slots__ = ("merge", "ready", "pending", "ended", "error", "read")
+    __slots__ = ("merge", "ready", "pending", "ended", "error", "read", "progress", "extra_tokens")
 
-    def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None):
+    def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None, track: bool = False):
+        """`track`: remember what its handler took of each completion (a data-parallel replica's delta stream,
+        which another replica can resume from there)."""
         self.merge = kind == RequestOutputKind.DELTA
         self.ready = ready or asyncio.Event()
         self.pending: RequestOutput | None = None
         self.ended = False                    # the last output was put (it may still be pending)
         self.error: BaseException | None = None
         self.read = False                     # its handler took an output: something may have reached the client
+        # completion index -> [token ids taken, characters of text taken, finished]
+        self.progress: dict[int, list] | None = {} if track and self.merge else None
+        self.extra_tokens = 0                 # tokens of completions that finished on an engine before a resume
 
     def put(self, out: RequestOutput) -> None:
+        if out.finished and self.extra_tokens and getattr(out, "metrics", None) is not None:
+            out.metrics.num_generation_tokens += self.extra_tokens     # the usage counts every completion
         if self.pending is not None and self.merge:
             merge_delta(self.pending, out)
         else:
@@ -70,10 +77,17 @@ class RequestStream:
         if out is None and self.error is not None and not self.ended:
             raise self.error
         self.read = self.read or out is not None
+        if out is not None and self.progress is not None:
+            for c in out.outputs:
+                taken = self.progress.setdefault(c.index, [[], 0, False])
+                taken[0] += c.token_ids
+                taken[1] += len(c.text)
+                taken[2] = taken[2] or c.finish_reason is not None
         return out
 
     def restart(self) -> None:
-        """Forget what arrived unread: the request runs again from its start elsewhere (nothing was read)."""
+        """Forget what arrived unread: the request runs again elsewhere, from its start (nothing was read) or
+        from what was read (resumed)."""
         self.pending, self.ended = None, False
 
     async def next(self) -> RequestOutput | None:
@@ -92,9 +106,9 @@ class EngineClient:
         """`on_gone`: a data-parallel replica's engine process may die and come back: its socket's disconnection
         fails its open requests at once and calls on_gone(); its "ready" on the same sockets revives it. Without
         (one engine), the HTTP process leaves when its engine's process is gone (frontend.py). `rescue(streams,
-        why)`: when the engine stops, it is handed the open requests none of whose output was read yet ({id:
-        stream}) before the rest fail, and returns the ids it took over (run elsewhere). `curve`: (this side's
-        public key, its secret key, the engine loop's public key) for an engine loop on another node (tcp://)."""
+        why)`: when the engine stops, it is handed the open requests ({id: stream}) before the rest fail, and
+        returns the ids it took over (run elsewhere). `curve`: (this side's public key, its secret key, the engine
+        loop's public key) for an engine loop on another node (tcp://)."""
         self.max_waiting = max_waiting_requests
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
         self.name, self.on_gone, self.rescue = name, on_gone, rescue
@@ -169,13 +183,14 @@ class EngineClient:
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None,
-                     streams: list[RequestStream] | None = None) -> list[RequestStream]:
+                     streams: list[RequestStream] | None = None, resume: list | None = None) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
         nothing was queued. A batch counts once against max_waiting_requests. `lora`: the adapter's [name, id,
-        path], or None. `streams`: the requests' streams already (they ran on another engine, which stopped before
-        any of their output was read)."""
+        path], or None. `streams`: the requests' streams already (they ran on another engine, which stopped);
+        `resume`: per prompt, the [index, token ids, characters sent] of each completion to go on with (wire.py),
+        for a request whose output was read in part."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
@@ -183,16 +198,19 @@ class EngineClient:
                              f"{self.max_waiting}); try again later")
         if streams is None:
             ready = asyncio.Event()
-            streams = [RequestStream(params.output_kind, ready) for _ in request_ids]
+            streams = [RequestStream(params.output_kind, ready, track=self.rescue is not None)
+                       for _ in request_ids]
         key = request_ids[0]
         accepted = asyncio.get_running_loop().create_future()
         self._open.update(zip(request_ids, streams))
         self._accepting[key] = accepted
         self._unaccepted.update(request_ids)
         try:
-            await self._commands.send(wire.pack({"op": "add", "ids": request_ids, "prompts": prompts,
-                                                 "params": wire.params_to_wire(params), "priority": priority,
-                                                 "lora": lora}))
+            msg = {"op": "add", "ids": request_ids, "prompts": prompts, "params": wire.params_to_wire(params),
+                   "priority": priority, "lora": lora}
+            if resume is not None:
+                msg["resume"] = resume
+            await self._commands.send(wire.pack(msg))
             await accepted
         except BaseException:
             for rid in request_ids:
@@ -275,7 +293,7 @@ class EngineClient:
         taken = set()
         if self.rescue is not None and not shutdown:
             taken = self.rescue({rid: s for rid, s in self._open.items()
-                                 if not s.read and not s.done and rid not in self._unaccepted}, why)
+                                 if not s.done and rid not in self._unaccepted}, why)
         for rid, stream in self._open.items():
             if rid not in taken:
                 stream.fail(exc)

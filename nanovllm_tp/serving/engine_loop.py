@@ -24,6 +24,7 @@ import time
 
 import zmq
 
+from nanovllm_tp.engine.resume import ResumedChoice
 from nanovllm_tp.lora import LoRARequest
 from nanovllm_tp.serving import wire
 
@@ -230,9 +231,12 @@ class EngineLoop:
                 if pending is not None and not pending.ready():
                     self._compiling[key] = (msg, params, pending)
                     return None
-            lora = msg.get("lora")
+            lora, resume = msg.get("lora"), msg.get("resume")
+            if resume is not None:
+                resume = [[ResumedChoice.from_wire(row) for row in choices] for choices in resume]
             self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
-                                  priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None)
+                                  priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None,
+                                  resume=resume)
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]

@@ -69,6 +69,10 @@ class _RouterCollector:
                                     labels=["model_name"])
         moved.add_metric([self.model_name], self.replicas.num_resubmitted)
         yield moved
+        resumed = CounterMetricFamily(PREFIX + "router_requests_resumed", "Streams resumed on another replica, where "
+                                      "their client was, because theirs stopped.", labels=["model_name"])
+        resumed.add_metric([self.model_name], self.replicas.num_resumed)
+        yield resumed
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
                                labels=["model_name", "dp_rank"])
         for rank, state in enumerate(self.replicas.replica_states()):

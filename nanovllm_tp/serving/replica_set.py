@@ -3,10 +3,12 @@ replica, and a router (router.py) that sends each request to one of them. It ans
 routes make (submit, abort, lora, dead, silent_for, labelled_stats), so that the routes serve one replica or many alike.
 
 A batch of prompts submitted together goes to one replica (all or none there); a request's later aborts follow
-it. Replicas share nothing. When a replica stops (its process died, or its engine failed), its open requests of
-which nothing was read yet (so nothing reached the client: a non-streamed request before its answer, a stream
-before its first chunk) run again from their start on another live replica, the client none the wiser; the others
-end with the replica's error (EngineDead, with its reason). New requests go to the live replicas. When the server
+it. Replicas share nothing. When a replica stops (its process died, or its engine failed), its open requests move
+to another live replica, the client none the wiser: those of which nothing was read yet (a non-streamed request
+before its answer, a stream before its first chunk) run again from their start; a stream read in part is resumed
+from what its client has (its prompt, and each unfinished completion's tokens and text so far: engine/resume.py),
+so that it goes on with no error and no repeated text. Only when no live replica can take them do they end with
+the replica's error (EngineDead, with its reason). New requests go to the live replicas. When the server
 restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix record in the
 router forgotten. Adapter loads and unloads go to every live replica.
 """
@@ -43,7 +45,8 @@ class ReplicaSet:
                          for i, (c, o) in enumerate(endpoints)]
         self.router = make_router(policy, len(self.replicas), block_size)
         self._owner: dict[str, Placed] = {}      # open request id -> where it runs
-        self.num_resubmitted = 0                  # requests moved off a stopped replica (/metrics)
+        self.num_resubmitted = 0                  # requests run again off a stopped replica (/metrics)
+        self.num_resumed = 0                      # streams resumed off a stopped replica (/metrics)
         self._sent = [0] * len(self.replicas)   # batches handed to each replica and not yet accepted
         self._loras: list[set[int]] = [set() for _ in self.replicas]     # adapters each replica has run
 
@@ -118,7 +121,7 @@ class ReplicaSet:
                              f"{self.max_waiting}); try again later")
         return await self._place(request_ids, prompts, params, priority, lora)
 
-    async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=()) -> list:
+    async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None) -> list:
         lora_id = lora[1] if lora else None
         tried = set(avoid)
         while True:
@@ -131,7 +134,8 @@ class ReplicaSet:
                 raise EngineDead(self.dead or "no replica could take the request") from None
             self._sent[replica] += 1
             try:
-                streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams)
+                streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,
+                                                              resume)
             except EngineDead:
                 tried.add(replica)
                 continue
@@ -144,30 +148,44 @@ class ReplicaSet:
             return streams
 
     def _rescue(self, streams: dict[str, RequestStream], why: str) -> set[str]:
-        """A replica stopped (EngineClient.fail_all): its requests none of whose output was read go to another
-        live replica, each batch as it was submitted; returns their ids (the rest fail with `why`). One that
-        finds no replica fails then."""
+        """A replica stopped (EngineClient.fail_all): its open requests go to another live replica. Those none of
+        whose output was read run again from their start, each batch as it was submitted; a stream read in part
+        is resumed where its client is (its prompt and each unfinished completion's tokens so far: engine/
+        resume.py), so the client's stream goes on. Returns the ids taken over (the rest fail with `why`); one
+        that finds no replica fails then."""
         batches: dict[tuple, list[str]] = {}
-        for rid in streams:
+        taken = set()
+        for rid, stream in streams.items():
             placed = self._owner.get(rid)
-            if placed is not None:
+            if placed is None:
+                continue
+            if not stream.read:
                 key = (placed.replica, id(placed.params), placed.priority, id(placed.lora))
                 batches.setdefault(key, []).append(rid)
+            elif (resume := _resume_state(stream, placed.params.n)) is not None:
+                stream.restart()
+                taken.add(rid)
+                asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream], why, [resume]))
         for ids in batches.values():
             first = self._owner[ids[0]]
             for stream in (streams[rid] for rid in ids):
                 stream.restart()
             asyncio.ensure_future(self._resubmit(ids, [self._owner[rid].prompt for rid in ids], first,
                                                  [streams[rid] for rid in ids], why))
-        return {rid for ids in batches.values() for rid in ids}
+            taken.update(ids)
+        return taken
 
-    async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str) -> None:
+    async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
+                        resume: list | None = None) -> None:
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
-                              avoid=(placed.replica,))
-            self.num_resubmitted += len(ids)
-            log.warning("%d request(s) of replica %d, none of whose output was read, run on another replica",
-                        len(ids), placed.replica)
+                              avoid=(placed.replica,), resume=resume)
+            if resume is None:
+                self.num_resubmitted += len(ids)
+            else:
+                self.num_resumed += len(ids)
+            log.warning("%d request(s) of replica %d %s on another replica", len(ids), placed.replica,
+                        "run again" if resume is None else "resumed")
         except Exception as exc:                 # no live replica (or it refused): they end as the others did
             for rid, stream in zip(ids, streams):
                 self._owner.pop(rid, None)
@@ -202,3 +220,21 @@ class ReplicaSet:
         self._loras[replica].clear()
         for rid in [r for r, placed in self._owner.items() if placed.replica == replica]:
             del self._owner[rid]
+
+
+def _resume_state(stream: RequestStream, n: int) -> list | None:
+    """The wire's resume entry of a stream read in part: [index, token ids, characters] of each completion not
+    finished yet (none read yet: from nothing), or None when it cannot be resumed (not a tracked delta stream)."""
+    if stream.progress is None:
+        return None
+    rows, done_tokens = [], 0
+    for index in range(n):
+        ids, chars, finished = stream.progress.get(index, ([], 0, False))
+        if finished:
+            done_tokens += len(ids)
+        else:
+            rows.append([index, list(ids), chars])
+    if not rows:
+        return None
+    stream.extra_tokens = done_tokens
+    return rows

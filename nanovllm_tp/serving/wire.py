@@ -1,9 +1,11 @@
 """What the HTTP process and the engine process say to each other, as msgpack maps with explicit fields.
 
-HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority", "lora"}   (one request per prompt of token
-                                                                       ids, all or none; params {"pooling": {...}}:
-                                                                       embedding requests; lora: [name, id, path]
-                                                                       or None)
+HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority", "lora", ["resume"]}   (one request per
+                                                                       prompt of token ids, all or none; params
+                                                                       {"pooling": {...}}: embedding requests; lora:
+                                                                       [name, id, path] or None; resume: per prompt,
+                                                                       [[index, token ids, sent chars], ...] of a
+                                                                       request taken over from another replica)
                  {"op": "abort", "ids"}
                  {"op": "lora_load" / "lora_unload", "ids": [key], "lora": [name, id, path]}   (answered "accepted")
 engine -> HTTP:  {"op": "ready", "model", "max_model_len", "loras"}  (first, once the engine is up; loras: the

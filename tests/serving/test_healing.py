@@ -116,9 +116,9 @@ def sse_events(port: int, route: str, body: dict, timeout: float = 120) -> list:
 N_BODY = {"model": "tiny", "n": 4, "temperature": 1.0, "seed": 3, "max_tokens": 30, "stop": [" t"], "stream": True}
 
 
-def check_one_finish_per_choice(events: list, n: int, text_key) -> None:
-    """Each choice's finish_reason comes once, in its last chunk; the choices end at different steps (the case
-    that repeated the finished ones), and the stream ends with [DONE]."""
+def check_one_finish_per_choice(events: list, n: int, text_key, staggered: bool = True) -> None:
+    """Each choice's finish_reason comes once, in its last chunk, and the stream ends with [DONE]; `staggered`:
+    the choices end at different steps (the case that repeated the finished ones)."""
     assert events[-1] == "[DONE]"
     finishes, last_text = {}, {}
     for k, ev in enumerate(events[:-1]):
@@ -129,7 +129,7 @@ def check_one_finish_per_choice(events: list, n: int, text_key) -> None:
             if text_key(ch):
                 last_text[ch["index"]] = k
     assert sorted(finishes) == list(range(n))
-    assert len(set(finishes.values())) > 1, "every choice ended in the same chunk: the case is not exercised"
+    assert not staggered or len(set(finishes.values())) > 1, "every choice ended in one chunk: the case is not run"
 
 
 @pytest.mark.parametrize("extra", [(), ("--pipeline-parallel-size", "2")], ids=["pp1", "pp2"])
@@ -217,3 +217,57 @@ def test_the_router_queues_nowhere_while_another_replica_has_a_free_slot(tiny_mo
     assert len(stranded) <= 2 and worst < 1.0, \
         f"requests waited on one replica while the other had a free slot in {len(stranded)} of {len(samples)} " \
         f"samples, {worst:.1f} s in a row"
+
+
+@pytest.fixture(scope="module")
+def invariant_llm(tiny_model_dir):
+    """The server's engine, offline, under batch_invariant: what an undisturbed run answers."""
+    from nanovllm_tp import LLM
+    llm = LLM(tiny_model_dir, batch_invariant=True, max_model_len=1024, kv_cache_memory=32 << 20,
+              kvcache_block_size=16)
+    yield llm
+    llm.close()
+
+
+def running_on(port: int) -> int | None:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    busy = [int(r) for r, v in re.findall(r'nanovllm_tp:num_requests_running\{dp_rank="(\d)",model_name="tiny"\} '
+                                          r'(\S+)', text) if float(v) > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+@pytest.mark.parametrize("tp, victim_rank", [("1", 0), ("2", 1)], ids=["dp2-kill-replica", "dp2-tp2-kill-rank1"])
+def test_a_stream_survives_the_death_of_its_replica(tiny_model_dir, invariant_llm, tp, victim_rank):
+    """-dp 2 --batch-invariant, a streamed n = 2 seeded request: its replica (or a rank of it) killed with -9 after a
+    few chunks, the stream goes on from another replica with no error and no repeated text; each choice's text is
+    that of an undisturbed run, token for token, one finish each, then [DONE]."""
+    from nanovllm_tp import SamplingParams
+    body = {"model": "tiny", "prompt": "Once upon a time there", "n": 2, "temperature": 0.8, "seed": 7,
+            "max_tokens": 700, "ignore_eos": True, "stream": True}
+    want = invariant_llm.generate([body["prompt"]], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=700,
+                                                                   ignore_eos=True), use_tqdm=False)[0]
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", tp,
+                             "--batch-invariant", "--max-model-len", "1024")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        events, texts, killed = [], {0: "", 1: ""}, None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if data != "[DONE]":
+                    for ch in events[-1].get("choices", []):
+                        texts[ch["index"]] += ch["text"]
+                if len(events) == 4 and killed is None:
+                    replica = running_on(port)
+                    assert replica is not None
+                    killed = titled(proc.pid, f"nanovllm_tp::dp{replica}::tp{victim_rank}")
+                    os.kill(killed, signal.SIGKILL)
+        assert killed is not None and events[-1] == "[DONE]"
+        assert not [e for e in events[:-1] if "error" in e], [e for e in events if "error" in e]
+        check_one_finish_per_choice(events, 2, lambda ch: ch["text"], staggered=False)
+        assert texts == {c.index: c.text for c in want.outputs}
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert re.search(r'nanovllm_tp:router_requests_resumed_total\{model_name="tiny"\} 1\.0', text), text

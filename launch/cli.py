@@ -48,6 +48,7 @@ BENCHES = {
     "prompt-attention": ("nanovllm_tp.bench.prompt_attention", "a prompt's attention: SDPA against decode rows"),
     "step": ("nanovllm_tp.bench.step", "one step's cost and the plan broadcast"),
     "limits": ("nanovllm_tp.bench.limits", "what hostile clients cost the server"),
+    "chaos": ("nanovllm_tp.bench.chaos", "ranks of data-parallel replicas killed under load"),
 }
 
 

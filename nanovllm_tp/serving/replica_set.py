@@ -7,13 +7,15 @@ it. Replicas share nothing. When a replica stops (its process died, or its engin
 to another live replica, the client none the wiser: those of which nothing was read yet (a non-streamed request
 before its answer, a stream before its first chunk) run again from their start; a stream read in part is resumed
 from what its client has (its prompt, and each unfinished completion's tokens and text so far: engine/resume.py),
-so that it goes on with no error and no repeated text. Only when no live replica can take them do they end with
-the replica's error (EngineDead, with its reason). New requests go to the live replicas. When the server
+so that it goes on with no error and no repeated text. New requests go to the live replicas; while none is up,
+requests (new or moved) wait up to REPLICA_WAIT_S for one to come back, and only then end with the replicas'
+error (EngineDead, with their reasons). When the server
 restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix record in the
 router forgotten. Adapter loads and unloads go to every live replica.
 """
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from nanovllm_tp.sampling_params import SamplingParams
@@ -21,6 +23,8 @@ from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overload
 from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
 
 log = logging.getLogger("nanovllm_tp")
+REPLICA_WAIT_S = 60.0      # how long a request waits for a replica to come back while none is up
+WAIT_POLL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -115,7 +119,8 @@ class ReplicaSet:
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None) -> list[RequestStream]:
         """As EngineClient.submit, on the replica the router picks; a replica that dies before it accepted the
-        batch hands it to another live one (nothing of it was sent to the client yet)."""
+        batch hands it to another live one (nothing of it was sent to the client yet). While no replica is up
+        (each dead and being started again) it waits up to REPLICA_WAIT_S for one, then EngineDead."""
         if self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
@@ -124,14 +129,19 @@ class ReplicaSet:
     async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None) -> list:
         lora_id = lora[1] if lora else None
         tried = set(avoid)
+        deadline = time.monotonic() + REPLICA_WAIT_S
         while True:
             loads = self._loads(lora_id)
             for i in tried:
                 loads[i].alive = False
             try:
                 replica = self.router.route(prompts[0], loads, lora_id)
-            except NoReplica:
-                raise EngineDead(self.dead or "no replica could take the request") from None
+            except NoReplica:       # every replica down: the server is starting one again (or exits), so wait
+                if time.monotonic() >= deadline:
+                    raise EngineDead(self.dead or "no replica could take the request") from None
+                tried = {i for i in tried if self.replicas[i].dead is None}      # a dead one may come back
+                await asyncio.sleep(WAIT_POLL_S)
+                continue
             self._sent[replica] += 1
             try:
                 streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,

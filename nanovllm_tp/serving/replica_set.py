@@ -49,6 +49,8 @@ class ReplicaSet:
                          for i, (c, o) in enumerate(endpoints)]
         self.router = make_router(policy, len(self.replicas), block_size)
         self._owner: dict[str, Placed] = {}      # open request id -> where it runs
+        self._moving: set[str] = set()            # requests on their way to another replica (_resubmit)
+        self._abandoned: set[str] = set()         # of those, the ones whose client went away meanwhile
         self.num_resubmitted = 0                  # requests run again off a stopped replica (/metrics)
         self.num_resumed = 0                      # streams resumed off a stopped replica (/metrics)
         self._sent = [0] * len(self.replicas)   # batches handed to each replica and not yet accepted
@@ -187,9 +189,14 @@ class ReplicaSet:
 
     async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
                         resume: list | None = None) -> None:
+        self._moving.update(ids)
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
                               avoid=(placed.replica,), resume=resume)
+            gone = self._abandoned.intersection(ids)      # their clients left while they moved
+            self._moving.difference_update(ids)
+            self._abandoned.difference_update(ids)
+            self.abort(gone)
             if resume is None:
                 self.num_resubmitted += len(ids)
             else:
@@ -197,6 +204,8 @@ class ReplicaSet:
             log.warning("%d request(s) of replica %d %s on another replica", len(ids), placed.replica,
                         "run again" if resume is None else "resumed")
         except Exception as exc:                 # no live replica (or it refused): they end as the others did
+            self._moving.difference_update(ids)
+            self._abandoned.difference_update(ids)
             for rid, stream in zip(ids, streams):
                 self._owner.pop(rid, None)
                 stream.fail(EngineDead(why if isinstance(exc, EngineDead) else f"{why}; {exc}"))
@@ -215,7 +224,9 @@ class ReplicaSet:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
             placed = self._owner.pop(rid, None)
-            if placed is not None:
+            if rid in self._moving:
+                self._abandoned.add(rid)        # aborted where it lands
+            elif placed is not None:
                 by_replica.setdefault(placed.replica, []).append(rid)
         for replica, ids in by_replica.items():
             self.replicas[replica].abort(ids)

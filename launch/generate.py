@@ -7,18 +7,38 @@ Without --model it uses the embedded tiny checkpoint (random weights, made offli
 output is fluent nonsense: it shows the engine working, not a language model.
 """
 import argparse
+import sys
 
 from nanovllm_tp import LLM, SamplingParams
-from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
+from nanovllm_tp.config.engine_config import EngineConfig, add_engine_args, engine_kwargs
 
 
-def build_llm(args) -> LLM:
-    """The LLM of a command's parsed engine flags (add_engine_args); without --model, the tiny checkpoint."""
+def _llm_kwargs(args) -> dict:
+    """LLM's keywords from a command's parsed engine flags (add_engine_args); without --model, the tiny
+    checkpoint."""
     kwargs = engine_kwargs(args)
     if kwargs["model"] is None:
         from nanovllm_tp.launch.make_tiny import ensure_tiny
         kwargs["model"] = str(ensure_tiny())
-    return LLM(**kwargs)
+    return kwargs
+
+
+def build_llm(args) -> LLM:
+    """The LLM of a command's parsed engine flags (add_engine_args); without --model, the tiny checkpoint."""
+    return LLM(**_llm_kwargs(args))
+
+
+def refuse_bad_engine_args(command: str, args) -> None:
+    """What the engine flags and the model's config files decide alone (a missing model, heads the TP size does
+    not divide, a feature pipeline stages do not run), checked as LLM(...) would check it but before any rank
+    starts and without reading a weight: a user's error is one line, `COMMAND: why`, and exit code 2
+    (argparse's), not a traceback from inside the engine."""
+    kwargs = _llm_kwargs(args)
+    try:
+        EngineConfig.from_kwargs(kwargs.pop("model"), **kwargs).validate()
+    except (ValueError, TypeError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +67,7 @@ def main(argv=None) -> None:
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
+    refuse_bad_engine_args("generate", args)
     llm = build_llm(args)
     prompts = args.prompt or ["The quick brown fox", "Return a list of"]
     if args.chat:

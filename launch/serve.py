@@ -10,6 +10,9 @@ talk over ZMQ on local sockets in a directory only this user can enter.
 
 With --data-parallel-size D the processes are those of launch/serve_replicas.py, on one node or under torchrun.
 
+What the flags and the model's config files decide alone (a missing model, heads the TP size does not divide, a
+feature pipeline stages do not run) is refused before any process starts: one line `serve: why`, exit code 2.
+
 Binds to 127.0.0.1 unless --host says otherwise. SIGTERM or Ctrl-C stops the server and every rank between two
 steps: open requests end with an error (not drained), the command exits with 0. A step that does not end within
 --shutdown-timeout seconds (a stuck rank) is not waited for: every rank is killed, what they shared removed, and
@@ -31,6 +34,7 @@ import sys
 from nanovllm_tp import envs
 from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.engine_server import engine_threads, serve_engine, serve_plans
+from nanovllm_tp.launch.generate import refuse_bad_engine_args
 from nanovllm_tp.serving.server_config import add_server_args, lora_modules, server_config
 from nanovllm_tp.utils.proctitle import PREFIX, rank_title, set_title
 
@@ -41,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     add_server_args(parser)
-    # a data-parallel replica's own process (serving/replica_processes.py starts it): index and sockets
+    # a data-parallel replica's own process (serving/replica_processes.py starts it): index and sockets, and the
+    # file where it writes why it could not start
     parser.add_argument("--replica", help=argparse.SUPPRESS)
+    parser.add_argument("--replica-report", help=argparse.SUPPRESS)
     return parser
 
 
@@ -58,12 +64,17 @@ def main(argv=None) -> None:
         if (loras or server.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     except (ValueError, TypeError) as exc:
-        raise SystemExit(f"serve: {exc}") from None
+        print(f"serve: {exc}", file=sys.stderr)
+        sys.exit(2)
     server.api_key = server.api_key or envs.get("NANOVLLM_TP_API_KEY") or None
     if args.device != "cuda":            # before torch loads libgomp (a GPU rank hardly runs OpenMP regions)
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from nanovllm_tp.distributed.launch import launched_by_torchrun
+    # the command's own process refuses what the config decides before any rank, replica or HTTP process starts;
+    # a replica was checked by its supervisor, and a torchrun replica reports its failure to rank 0 itself
+    if args.replica is None and not (server.data_parallel_size > 1 and launched_by_torchrun()):
+        refuse_bad_engine_args("serve", args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from nanovllm_tp.launch import serve_replicas
     if args.replica is not None:
         serve_replicas.serve_replica(args, server, loras)

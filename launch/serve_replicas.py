@@ -30,12 +30,16 @@ from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_tit
 
 log = logging.getLogger("nanovllm_tp")
 WATCH_S = 0.2                 # how often the supervisor looks at its replicas and HTTP process
+REPLICA_EXIT_S = 5.0          # beyond --shutdown-timeout, how long a stopping replica may take to exit (its own cut
+                              # of a stuck step, its interpreter's exit: an idle one took 1.3-3 s on 2 busy cores)
 STOP_CHECK_S = 1.0            # how often a torchrun replica asks torchrun's store whether rank 0 said stop
 
 
 def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
     """One node: the HTTP process and D replica processes, which share this node's cores; this process only
-    watches them. Exits as a one-engine server does."""
+    watches them. Exits as a one-engine server does: 0 after a signal, 143 if a replica had to be cut short; and
+    non-zero with one line when the server cannot go on (a replica that could not start, none left, the HTTP
+    process gone)."""
     from nanovllm_tp.distributed.launch import stop_children
     from nanovllm_tp.serving.replica_processes import ReplicaProcesses
     set_title(f"{PREFIX}::serve")
@@ -44,39 +48,87 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
     rundir = tempfile.mkdtemp(prefix=f"nanovllm_tp-serve-{os.getpid()}-")    # 0700: only this user gets in
     endpoints = [(f"ipc://{rundir}/commands-{i}", f"ipc://{rundir}/outputs-{i}") for i in range(size)]
     idle = http_at_idle(server, on_cpu, args.threads)
-    replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas)
+    replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas, rundir)
     front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
-    signals = StopSignals(server.shutdown_timeout, lambda: (replicas.kill(), stop_children([front], timeout=0),
-                                                           shutil.rmtree(rundir, ignore_errors=True)))
+    # Each replica cuts its own stuck step short after --shutdown-timeout (its StopSignals), counted from when it
+    # got the signal, after this process did; so this process waits that long and REPLICA_EXIT_S more for them,
+    # and its own watcher is only the last resort, for a main thread that hangs past those waits.
+    signals = StopSignals(server.shutdown_timeout + 2 * REPLICA_EXIT_S,
+                          lambda: (replicas.kill(), stop_children([front], timeout=0),
+                                   shutil.rmtree(rundir, ignore_errors=True)))
+    why, unclean = None, {}
     try:
         replicas.start_all()
-        while not signals.received and front.poll() is None and replicas.watch():
+        while not signals.received:
+            why = f"the HTTP process exited with {front.returncode}" if front.poll() is not None else replicas.watch()
+            if why is not None:
+                break
             time.sleep(WATCH_S)
     finally:
+        if front.poll() is None:
+            front.terminate()               # it stops while the replicas do
+        unclean = replicas.stop(server.shutdown_timeout + REPLICA_EXIT_S)
         stop_children([front], timeout=0)
-        replicas.stop(server.shutdown_timeout)
         shutil.rmtree(rundir, ignore_errors=True)
         signals.finished()
-    if not signals.received:
-        raise SystemExit(f"the HTTP process exited with {front.returncode}" if front.returncode is not None
-                         else "serve: no replica could be kept running")
+    if why is not None:
+        raise SystemExit(f"serve: {why}")
+    if unclean:
+        log.error("serve: %s did not stop cleanly; exit code 143", ", ".join(
+            f"replica {i} (exit code {code})" for i, code in sorted(unclean.items())))
+        sys.exit(128 + signal.SIGTERM)
     log.info("serve: stopped by %s", signal.Signals(signals.received[0]).name)
     sys.exit(0)
 
 
 def serve_replica(args, server: ServerConfig, loras) -> None:
     """One replica process of a one-node server: its LLM and engine loop on the sockets it was given, until
-    SIGTERM or until the process that started it is gone. An engine that fails ends the process (exit 1), which
-    the supervisor starts again."""
+    SIGTERM or until the process that started it is gone. An engine that fails while serving ends the process
+    (exit 1), which the supervisor starts again; one that fails before it served (whatever the cause) ends it with
+    NOT_STARTED and one line of why, written to --replica-report for the supervisor, which then stops the server
+    rather than start it again and again."""
     from nanovllm_tp.serving.engine_loop import EngineLoop
+    from nanovllm_tp.serving.replica_processes import NOT_STARTED
     index, commands, outputs = args.replica.split(",", 2)
     set_title(rank_title(0, index))
     os.environ[REPLICA_ENV] = index          # the ranks it spawns title themselves after it
     engine_threads(args)
     supervisor = os.getppid()
-    _run_replica(args, server, loras, f"replica {index}",
-                 lambda llm: EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras,
-                                        exit_when_dead=True))
+    serving = False
+
+    def loop_of(llm):
+        nonlocal serving
+        loop = EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras, exit_when_dead=True)
+        serving = True
+        return loop
+    try:
+        _run_replica(args, server, loras, f"replica {index}", loop_of)
+    except SystemExit as exc:
+        if serving or not isinstance(exc.code, str):    # 143: a SIGTERM while it loads (the server stops)
+            raise
+        why = exc.code.removeprefix(f"serve: replica {index}: ")
+    except Exception as exc:
+        if serving:
+            raise
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        return
+    why = " ".join(why.split())                      # one line, whatever the exception said
+    if not _report(args.replica_report, why):        # started by hand, or the server is gone: say it here
+        print(f"serve: replica {index} could not start: {why}", file=sys.stderr)
+    sys.exit(NOT_STARTED)
+
+
+def _report(path: str | None, why: str) -> bool:
+    """Whether `why` reached the supervisor's file."""
+    if path is None:
+        return False
+    try:
+        with open(path, "w") as f:
+            f.write(why)
+    except OSError:
+        return False
+    return True
 
 
 def serve_torchrun_rank(args, server: ServerConfig, loras) -> None:

@@ -2,6 +2,7 @@
 each knob's own check (knobs.check_knobs). Each settles what it checks in place: the model and trace paths made
 plain and absolute, max_model_len from the model, enforce_eager where CUDA graphs cannot run."""
 import os
+import re
 from dataclasses import fields
 
 LORA_KNOBS = ("max_loras", "max_lora_rank", "lora_dtype")     # meaningful with enable_lora only
@@ -17,6 +18,10 @@ def check_model_path(config) -> None:
         raise TypeError(f"model must be a path to a model directory, got {type(config.model).__name__}")
     config.model = os.fspath(config.model)
     if not (os.path.isdir(config.model) or (os.path.isfile(config.model) and config.model.endswith(".gguf"))):
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", config.model) and not os.path.exists(config.model):
+            raise ValueError(f"model {config.model!r} is not a local path, and Hugging Face hub ids are not "
+                             "resolved here (no downloads): download it first (e.g. huggingface-cli download "
+                             f"{config.model} --local-dir DIR) and give DIR")
         raise ValueError(f"model directory {config.model!r} does not exist (no downloads here: give a local "
                          "Hugging Face directory or .gguf file, or make one with python -m "
                          "nanovllm_tp.launch.make_tiny DIR)")

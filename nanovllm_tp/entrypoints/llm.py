@@ -126,6 +126,12 @@ class LLM:
                 raise ValueError("a resumed request's outputs are delta outputs: output_kind must be DELTA")
             resume = [check_resume(r, sp.n, len(token_ids), sp.max_tokens, self.config.max_model_len,
                                    self.config.model_config.vocab_size) for (_, token_ids), r in zip(items, resume)]
+            if sp.structured_outputs is not None:      # every grammar replayed before the first request is queued
+                compiled = self.grammars.compile(sp.structured_outputs)
+                for (_, token_ids), choices in zip(items, resume):
+                    for ch in choices:
+                        if error := compiled.new().advance(token_ids + ch.token_ids, len(token_ids)):
+                            raise ValueError(f"resumed completion {ch.index}: {error}")
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
         resume = resume or [None] * len(items)
         return [self._add(text, token_ids, sp, rid, incremental, rank, lora, resumed)
@@ -169,12 +175,11 @@ class LLM:
 
     def _resume(self, seqs: list[Sequence]) -> None:
         """Resumed completions (engine/resume.py) into the engine, each on its own: their grammars replay the
-        tokens so far (ValueError if a token leaves the language, before any is queued), their logprobs and
-        prompt logprobs went out with the first engine's outputs."""
+        tokens so far (add_requests checked that they can), their logprobs and prompt logprobs went out with the
+        first engine's outputs."""
         for seq in seqs:
-            if seq.grammar is not None and (error := seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)):
-                raise ValueError(f"resumed completion {seq.index}: {error}")
-        for seq in seqs:
+            if seq.grammar is not None:
+                seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
             seq.prompt_logprobs = None
             if seq.logprobs is not None:
                 seq.logprobs = [None] * seq.num_completion_tokens     # never sent again (delta outputs)

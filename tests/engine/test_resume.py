@@ -89,3 +89,25 @@ def test_a_resumed_request_must_be_a_delta_one(engines):
     _, second = engines
     with pytest.raises(ValueError, match="DELTA"):
         second.add_requests([PROMPT], SamplingParams(max_tokens=20), resume=[[ResumedChoice(0, [5])]])
+
+
+def test_a_resumed_structured_output_replays_its_grammar_and_stays_in_the_language(engines):
+    """A regex-constrained completion moved after 6 tokens: the new engine's matcher replays them, the answer goes
+    on equal to the undisturbed one and matches the pattern; tokens outside the language are refused."""
+    import re
+
+    from nanovllm_tp.sampling_params import StructuredOutputsParams
+    first, second = engines
+    pattern = r"(ab|cd|e ){6,12}z"
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=60, output_kind=RequestOutputKind.DELTA,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    whole = run_deltas(first, "regex", PROMPT, params)[0]
+    assert re.fullmatch(pattern, whole["text"])
+    ids = whole["ids"][:6]
+    rest = run_deltas(second, "regex-rest", PROMPT, params,
+                      [[ResumedChoice(0, ids, len(second.tokenizer.decode(ids)))]])[0]
+    assert ids + rest["ids"] == whole["ids"]
+    outside = second.tokenizer.encode("zzzz", add_special_tokens=False)
+    with pytest.raises(ValueError, match="resumed completion 0"):
+        second.add_requests([PROMPT], params, resume=[[ResumedChoice(0, outside)]])
+    assert not second.has_unfinished_requests()

@@ -24,6 +24,7 @@ import time
 
 from nanovllm_tp.launch.generate import build_llm
 from nanovllm_tp.launch.engine_server import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
+from nanovllm_tp.serving.replica_processes import NOT_STARTED, RANK_KILLED
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_title
@@ -88,7 +89,6 @@ def serve_replica(args, server: ServerConfig, loras) -> None:
     NOT_STARTED and one line of why, written to --replica-report for the supervisor, which then stops the server
     rather than start it again and again."""
     from nanovllm_tp.serving.engine_loop import EngineLoop
-    from nanovllm_tp.serving.replica_processes import NOT_STARTED
     index, commands, outputs = args.replica.split(",", 2)
     set_title(rank_title(0, index))
     os.environ[REPLICA_ENV] = index          # the ranks it spawns title themselves after it
@@ -192,6 +192,9 @@ def _run_replica(args, server: ServerConfig, loras, name: str, make_loop) -> Non
         if signals is not None:
             signals.finished()
     if loop is not None and loop.failed:
+        if loop.rank_killed:             # not this replica's own failure: the supervisor starts it again, uncounted
+            print(f"serve: {name}: {loop.failed}", file=sys.stderr)
+            sys.exit(RANK_KILLED)
         raise SystemExit(f"serve: {name}: {loop.failed}")
 
 

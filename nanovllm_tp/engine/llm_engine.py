@@ -2,6 +2,7 @@
 import atexit
 import contextlib
 import logging
+import signal
 import time
 import weakref
 
@@ -18,6 +19,7 @@ from nanovllm_tp.scheduler.micro_batches import MicroBatchScheduler
 from nanovllm_tp.utils import trace
 
 log = logging.getLogger("nanovllm_tp")
+KILLED_BY = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)   # exit codes of a process killed
 
 
 class LLMEngine:
@@ -27,6 +29,7 @@ class LLMEngine:
         _check_one_multi_rank_engine(config)
         self.config = config
         self.children, self.writer, self.dead, self._rendezvous, self.draft = [], None, None, None, None
+        self.rank_killed = False          # the engine stopped because a rank was killed from outside
         self.local_ranks, self.remote_ranks = [], []
         self._closed = False
         self.device, self.dtype = resolve_device_and_dtype(config)
@@ -249,9 +252,26 @@ class LLMEngine:
                 break
             time.sleep(0.05)
         self.dead = str(peer or exc)
+        self.rank_killed = peer is not None and self._killed(peer.rank)
         self.close()
         if peer is not None and peer is not exc:
             raise peer from exc
+
+    def _killed(self, rank: int) -> bool:
+        """Whether the rank at fault was killed from outside (kill -9, SIGTERM: an operator, the OOM killer) rather
+        than failing by itself (an error it reported, a crash): it died without a word, and, where this process
+        spawned it, by one of those signals."""
+        death = self.writer.silent_death()
+        if death is None or death.rank != rank:
+            return False
+        child = self.children[rank - 1] if 0 < rank <= len(self.children) else None
+        if child is None:
+            return True                  # a torchrun rank: how it ended is its agent's to know
+        try:
+            child.wait(timeout=1.0)
+        except Exception:
+            return False
+        return child.returncode in KILLED_BY
 
     def close(self) -> None:
         """Stop every rank: shutdown message first (idle workers leave at once), then this rank's graphs and

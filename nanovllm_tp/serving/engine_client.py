@@ -263,7 +263,7 @@ class EngineClient:
                     self._accepted_since_stats += error is None and future is not None
             elif op == "dead":        # a replica's reason names it: /health lists the replicas that are down
                 self.fail_all(msg["why"] if self.on_gone is None else f"{self.name}: {msg['why']}",
-                              msg.get("shutdown", False))
+                              msg.get("shutdown", False), msg.get("restart", False))
             elif op == "ready" and self.dead is not None:      # a replica up late, or restarted on the same sockets
                 (log.info if self._starting else log.warning)("%s is %s", self.name,
                                                               "ready" if self._starting else "back")
@@ -283,12 +283,14 @@ class EngineClient:
         if stream is not None:
             stream.put(out)
 
-    def fail_all(self, why: str, shutdown: bool = False) -> None:
-        """No request can be served any more: every open one ends with `why` (EngineDead)."""
+    def fail_all(self, why: str, shutdown: bool = False, restart: bool = False) -> None:
+        """No request can be served any more: every open one ends with `why` (EngineDead), or moves to another
+        replica (`rescue`) unless the whole server is shutting down. `restart`: a planned stop (a rolling restart),
+        logged as such."""
         if self.dead:
             return
         self.dead = why
-        (log.info if shutdown else log.error)("%s loop: %s", self.name, why)
+        (log.info if shutdown or restart else log.error)("%s loop: %s", self.name, why)
         exc = EngineDead(why)
         taken = set()
         if self.rescue is not None and not shutdown:

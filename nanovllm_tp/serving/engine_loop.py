@@ -68,6 +68,7 @@ class EngineLoop:
         self._keep_going = lambda: True
         self.exit_when_dead = exit_when_dead
         self.failed: str | None = None           # why the engine stopped, once it did
+        self.rank_killed = False                 # ... because one of its ranks was killed from outside
         adapters = [llm.loras.check(LoRARequest(name, i + 1, path)) for i, (name, path) in enumerate(loras)]
         self._ctx = zmq.Context()
         self._gate = None
@@ -136,15 +137,18 @@ class EngineLoop:
         """The engine stopped (a dead rank, a bug): the HTTP side is told, and fails every open request. Returns
         whether the loop ends here (a replica's process exits, to be started again)."""
         why = self.failed = f"the engine stopped: {exc}"
+        self.rank_killed = getattr(self.llm.engine, "rank_killed", False)
         log.error("engine loop: %s", why)
         self._send({"op": "dead", "why": why})
         return self.exit_when_dead
 
-    def stop(self, why: str) -> None:
-        """The server is going away: every open request ends with this error (the HTTP process answers 503).
-        Never blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing."""
+    def stop(self, why: str, restart: bool = False) -> None:
+        """The server is going away: every open request ends with this error (the HTTP process answers 503);
+        `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
+        blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing."""
+        msg = {"op": "dead", "why": why, "restart": True} if restart else {"op": "dead", "why": why, "shutdown": True}
         try:
-            self._outputs.send(wire.pack({"op": "dead", "why": why, "shutdown": True}), zmq.NOBLOCK)
+            self._outputs.send(wire.pack(msg), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 

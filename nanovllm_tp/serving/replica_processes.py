@@ -4,7 +4,10 @@ replica processes (`python -m nanovllm_tp.launch.serve ... --replica I,COMMANDS,
 every request to one replica (replica_set.py). It watches them:
 
 - a replica that dies is started again on the same sockets (--restart-dead-replicas) while the others serve, unless
-  that was its RESTART_LIMIT-th death within RESTART_WINDOW_S: a replica that keeps dying is left dead;
+  that was its RESTART_LIMIT-th failure within RESTART_WINDOW_S: a replica that keeps failing is left dead. A
+  replica killed from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP: an operator, the OOM killer; or one of its ranks
+  so killed, exit code RANK_KILLED) did not fail: it is started again whatever the count, since nothing in it
+  would fail the same way again. A crash (an error, SIGSEGV, SIGABRT, ...) counts;
 - a replica that exits before it ever served (exit code NOT_STARTED: its engine could not be built, whatever the
   cause) stops the server with its reason: started again, it would most likely fail the same way, over and over;
 - once every replica is left dead, the server stops too (`watch` says why), so that what supervises the command
@@ -25,6 +28,8 @@ log = logging.getLogger("nanovllm_tp")
 RESTART_LIMIT = 3             # a replica's deaths within RESTART_WINDOW_S after which it is left dead
 RESTART_WINDOW_S = 60.0
 NOT_STARTED = 3               # a replica's exit code when it failed before it served (launch/serve_replicas.py)
+RANK_KILLED = 4               # ... when its engine stopped because one of its ranks was killed from outside
+KILLED = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, RANK_KILLED)
 
 
 class ReplicaProcesses:
@@ -70,6 +75,10 @@ class ReplicaProcesses:
             unlink_by_prefix(f"nvtp_{proc.pid}_")       # what a killed replica could not remove itself
             if proc.returncode == NOT_STARTED:
                 return f"replica {i} could not start: {self._reason(i)}"
+            if self.restart and proc.returncode in KILLED:
+                log.warning("replica %d was killed (exit code %s): starting it again", i, proc.returncode)
+                self.start(i)
+                continue
             deaths = self.deaths[i] = [t for t in self.deaths[i] if now - t < RESTART_WINDOW_S] + [now]
             if not self.restart or len(deaths) >= RESTART_LIMIT:
                 self.given_up[i] = (f"exited with {proc.returncode} (--no-restart-dead-replicas)" if not self.restart

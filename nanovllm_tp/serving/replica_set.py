@@ -9,7 +9,8 @@ before its answer, a stream before its first chunk) run again from their start; 
 from what its client has (its prompt, and each unfinished completion's tokens and text so far: engine/resume.py),
 so that it goes on with no error and no repeated text. New requests go to the live replicas; while none is up,
 requests (new or moved) wait up to REPLICA_WAIT_S for one to come back, and only then end with the replicas'
-error (EngineDead, with their reasons). When the server
+error (EngineDead, with their reasons). A request that has moved MAX_MOVES times ends with its replica's error
+at the next stop: a request that crashes every engine it reaches must not take every replica down in turn. When the server
 restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix record in the
 router forgotten. Adapter loads and unloads go to every live replica.
 """
@@ -24,6 +25,7 @@ from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
 
 log = logging.getLogger("nanovllm_tp")
 REPLICA_WAIT_S = 60.0      # how long a request waits for a replica to come back while none is up
+MAX_MOVES = 3              # a request moved this often ends with its replica's error: it may be what kills them
 WAIT_POLL_S = 0.1
 
 
@@ -35,6 +37,7 @@ class Placed:
     params: SamplingParams
     priority: int
     lora: list | None
+    moves: int = 0          # times it moved off a replica that stopped under it
 
 
 class ReplicaSet:
@@ -128,7 +131,8 @@ class ReplicaSet:
                              f"{self.max_waiting}); try again later")
         return await self._place(request_ids, prompts, params, priority, lora)
 
-    async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None) -> list:
+    async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None,
+                     moves: int = 0) -> list:
         lora_id = lora[1] if lora else None
         tried = set(avoid)
         deadline = time.monotonic() + REPLICA_WAIT_S
@@ -154,7 +158,7 @@ class ReplicaSet:
             finally:
                 self._sent[replica] -= 1
             for rid, prompt in zip(request_ids, prompts):
-                self._owner[rid] = Placed(replica, prompt, params, priority, lora)
+                self._owner[rid] = Placed(replica, prompt, params, priority, lora, moves)
             if lora_id is not None:
                 self._loras[replica].add(lora_id)
             return streams
@@ -169,7 +173,7 @@ class ReplicaSet:
         taken = set()
         for rid, stream in streams.items():
             placed = self._owner.get(rid)
-            if placed is None:
+            if placed is None or placed.moves >= MAX_MOVES:     # a request that stops every replica it runs on
                 continue
             if not stream.read:
                 key = (placed.replica, id(placed.params), placed.priority, id(placed.lora))
@@ -192,7 +196,7 @@ class ReplicaSet:
         self._moving.update(ids)
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
-                              avoid=(placed.replica,), resume=resume)
+                              avoid=(placed.replica,), resume=resume, moves=placed.moves + 1)
             gone = self._abandoned.intersection(ids)      # their clients left while they moved
             self._moving.difference_update(ids)
             self._abandoned.difference_update(ids)

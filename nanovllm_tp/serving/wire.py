@@ -14,8 +14,10 @@ engine -> HTTP:  {"op": "ready", "model", "max_model_len", "loras"}  (first, onc
                                                                        validation's message)
                  {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle, at
                                                                        least every second)
-                 {"op": "dead", "why", ["shutdown": true]}            (the engine stopped, or the server is
-                                                                       going away; nothing more comes)
+                 {"op": "dead", "why", ["shutdown": true],            (the engine stopped, or the server is
+                  ["restart": true]}                                   going away, or this replica restarts
+                                                                       and its requests move; nothing more
+                                                                       comes)
 
 Sampling parameters travel as their constructor's fields (logit_bias keeps its int keys: maps are unpacked with
 any key type; structured_outputs as its fields' map) and are validated once on arrival, by LLM.add_requests;

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from nanovllm_tp.serving.replica_processes import NOT_STARTED, RESTART_LIMIT, RESTART_WINDOW_S, ReplicaProcesses
+from nanovllm_tp.serving.replica_processes import (NOT_STARTED, RANK_KILLED, RESTART_LIMIT, RESTART_WINDOW_S,
+                                                   ReplicaProcesses)
 from tests.helpers import GGUF_DIR
 from tests.procs import cmdline, descendants, free_port, python_cmd, segments_of, started, wait_gone
 from tests.serving.test_data_parallel import BACK_WITHIN, wait_all_ready
@@ -202,9 +203,10 @@ def test_a_server_whose_replicas_are_all_left_dead_exits_and_says_why(tiny_model
 
 
 @pytest.mark.slow
-def test_a_replica_killed_on_every_start_is_left_dead_after_its_third_death(tiny_model_dir, tmp_path):
-    """kill -9 of replica 0 each time it appears: after its third death within the window it is not started
-    again; replica 1 serves on (/health degraded), and SIGTERM still stops the server with 0."""
+def test_a_replica_that_crashes_on_every_start_is_left_dead_after_its_third_death(tiny_model_dir, tmp_path):
+    """Replica 0 crashes (SIGSEGV) each time it appears: after its third death within the window it is not started
+    again; replica 1 serves on (/health degraded), and SIGTERM still stops the server with 0. (A kill -9 is not a
+    crash: test_a_replica_killed_from_outside_is_always_started_again.)"""
     log = tmp_path / "serve.log"
     port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", stderr=open(log, "w"))
     with ctx as proc:
@@ -214,7 +216,7 @@ def test_a_replica_killed_on_every_start_is_left_dead_after_its_third_death(tiny
         while len(killed) < RESTART_LIMIT and time.monotonic() < deadline:
             for pid in replica_pids(proc.pid, 0):
                 if pid not in killed:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGSEGV)
                     killed.append(pid)
             time.sleep(0.02)
         assert len(killed) == RESTART_LIMIT, "replica 0 was not started again after its first deaths"
@@ -289,3 +291,38 @@ def test_without_restarts_the_first_death_leaves_a_replica_dead(tmp_path):
     restarted, why = ExitingReplicas(str(tmp_path), 1, restart=False).deaths_at([0.0])
     assert restarted == [False]
     assert why == "no replica could be kept running: replica 0 exited with 1 (--no-restart-dead-replicas)"
+
+
+@pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGTERM, RANK_KILLED])
+def test_a_replica_killed_from_outside_is_always_started_again(tmp_path, code):
+    """kill -9 / SIGTERM of a replica, or of one of its ranks (RANK_KILLED), is not a failure of its own: started
+    again at every death, however many, so that an operator's (or a chaos test's) kills never leave it dead. A
+    crash (SIGSEGV) counts toward the limit."""
+    replicas = ExitingReplicas(str(tmp_path), 0)
+    replicas.command = lambda i: [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), {-code})"] \
+        if code < 0 else [sys.executable, "-c", f"import sys; sys.exit({code})"]
+    restarted, why = replicas.deaths_at([0.0, 1.0, 2.0, 3.0, 4.0])
+    assert restarted == [True] * 5 and why is None
+    replicas.kill()
+    crashing = ExitingReplicas(str(tmp_path), 0)
+    crashing.command = lambda i: [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    restarted, why = crashing.deaths_at([0.0, 1.0, 2.0])
+    assert restarted == [True, True, False] and "died 3 times" in why
+
+
+def test_an_engine_whose_rank_was_killed_says_so_and_one_that_failed_does_not(tiny_model_dir):
+    """The replica's exit code RANK_KILLED rests on LLMEngine.rank_killed: true after kill -9 of rank 1, false
+    after the rank died by a crash (SIGSEGV)."""
+    from nanovllm_tp import LLM
+    for sig, killed in ((signal.SIGKILL, True), (signal.SIGSEGV, False)):
+        llm = LLM(tiny_model_dir, tensor_parallel_size=2, kv_cache_memory=16 << 20)
+        try:
+            os.kill(llm.engine.children[0].pid, sig)
+            deadline = time.monotonic() + 30
+            with pytest.raises(RuntimeError):
+                while time.monotonic() < deadline:
+                    llm.check_ranks()
+                    time.sleep(0.05)
+            assert llm.engine.rank_killed is killed
+        finally:
+            llm.close()

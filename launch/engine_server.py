@@ -77,6 +77,9 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
+        signal.signal(signal.SIGHUP, lambda signum, frame: logging.getLogger("nanovllm_tp").warning(
+            "SIGHUP: a rolling restart needs --data-parallel-size 2 or more (one engine has none to move its "
+            "requests to); ignored"))
         try:
             loop = EngineLoop(llm, commands, outputs, lambda: front is None or front.poll() is None, loras)
         except ValueError as exc:       # an adapter of --lora-modules

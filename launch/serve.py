@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     # file where it writes why it could not start
     parser.add_argument("--replica", help=argparse.SUPPRESS)
     parser.add_argument("--replica-report", help=argparse.SUPPRESS)
+    parser.add_argument("--replica-ready", help=argparse.SUPPRESS)
     return parser
 
 

@@ -25,6 +25,7 @@ import time
 from nanovllm_tp.launch.generate import build_llm
 from nanovllm_tp.launch.engine_server import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
 from nanovllm_tp.serving.replica_processes import NOT_STARTED, RANK_KILLED
+from nanovllm_tp.serving.rolling_restart import RollingRestart
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 from nanovllm_tp.utils.proctitle import PREFIX, REPLICA_ENV, rank_title, set_title
@@ -57,6 +58,8 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
     signals = StopSignals(server.shutdown_timeout + 2 * REPLICA_EXIT_S,
                           lambda: (replicas.kill(), stop_children([front], timeout=0),
                                    shutil.rmtree(rundir, ignore_errors=True)))
+    rolling = RollingRestart(replicas)
+    signal.signal(signal.SIGHUP, lambda signum, frame: rolling.request())
     why, unclean = None, {}
     try:
         replicas.start_all()
@@ -64,6 +67,7 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
             why = f"the HTTP process exited with {front.returncode}" if front.poll() is not None else replicas.watch()
             if why is not None:
                 break
+            rolling.step()
             time.sleep(WATCH_S)
     finally:
         if front.poll() is None:
@@ -92,6 +96,9 @@ def serve_replica(args, server: ServerConfig, loras) -> None:
     index, commands, outputs = args.replica.split(",", 2)
     set_title(rank_title(0, index))
     os.environ[REPLICA_ENV] = index          # the ranks it spawns title themselves after it
+    restart = []                             # SIGUSR1: the supervisor's rolling restart
+    signal.signal(signal.SIGUSR1, lambda signum, frame: restart.append(signum))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)     # a hang-up of the whole group is the supervisor's to handle
     engine_threads(args)
     supervisor = os.getppid()
     serving = False
@@ -100,9 +107,10 @@ def serve_replica(args, server: ServerConfig, loras) -> None:
         nonlocal serving
         loop = EngineLoop(llm, commands, outputs, lambda: os.getppid() == supervisor, loras, exit_when_dead=True)
         serving = True
+        _report(args.replica_ready, str(os.getpid()))
         return loop
     try:
-        _run_replica(args, server, loras, f"replica {index}", loop_of)
+        _run_replica(args, server, loras, f"replica {index}", loop_of, restart=lambda: bool(restart))
     except SystemExit as exc:
         if serving or not isinstance(exc.code, str):    # 143: a SIGTERM while it loads (the server stops)
             raise
@@ -119,13 +127,13 @@ def serve_replica(args, server: ServerConfig, loras) -> None:
     sys.exit(NOT_STARTED)
 
 
-def _report(path: str | None, why: str) -> bool:
-    """Whether `why` reached the supervisor's file."""
+def _report(path: str | None, text: str) -> bool:
+    """Whether `text` reached the supervisor's file (why the replica could not start; its pid once it serves)."""
     if path is None:
         return False
     try:
         with open(path, "w") as f:
-            f.write(why)
+            f.write(text)
     except OSError:
         return False
     return True
@@ -171,8 +179,9 @@ def serve_torchrun_rank(args, server: ServerConfig, loras) -> None:
         raise
 
 
-def _run_replica(args, server: ServerConfig, loras, name: str, make_loop) -> None:
-    """A replica's engine and loop (`make_loop(llm)`), until SIGTERM or until its HTTP process is gone."""
+def _run_replica(args, server: ServerConfig, loras, name: str, make_loop, restart=lambda: False) -> None:
+    """A replica's engine and loop (`make_loop(llm)`), until SIGTERM, until its HTTP process is gone, or until
+    `restart()` (then its open requests move to the other replicas, and it exits 0 to be started again)."""
     llm, loop, signals = None, None, None
     try:
         llm = build_llm(args)
@@ -181,9 +190,11 @@ def _run_replica(args, server: ServerConfig, loras, name: str, make_loop) -> Non
             loop = make_loop(llm)
         except ValueError as exc:       # an adapter of --lora-modules
             raise SystemExit(f"serve: {name}: --lora-modules: {exc}") from None
-        loop.run(lambda: not signals.received)
+        loop.run(lambda: not signals.received and not restart())
         if signals.received:
             loop.stop(f"{name} is shutting down ({signal.Signals(signals.received[0]).name})")
+        elif restart():
+            loop.stop(f"{name} is restarting", restart=True)
     finally:
         if loop is not None:
             loop.close()

@@ -72,6 +72,7 @@ def replica_curves(commands: list[str]) -> list:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)     # SIGHUP is the command's (a rolling restart), never a stop here
     config = args.config
     config.api_key = envs.get("NANOVLLM_TP_API_KEY") or None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -13,7 +13,9 @@ every request to one replica (replica_set.py). It watches them:
 - once every replica is left dead, the server stops too (`watch` says why), so that what supervises the command
   (systemd, Kubernetes) sees it fail and can start it anew, rather than an endpoint answering 503 for ever.
 
-The HTTP process's death, or SIGTERM, stops them all.
+A rolling restart (SIGHUP to the command: serve_replicas.RollingRestart) restarts the serving replicas one at a
+time: each gets SIGUSR1, hands its open requests to the others (they resume there) and exits 0, and is started
+again; the next goes once it serves. The HTTP process's death, or SIGTERM, stops them all.
 """
 import logging
 import os
@@ -49,10 +51,32 @@ class ReplicaProcesses:
     def report_path(self, i: int) -> str:
         return os.path.join(self.rundir, f"replica-{i}.failed")
 
+    def ready_path(self, i: int) -> str:
+        """Where replica i writes its pid once it serves (the rolling restart waits for it)."""
+        return os.path.join(self.rundir, f"replica-{i}.ready")
+
+    def serving(self, i: int) -> bool:
+        """Whether replica i's current process has said it serves."""
+        proc = self.procs[i]
+        try:
+            with open(self.ready_path(i)) as f:
+                return proc is not None and proc.poll() is None and f.read().strip() == str(proc.pid)
+        except OSError:
+            return False
+
+    def restart_one(self, i: int) -> bool:
+        """A planned restart of a serving replica (SIGUSR1: it moves its requests to the others and exits 0; watch
+        starts it again). False if it is not running."""
+        proc = self.procs[i]
+        if i in self.given_up or proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(signal.SIGUSR1)
+        return True
+
     def command(self, i: int) -> list[str]:
         commands, outputs = self.endpoints[i]
         cmd = [sys.executable, "-m", "nanovllm_tp.launch.serve", *self.argv, "--replica", f"{i},{commands},{outputs}",
-               "--replica-report", self.report_path(i)]
+               "--replica-report", self.report_path(i), "--replica-ready", self.ready_path(i)]
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
         return cmd
@@ -75,6 +99,10 @@ class ReplicaProcesses:
             unlink_by_prefix(f"nvtp_{proc.pid}_")       # what a killed replica could not remove itself
             if proc.returncode == NOT_STARTED:
                 return f"replica {i} could not start: {self._reason(i)}"
+            if proc.returncode == 0:          # a planned restart (restart_one): not a death
+                log.info("replica %d stopped to restart: starting it again", i)
+                self.start(i)
+                continue
             if self.restart and proc.returncode in KILLED:
                 log.warning("replica %d was killed (exit code %s): starting it again", i, proc.returncode)
                 self.start(i)
@@ -103,8 +131,10 @@ class ReplicaProcesses:
     def stop(self, timeout: float) -> dict[int, int]:
         """SIGTERM to every live replica (each stops between two steps, and cuts a step that does not end within
         its --shutdown-timeout short itself), then SIGKILL to what is left after `timeout`. Returns the replicas
-        that did not stop cleanly, with their exit codes (-9: killed here)."""
+        that did not stop cleanly, with their exit codes (-9: killed here); a replica still loading, which a SIGTERM
+        ends with -15 or 143 before it has anything to stop, stopped cleanly."""
         live = {i: p for i, p in enumerate(self.procs) if p is not None and p.poll() is None}
+        loading = {i for i in live if not self.serving(i)}     # a SIGTERM while it loads ends it as it may
         for p in live.values():
             p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -115,7 +145,8 @@ class ReplicaProcesses:
                 p.kill()
                 p.wait()
             unlink_by_prefix(f"nvtp_{p.pid}_")
-        return {i: p.returncode for i, p in live.items() if p.returncode != 0}
+        return {i: p.returncode for i, p in live.items()
+                if p.returncode != 0 and not (i in loading and p.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM))}
 
     def kill(self) -> None:
         for p in self.procs:

@@ -44,10 +44,13 @@ class StopSignals:
             self._watcher.join(60)
 
     def _watch(self) -> None:
-        try:
-            self._wake.recv(1)
-        except OSError:
-            return
+        while True:                 # every signal with a Python handler writes its number here: wait for ours
+            try:
+                signum = self._wake.recv(1)
+            except OSError:
+                return
+            if not signum or signum[0] in (signal.SIGTERM, signal.SIGINT):
+                break
         if self.done.wait(self._timeout):
             return
         self._cutting.set()

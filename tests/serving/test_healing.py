@@ -271,3 +271,74 @@ def test_a_stream_survives_the_death_of_its_replica(tiny_model_dir, invariant_ll
         assert texts == {c.index: c.text for c in want.outputs}
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert re.search(r'nanovllm_tp:router_requests_resumed_total\{model_name="tiny"\} 1\.0', text), text
+
+
+def replica_pids(root: int) -> dict[int, int]:
+    out = {}
+    for pid in descendants(root):
+        found = re.match(r"nanovllm_tp::dp(\d+)::tp0\b", cmdline(pid))
+        if found:
+            out[int(found.group(1))] = pid
+    return out
+
+
+def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_model_dir, invariant_llm):
+    """-dp 2 --batch-invariant under 8 streams: SIGHUP to the server restarts replica 0, then replica 1 (new
+    processes, one at a time); every request completes, each answer equal to the undisturbed engine's, and the
+    streams running on a restarting replica are resumed on the other."""
+    from nanovllm_tp import SamplingParams
+    from nanovllm_tp.bench import chaos
+    want = {p: o.outputs[0].text for p, o in zip(chaos.PROMPTS, invariant_llm.generate(
+        chaos.PROMPTS, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False))}
+    log = f"/tmp/nvtp-test-sighup-{os.getpid()}"
+    with open(log, "w+") as err:
+        port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--batch-invariant",
+                                 "--max-model-len", "1024", stderr=err)
+        with ctx as proc:
+            wait_all_ready(port, proc)
+            before = replica_pids(proc.pid)
+            streams = chaos.Streams(f"http://127.0.0.1:{port}/v1", 8, 300, want)
+            streams.start()
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and "every replica restarted" not in open(log).read():
+                time.sleep(0.2)
+            time.sleep(1.0)
+            streams.stop.set()
+            assert streams.join(300)
+            after = replica_pids(proc.pid)
+            resumed = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            pids = [proc.pid, *descendants(proc.pid)]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+            assert wait_gone(pids, 30) is not None
+        err.seek(0)
+        text = err.read()
+    os.unlink(log)
+    assert "rolling restart: every replica restarted" in text, text[-3000:]
+    assert text.index("replica 0 stops") < text.index("replica 0 serves again") < text.index("replica 1 stops")
+    assert sorted(after) == [0, 1] and all(after[i] != before[i] for i in (0, 1))
+    results = streams.results
+    assert len(results) > 8 and all(r["ok"] for r in results), [r["why"] for r in results if not r["ok"]][:5]
+    assert all(r["equal"] for r in results)
+    moved = sum(float(v) for v in re.findall(r'router_requests_(?:resumed|resubmitted)_total\{[^}]*\} (\S+)', resumed))
+    assert moved >= 1
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_sighup_to_a_one_engine_server_is_ignored_with_a_line(tiny_model_dir):
+    log = f"/tmp/nvtp-test-sighup1-{os.getpid()}"
+    with open(log, "w+") as err:
+        port, ctx = start_server(tiny_model_dir, stderr=err)
+        with ctx as proc:
+            wait_ready(port, proc)
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(1.0)
+            assert proc.poll() is None
+            assert client(port, "none").completions.create(model="tiny", prompt="hi",
+                                                           max_tokens=4).usage.completion_tokens == 4
+        err.seek(0)
+        text = err.read()
+    os.unlink(log)
+    assert "SIGHUP: a rolling restart needs --data-parallel-size 2 or more" in text

@@ -155,7 +155,12 @@ def _run_worker(config: EngineConfig) -> int:
         if exc.code != 128 + signal.SIGTERM:
             raise
         return exc.code
-    except BaseException:
+    except BaseException as exc:
+        gone = reader.writer_gone() if reader is not None else None
+        if gone is not None:         # rank 0 died: what failed here followed from it, one line says so
+            sys.stderr.write(f"[nanovllm_tp worker rank {os.environ.get('RANK')}] rank 0 is gone ({gone}); "
+                             f"exiting ({type(exc).__name__}: {exc})\n")
+            return 1
         text = traceback.format_exc()
         if reader is not None:
             reader.report_error(text)

@@ -126,6 +126,13 @@ class PlanReader:
             self._fail(f"no heartbeat from writer for {now - self._last_alive:.1f} s")
         return None
 
+    def writer_gone(self) -> str | None:
+        """Why rank 0 is known to be gone (its process died), or None: a failure of this rank that follows from it
+        (a collective with the dead rank) is its consequence, not an error of its own."""
+        if self._writer_pid is not None and proc_start_time(self._writer_pid) != self._writer_start:
+            return f"writer process {self._writer_pid} died"
+        return None
+
     def _clean_up_after_dead_writer(self) -> None:
         """A dead writer cannot unlink its segments any more: its ring and overflow segments and its shm
         all-reduce, all named ``nvtp_<writer pid>_*``. Checked whenever this rank finds it dead, on close, and at

@@ -48,7 +48,8 @@ class ApiKeyCheck:
 def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name, tokenizer = model.name, model.tokenizer
-    metrics = ServingMetrics(engine.labelled_stats, model_name, engine if hasattr(engine, "router") else None)
+    metrics = ServingMetrics(engine.labelled_stats, model_name, engine if hasattr(engine, "router") else None,
+                             model.max_model_len)
     engine.on_finished = metrics.on_finished
     encoder = PromptEncoder(tokenizer, model.max_model_len)
 
@@ -63,6 +64,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
     app = FastAPI(title="nanovllm_tp", version=VERSION, lifespan=lifespan, default_response_class=FiniteJSONResponse,
                   **docs)
     app.state.engine = engine
+    app.state.metrics = metrics          # the stats line's token totals (frontend.py)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):

@@ -28,6 +28,7 @@ from nanovllm_tp.serving.engine_client import EngineClient
 from nanovllm_tp.serving.replica_link import client_keys, is_remote
 from nanovllm_tp.serving.replica_set import ReplicaSet
 from nanovllm_tp.serving.server_config import ServerConfig
+from nanovllm_tp.serving.stats_log import StatsLogger
 from nanovllm_tp.utils.proctitle import PREFIX, set_title
 
 PARENT_CHECK_S = 0.5
@@ -126,8 +127,12 @@ def main(argv=None) -> None:
                                                                  log_level=config.log_level,
                                                                  timeout_graceful_shutdown=1))
         server.handle_exit = ending(server.handle_exit, engine, asyncio.get_running_loop())
+        logging_stats = None if config.disable_log_stats else \
+            asyncio.ensure_future(StatsLogger(engine.labelled_stats, app.state.metrics.token_totals).run())
         await state["server"].serve()
         watching.cancel()
+        if logging_stats is not None:
+            logging_stats.cancel()
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run())

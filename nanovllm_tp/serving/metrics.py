@@ -1,15 +1,58 @@
-"""Prometheus metrics of a serving engine (`GET /metrics`), with vLLM's metric names under our prefix.
+"""Prometheus metrics of a serving engine (`GET /metrics`): vLLM's metric names, each served twice, under our
+prefix (`nanovllm_tp:`, what this server always served) and under vLLM's (`vllm:`), so that vLLM's dashboards and
+alerts read this server unchanged. Each metric is declared once, under our prefix; `_VllmNames` serves the copy.
+The router's figures (data parallelism) have no vLLM counterpart and keep our prefix only.
 
 Queue sizes, KV-cache usage and preemptions are the scheduler's figures as of the engine's last message (it sends
 them with every step's outputs, and when idle after adds and aborts); token counters and latency histograms are
 fed by every finished request.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "nanovllm_tp:"
+VLLM_PREFIX = "vllm:"
+# vLLM's other names for one of ours, served under its prefix too. Our TPOT is each request's mean time per output
+# token after the first (vLLM's request_time_per_output_token_seconds); vLLM's inter_token_latency_seconds and its
+# older time_per_output_token_seconds observe every gap between two tokens instead: the same unit and, on a
+# dashboard, the same meaning, with long requests weighing more.
+VLLM_ALSO = {"time_per_output_token_seconds": ("inter_token_latency_seconds",
+                                               "request_time_per_output_token_seconds")}
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets of a per-request token count: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """A copy of a collected metric family under another name (its samples' suffixes kept: _total, _bucket)."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return copy
+
+
+class _VllmNames:
+    """Every metric of `declared` (a registry of metrics named under PREFIX), served under PREFIX and again under
+    VLLM_PREFIX (with VLLM_ALSO's other names): one declaration, one value, two names."""
+    def __init__(self, declared: CollectorRegistry):
+        self.declared = declared
+
+    def collect(self):
+        families = list(self.declared.collect())
+        yield from families
+        for family in families:
+            base = family.name.removeprefix(PREFIX)
+            for name in (base, *VLLM_ALSO.get(base, ())):
+                yield _renamed(family, VLLM_PREFIX + name)
 
 
 class _SchedulerCollector:
@@ -81,36 +124,54 @@ class _RouterCollector:
 
 
 class ServingMetrics:
-    def __init__(self, stats, model_name: str, replicas=None):
+    def __init__(self, stats, model_name: str, replicas=None, max_model_len: int = 1 << 20):
         """`stats()`: the engines' figures as EngineClient.labelled_stats gives them; `replicas`: a data-parallel
-        server's ReplicaSet (the router's counters, the replicas up)."""
+        server's ReplicaSet (the router's counters, the replicas up); `max_model_len`: the top of the token-count
+        histograms' buckets."""
+        declared = CollectorRegistry()          # vLLM's names under our prefix: served under both (_VllmNames)
+        declared.register(_SchedulerCollector(stats, model_name))
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(stats, model_name))
+        self.registry.register(_VllmNames(declared))
         if replicas is not None:
             self.registry.register(_RouterCollector(replicas, model_name))
         labels = ["model_name"]
         self.model_name = model_name
+        self.num_prompt_tokens = self.num_generation_tokens = 0     # the counters' totals, for the stats line
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=self.registry)
+                                     registry=declared)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=self.registry)
+                                         labels, registry=declared)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                labels + ["finished_reason"], registry=declared)
+        self.prompt_lengths = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per finished request.",
+                                        labels, buckets=token_buckets(max_model_len), registry=declared)
+        self.generation_lengths = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per finished "
+                                            "request (all its completions).", labels,
+                                            buckets=token_buckets(max_model_len), registry=declared)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              buckets=_LATENCY_BUCKETS, registry=declared)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the "
-                              "first, per request.", labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              "first, per request.", labels, buckets=_LATENCY_BUCKETS, registry=declared)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+                             buckets=_LATENCY_BUCKETS, registry=declared)
+
+    def token_totals(self) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) of every request finished so far (stats_log.py's throughput)."""
+        return self.num_prompt_tokens, self.num_generation_tokens
 
     def on_finished(self, out) -> None:
         """Count one finished request (an embedding: its prompt tokens, and "stop" unless it was aborted)."""
         m = getattr(out, "metrics", None)
-        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+        prompt = len(out.prompt_token_ids)
+        self.num_prompt_tokens += prompt
+        self.prompt_tokens.labels(self.model_name).inc(prompt)
+        self.prompt_lengths.labels(self.model_name).observe(prompt)
         if m is None:
             self.requests.labels(self.model_name, "stop" if out.outputs.embedding else "abort").inc()
             return
+        self.num_generation_tokens += m.num_generation_tokens
         self.generation_tokens.labels(self.model_name).inc(m.num_generation_tokens)
+        self.generation_lengths.labels(self.model_name).observe(m.num_generation_tokens)
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
         self.requests.labels(self.model_name, reason).inc()
         if m.ttft is not None:

@@ -45,6 +45,8 @@ class ServerConfig:
                                                    "(vLLM's parsers: qwen3, deepseek_r1)",
                                         choices=tuple(PARSERS))
     disable_fastapi_docs: bool = knob(False, help="no /docs, /redoc or /openapi.json")
+    disable_log_stats: bool = knob(False, help="no stats line in the log (by default one every 10 s while requests "
+                                               "run: throughput, queues, KV cache, prefix cache hit rate)")
     # LoRA adapters (with the engine's --enable-lora)
     lora_modules: list | None = knob(None, help="LoRA adapters served by name, as vLLM's: NAME=PATH or a JSON "
                                                 "object {\"name\": ..., \"path\": ...}; a request picks one by its "

@@ -1,6 +1,7 @@
 """The HTTP layer: the FastAPI app of the OpenAI API over an EngineClient (in the HTTP process): its error
 handlers, its ASGI guards (API key, body size), the server's own routes (health, version, metrics, models), and the
-route files: generate_routes.py (completions, chat), prompt_routes.py (embeddings, tokenize), lora_routes.py.
+route files: generate_routes.py (completions, chat), responses_routes.py (the Responses API), prompt_routes.py
+(embeddings, tokenize), lora_routes.py.
 Handlers only validate (limits.py), tokenize in worker threads (inputs.py), submit and await their requests'
 outputs (delivery.py); a client that goes away has every request of its own aborted."""
 import contextlib
@@ -21,6 +22,7 @@ from nanovllm_tp.serving.metrics import ServingMetrics
 from nanovllm_tp.serving.prompt_routes import add_prompt_routes
 from nanovllm_tp.serving.responses import (ApiError, FiniteJSONResponse, error_response, is_json, unreadable_body,
                                           validation_message)
+from nanovllm_tp.serving.responses_routes import add_responses_routes
 from nanovllm_tp.serving.route_context import RouteContext, ServedModel
 from nanovllm_tp.serving.server_config import ServerConfig
 
@@ -112,6 +114,11 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
                                  "down": [r["why"] for r in states() if not r["alive"]]})
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check, which vLLM serves too: /health's answer."""
+        return await health()
+
     @app.get("/version")
     async def version():
         return {"version": VERSION}
@@ -128,5 +135,6 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
                                            *adapters.model_entries(model_name, model.max_model_len)]}
 
     add_generate_routes(app, ctx)
+    add_responses_routes(app, ctx)
     add_prompt_routes(app, ctx)
     return app

@@ -2,6 +2,7 @@
 
     python -m nanovllm_tp.launch.generate --prompt "The quick brown fox"
     ./torchrun.sh 2 -m nanovllm_tp.launch.generate --tp 2 --model DIR --prompt "..." --prompt "..."
+    python -m nanovllm_tp.launch.generate --model HuggingFaceTB/SmolLM2-135M-Instruct --chat --prompt "Hi"
 
 Without --model it uses the embedded tiny checkpoint (random weights, made offline on first use), so the
 output is fluent nonsense: it shows the engine working, not a language model.
@@ -13,14 +14,25 @@ from nanovllm_tp import LLM, SamplingParams
 from nanovllm_tp.config.engine_config import EngineConfig, add_engine_args, engine_kwargs
 
 
+def local_model(args) -> str:
+    """The local path of a command's --model, resolved once per command and kept on `args` (args.model stays what
+    the user typed, the name serve answers to): a Hugging Face hub id found in the cache or downloaded there
+    (checkpoint/hub.py), before any rank starts; without --model, the tiny checkpoint. ValueError when the id
+    cannot be had."""
+    if getattr(args, "resolved_model", None) is None:
+        if args.model is None:
+            from nanovllm_tp.launch.make_tiny import ensure_tiny
+            args.resolved_model = str(ensure_tiny())
+        else:
+            from nanovllm_tp.checkpoint.hub import resolve_model
+            args.resolved_model = resolve_model(args.model, args.revision, args.download_dir)
+    return args.resolved_model
+
+
 def _llm_kwargs(args) -> dict:
-    """LLM's keywords from a command's parsed engine flags (add_engine_args); without --model, the tiny
-    checkpoint."""
-    kwargs = engine_kwargs(args)
-    if kwargs["model"] is None:
-        from nanovllm_tp.launch.make_tiny import ensure_tiny
-        kwargs["model"] = str(ensure_tiny())
-    return kwargs
+    """LLM's keywords from a command's parsed engine flags (add_engine_args), the model a local path
+    (local_model)."""
+    return {**engine_kwargs(args), "model": local_model(args)}
 
 
 def build_llm(args) -> LLM:
@@ -29,12 +41,12 @@ def build_llm(args) -> LLM:
 
 
 def refuse_bad_engine_args(command: str, args) -> None:
-    """What the engine flags and the model's config files decide alone (a missing model, heads the TP size does
-    not divide, a feature pipeline stages do not run), checked as LLM(...) would check it but before any rank
-    starts and without reading a weight: a user's error is one line, `COMMAND: why`, and exit code 2
-    (argparse's), not a traceback from inside the engine."""
-    kwargs = _llm_kwargs(args)
+    """What the engine flags and the model's config files decide alone (a missing model or hub id, heads the TP
+    size does not divide, a feature pipeline stages do not run), checked as LLM(...) would check it but before any
+    rank starts and without reading a weight: a user's error is one line, `COMMAND: why`, and exit code 2
+    (argparse's), not a traceback from inside the engine. A hub id is resolved here, once (local_model)."""
     try:
+        kwargs = _llm_kwargs(args)
         EngineConfig.from_kwargs(kwargs.pop("model"), **kwargs).validate()
     except (ValueError, TypeError) as exc:
         print(f"{command}: {exc}", file=sys.stderr)

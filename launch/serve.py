@@ -7,6 +7,11 @@ talk over ZMQ on local sockets in a directory only this user can enter.
     python -m nanovllm_tp.launch.serve --model DIR --port 8000 --api-key KEY
     ./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 --model DIR     # rank 0 serves HTTP, rank 1 plans
     python -m nanovllm_tp.launch.serve --model DIR -dp 2               # two replicas, one endpoint
+    nanovllm-tp serve HuggingFaceTB/SmolLM2-135M-Instruct               # a hub id: the HF cache, else downloaded
+
+A Hugging Face hub id (org/name, org/name:Q4_K_M for one GGUF file) is resolved once, by this process, before any
+rank or replica starts (nanovllm_tp/checkpoint/hub.py; under torchrun every rank runs this command and resolves it
+from its node's cache); the server answers to the id as typed unless --served-model-name says otherwise.
 
 With --data-parallel-size D the processes are those of launch/serve_replicas.py, on one node or under torchrun.
 
@@ -34,7 +39,7 @@ import sys
 from nanovllm_tp import envs
 from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.engine_server import engine_threads, serve_engine, serve_plans
-from nanovllm_tp.launch.generate import refuse_bad_engine_args
+from nanovllm_tp.launch.generate import local_model, refuse_bad_engine_args
 from nanovllm_tp.serving.server_config import add_server_args, lora_modules, server_config
 from nanovllm_tp.utils.proctitle import PREFIX, rank_title, set_title
 
@@ -82,7 +87,9 @@ def main(argv=None) -> None:
     elif server.data_parallel_size > 1 and launched_by_torchrun():
         serve_replicas.serve_torchrun_rank(args, server, loras)
     elif server.data_parallel_size > 1:
-        serve_replicas.serve_replicas(args, server, argv)
+        # the replicas load what this process resolved (a hub id's snapshot, fetched once, here), never the hub
+        # themselves: the last --model of a command line wins
+        serve_replicas.serve_replicas(args, server, [*argv, "--model", local_model(args)] if args.model else argv)
     elif int(os.environ.get("RANK", "0")) != 0:
         engine_threads(args)
         set_title(rank_title(int(os.environ["RANK"])))

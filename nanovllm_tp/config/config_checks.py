@@ -1,9 +1,11 @@
 """EngineConfig's checks that read more than one knob, a file or the model: what EngineConfig.validate runs beside
-each knob's own check (knobs.check_knobs). Each settles what it checks in place: the model and trace paths made
-plain and absolute, max_model_len from the model, enforce_eager where CUDA graphs cannot run."""
+each knob's own check (knobs.check_knobs). Each settles what it checks in place: the model made a local path (a
+hub id resolved, checkpoint/hub.py), the trace path plain and absolute, max_model_len from the model, enforce_eager
+where CUDA graphs cannot run."""
 import os
-import re
 from dataclasses import fields
+
+from nanovllm_tp.config.knobs import check_value
 
 LORA_KNOBS = ("max_loras", "max_lora_rank", "lora_dtype")     # meaningful with enable_lora only
 
@@ -14,16 +16,22 @@ def lora_defaults(config) -> dict:
 
 
 def check_model_path(config) -> None:
+    """The model as a local path: a directory or .gguf file as given, else a Hugging Face hub id resolved through
+    huggingface_hub (checkpoint/hub.py: the cache, a download where missing) at `revision`, in `download_dir`."""
     if not isinstance(config.model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path to a model directory, got {type(config.model).__name__}")
+        raise TypeError(f"model must be a path to a model directory or a Hugging Face hub id, got "
+                        f"{type(config.model).__name__}")
     config.model = os.fspath(config.model)
+    declared = {f.name: f for f in fields(config)}
+    for name in ("revision", "download_dir"):         # read below, before check_knobs runs
+        check_value(name, getattr(config, name), declared[name])
+    if config.download_dir is not None:
+        config.download_dir = os.path.abspath(os.path.expanduser(os.fspath(config.download_dir)))
+    from nanovllm_tp.checkpoint.hub import resolve_model
+    config.model = resolve_model(config.model, config.revision, config.download_dir)
     if not (os.path.isdir(config.model) or (os.path.isfile(config.model) and config.model.endswith(".gguf"))):
-        if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", config.model) and not os.path.exists(config.model):
-            raise ValueError(f"model {config.model!r} is not a local path, and Hugging Face hub ids are not "
-                             "resolved here (no downloads): download it first (e.g. huggingface-cli download "
-                             f"{config.model} --local-dir DIR) and give DIR")
-        raise ValueError(f"model directory {config.model!r} does not exist (no downloads here: give a local "
-                         "Hugging Face directory or .gguf file, or make one with python -m "
+        raise ValueError(f"model directory {config.model!r} does not exist (give a local Hugging Face directory or "
+                         ".gguf file, a Hugging Face hub id such as org/name, or make one with python -m "
                          "nanovllm_tp.launch.make_tiny DIR)")
 
 

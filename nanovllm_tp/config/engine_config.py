@@ -29,8 +29,15 @@ def _env_flag(name: str):
 class EngineConfig:
     """Every engine knob, declared once: LLM(model, **kw) takes these names, and every command's engine flags
     are made from them (knobs.py)."""
-    model: str = knob(help="Hugging Face model directory, .gguf file or directory holding one (commands: default "
-                           "the embedded tiny checkpoint)", path=True)
+    model: str = knob(help="Hugging Face model directory, .gguf file or directory holding one, or a Hugging Face "
+                           "hub id (org/name; org/name:Q4_K_M or org/name:FILE.gguf for one GGUF file of a repo), "
+                           "found in huggingface_hub's cache or downloaded there (HF_HUB_OFFLINE=1: the cache "
+                           "only); commands: default the embedded tiny checkpoint", path=True)
+    revision: str | None = knob(None, help="with a hub id as model: the branch, tag or commit hash to use (default: "
+                                           "main)")
+    download_dir: str | None = knob(None, help="with a hub id as model: the huggingface_hub cache directory to look "
+                                               "in and download to (default: huggingface_hub's, $HF_HUB_CACHE or "
+                                               "$HF_HOME/hub)", path=True)
     tensor_parallel_size: int = knob(1, help="tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp", "--tp"),
                                      minimum=1)
     pipeline_parallel_size: int = knob(1, help="pipeline stages: each holds a contiguous range of the decoder layers "

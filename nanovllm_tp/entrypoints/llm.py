@@ -28,7 +28,8 @@ log = logging.getLogger("nanovllm_tp")
 
 class LLM:
     def __init__(self, model, **kwargs):
-        """`model`: a Hugging Face directory or .gguf file; `kwargs`: any EngineConfig knob (config.py lists them,
+        """`model`: a Hugging Face directory, a .gguf file, or a hub id (`org/name`, `org/name:Q4_K_M`; resolved
+        through huggingface_hub's cache: docs/models.md); `kwargs`: any EngineConfig knob (config.py lists them,
         with vLLM's names where vLLM has one). Unknown names are refused with the closest knob."""
         config = EngineConfig.from_kwargs(model, **kwargs)
         config.validate()

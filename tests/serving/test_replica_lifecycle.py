@@ -99,8 +99,7 @@ REFUSALS = {    # id: (model, flags, what the line names)
     "dp2-tp2-on-3-heads": ("heads3", ["-dp", "2", "-tp", "2"],
                            "tensor_parallel_size=2 must divide num_attention_heads=3"),
     "missing-path": ("missing", [], "does not exist"),
-    "hub-id": ("HuggingFaceTB/SmolLM2-135M-Instruct", [], "is not a local path, and Hugging Face hub ids are not "
-                                                           "resolved"),
+    "hub-id": ("HuggingFaceTB/SmolLM2-135M-Instruct", [], "is not in the cache (HF_HUB_OFFLINE=1"),   # empty cache
     "pp2-speculative": ("tiny", ["-pp", "2", "--speculative-config", NGRAM], "speculative decoding"),
     "pp2-lora": ("tiny", ["-pp", "2", "--enable-lora"], "LoRA adapters (enable_lora=True) is not implemented"),
     "pp2-batch-invariant": ("tiny", ["-pp", "2", "--batch-invariant"], "batch invariance"),
@@ -117,7 +116,8 @@ def refused(command: str, model: str, flags: list[str], tmp_path) -> tuple[int, 
     if command == "serve":
         cmd += ["--port", str(free_port())]
     start = time.monotonic()
-    with started(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub-cache")}     # a hub id: never fetched
+    with started(cmd, env=offline, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
         _, err = proc.communicate(timeout=120)
     return proc.returncode, err, time.monotonic() - start
 

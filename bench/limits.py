@@ -126,7 +126,7 @@ def sigterm(argv: list[str], max_tokens: int) -> tuple[float, float, int]:
             next(lines)
             start = time.perf_counter()
             proc.send_signal(signal.SIGTERM)
-            last = list(lines)[-1:]
+            last = [line for line in lines if line != "data: [DONE]"][-1:]     # the error event, before [DONE]
             to_error = time.perf_counter() - start
         code = proc.wait(120)
         to_exit = time.perf_counter() - start

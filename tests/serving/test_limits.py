@@ -331,7 +331,7 @@ def test_sigterm_with_a_step_in_flight_ends_the_stream_and_exits_in_seconds(tiny
                 assert "text" in next(lines)
                 os.kill(proc.pid, signal.SIGTERM)
                 rest = list(lines)
-            assert "shutting down" in json.loads(rest[-1][5:])["error"]["message"]
+            assert "shutting down" in json.loads(rest[-2][5:])["error"]["message"] and rest[-1] == "data: [DONE]"
             assert wait_gone(pids, 20) is not None
             assert proc.wait() in (0, 143)
             assert not rundirs(proc.pid)
@@ -366,7 +366,8 @@ def test_a_stuck_step_gives_503_and_sigterm_still_stops_every_rank(tiny_model_di
             assert wait_gone(pids, 30) is not None
             assert time.monotonic() - start < 20
             reader.join(30)
-            assert "shutting down" in json.loads(events[-1][5:])["error"]["message"], events
+            assert "shutting down" in json.loads(events[-2][5:])["error"]["message"], events
+            assert events[-1] == "data: [DONE]"
             assert proc.wait() == 143
             assert not rundirs(proc.pid)
         log.seek(0)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from nanovllm_tp.bench.chaos import alive  # noqa: F401  (a live process, not a zombie: tests use it from here)
 from nanovllm_tp.launch import serve_process
 
 free_port = serve_process.free_port     # the same helper as the serving benchmark's
@@ -23,12 +24,6 @@ def segments_of(pid: int) -> set[str]:
     return {s for s in our_shm_segments() if s.startswith(f"nvtp_{pid}_")}
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 # How long a test waits for processes that should end now (after a signal, a dead peer, a closed engine):

@@ -114,9 +114,9 @@ class EngineLoop:
             if changed and not dead and not self.llm.has_unfinished_requests():
                 self._send_stats(dead)
             if dead or not self.llm.has_unfinished_requests():
-                if not dead:
-                    try:
-                        self.llm.check_ranks()     # idle: a rank that died meanwhile is seen now, not at the next request
+                if not dead:                       # idle: a rank that died meanwhile is seen now, not at the next
+                    try:                           # request
+                        self.llm.check_ranks()
                     except Exception as exc:
                         if self._engine_failed(exc):
                             return

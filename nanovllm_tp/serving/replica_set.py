@@ -10,9 +10,9 @@ from what its client has (its prompt, and each unfinished completion's tokens an
 so that it goes on with no error and no repeated text. New requests go to the live replicas; while none is up,
 requests (new or moved) wait up to REPLICA_WAIT_S for one to come back, and only then end with the replicas'
 error (EngineDead, with their reasons). A request that has moved MAX_MOVES times ends with its replica's error
-at the next stop: a request that crashes every engine it reaches must not take every replica down in turn. When the server
-restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix record in the
-router forgotten. Adapter loads and unloads go to every live replica.
+at the next stop: a request that crashes every engine it reaches must not take every replica down in turn. When
+the server restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix
+record in the router forgotten. Adapter loads and unloads go to every live replica.
 """
 import asyncio
 import logging

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.procs import cmdline, descendants, wait_gone
-from tests.serving.test_data_parallel import wait_all_ready
+from tests.serving.test_data_parallel import replicas, wait_all_ready
 from tests.serving.test_serve import client, start_server, wait_ready
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
@@ -273,15 +273,6 @@ def test_a_stream_survives_the_death_of_its_replica(tiny_model_dir, invariant_ll
         assert re.search(r'nanovllm_tp:router_requests_resumed_total\{model_name="tiny"\} 1\.0', text), text
 
 
-def replica_pids(root: int) -> dict[int, int]:
-    out = {}
-    for pid in descendants(root):
-        found = re.match(r"nanovllm_tp::dp(\d+)::tp0\b", cmdline(pid))
-        if found:
-            out[int(found.group(1))] = pid
-    return out
-
-
 def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_model_dir, invariant_llm):
     """-dp 2 --batch-invariant under 8 streams: SIGHUP to the server restarts replica 0, then replica 1 (new
     processes, one at a time); every request completes, each answer equal to the undisturbed engine's, and the
@@ -296,7 +287,7 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
                                  "--max-model-len", "1024", stderr=err)
         with ctx as proc:
             wait_all_ready(port, proc)
-            before = replica_pids(proc.pid)
+            before = replicas(proc.pid)
             streams = chaos.Streams(f"http://127.0.0.1:{port}/v1", 8, 300, want)
             streams.start()
             time.sleep(2.0)
@@ -307,7 +298,7 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
             time.sleep(1.0)
             streams.stop.set()
             assert streams.join(300)
-            after = replica_pids(proc.pid)
+            after = replicas(proc.pid)
             resumed = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             pids = [proc.pid, *descendants(proc.pid)]
             proc.send_signal(signal.SIGTERM)

@@ -29,41 +29,13 @@ import threading
 import time
 
 from nanovllm_tp.config.engine_config import add_engine_args, engine_argv
+from nanovllm_tp.distributed.channel_common import proc_start_time
 from nanovllm_tp.launch import serve_process
+from nanovllm_tp.launch.serve_process import title, tree
 
 PROMPTS = ["Once upon a time there", "The quick brown fox", "Hello, my name is", "In the beginning",
            "A long time ago in a land", "The capital of France is", "Tell me a story about", "My favourite food is"]
 _UP = re.compile(r'nanovllm_tp:replica_up\{dp_rank="(\d+)",model_name="[^"]*"\} (\S+)')
-
-
-def tree(root: int) -> list[int]:
-    """root and every process below it, now."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def title(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def replicas_up(base: str) -> dict[int, bool]:
@@ -186,7 +158,7 @@ def kill_one(base: str, root: int, rng: random.Random, size: int, tp: int) -> di
 
 def leftovers(pids: set[int]) -> list[str]:
     """What the server's processes left: a live process, a /dev/shm segment or run directory named after one."""
-    found = [f"process {p} ({title(p)})" for p in sorted(pids) if alive(p)]
+    found = [f"process {p} ({title(p)})" for p in sorted(pids) if proc_start_time(p) is not None]
     for directory, pattern in (("/dev/shm", r"nvtp_(\d+)_"), ("/tmp", r"nanovllm_tp-serve-(\d+)-")):
         try:
             names = os.listdir(directory)

@@ -225,17 +225,13 @@ def tokenize_flood(port: int, started, clients: int = 4) -> float:
 def http_rss_mib(server_pid: int) -> float:
     """The resident memory of the server's HTTP process (the descendant titled nanovllm_tp::http, or running
     nanovllm_tp.serving.frontend where setproctitle is missing), MiB."""
-    todo = [server_pid]
-    while todo:
-        pid = todo.pop()
+    for pid in serve_process.tree(server_pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
-                if cmdline.startswith(b"nanovllm_tp::http") or b"nanovllm_tp.serving.frontend" in cmdline:
-                    with open(f"/proc/{pid}/status") as s:
-                        return next(int(line.split()[1]) for line in s if line.startswith("VmRSS:")) / 1024
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                todo += [int(c) for c in f.read().split()]
+            if cmdline.startswith(b"nanovllm_tp::http") or b"nanovllm_tp.serving.frontend" in cmdline:
+                with open(f"/proc/{pid}/status") as s:
+                    return next(int(line.split()[1]) for line in s if line.startswith("VmRSS:")) / 1024
         except OSError:
             continue
     raise RuntimeError("the server has no HTTP process")

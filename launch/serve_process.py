@@ -39,6 +39,30 @@ def start(argv: list[str], api_key: str | None = None) -> tuple[subprocess.Popen
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
+def tree(root: int) -> list[int]:
+    """root and every process below it, now (the server's HTTP process, replicas and ranks)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def title(pid: int) -> str:
+    """A process's title as `ps` shows it (utils/proctitle.py; its command's first word without setproctitle), ""
+    once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _says_ready(body: bytes) -> bool:
     if not body.strip():
         return True

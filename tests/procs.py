@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from nanovllm_tp.bench.chaos import alive  # noqa: F401  (a live process, not a zombie: tests use it from here)
+from nanovllm_tp.distributed.channel_common import proc_start_time
 from nanovllm_tp.launch import serve_process
 
 free_port = serve_process.free_port     # the same helper as the serving benchmark's
@@ -52,6 +52,11 @@ def session_pids(sid: int) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def alive(pid: int) -> bool:
+    """A live process, not a zombie."""
+    return proc_start_time(pid) is not None
 
 
 def descendants(root: int) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import signal
 import struct
 
 import msgpack
@@ -34,6 +35,11 @@ class PeerError(ChannelError):
     def __init__(self, rank: int, text: str):
         super().__init__(f"rank {rank}: {text}")
         self.rank, self.text = rank, text
+
+
+# Exit codes (Popen.returncode) of a process killed from outside, by an operator or the OOM killer, rather than failing
+# by itself (an error, a crash such as SIGSEGV): the engine and the replica supervisor tell the two apart by them.
+KILLED_BY = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
 
 
 def proc_start_time(pid: int | None) -> int | None:

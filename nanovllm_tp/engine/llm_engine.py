@@ -2,7 +2,6 @@
 import atexit
 import contextlib
 import logging
-import signal
 import time
 import weakref
 
@@ -19,7 +18,6 @@ from nanovllm_tp.scheduler.micro_batches import MicroBatchScheduler
 from nanovllm_tp.utils import trace
 
 log = logging.getLogger("nanovllm_tp")
-KILLED_BY = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)   # exit codes of a process killed
 
 
 class LLMEngine:
@@ -271,6 +269,7 @@ class LLMEngine:
             child.wait(timeout=1.0)
         except Exception:
             return False
+        from nanovllm_tp.distributed.channel_common import KILLED_BY
         return child.returncode in KILLED_BY
 
     def close(self) -> None:

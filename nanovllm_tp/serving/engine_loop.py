@@ -112,7 +112,7 @@ class EngineLoop:
             if self._commands.poll(0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS):
                 changed = self._take_commands(dead) or changed
             if changed and not dead and not self.llm.has_unfinished_requests():
-                self._send_stats(dead)
+                self._send_stats()
             if dead or not self.llm.has_unfinished_requests():
                 if not dead:                       # idle: a rank that died meanwhile is seen now, not at the next
                     try:                           # request
@@ -137,7 +137,7 @@ class EngineLoop:
         """The engine stopped (a dead rank, a bug): the HTTP side is told, and fails every open request. Returns
         whether the loop ends here (a replica's process exits, to be started again)."""
         why = self.failed = f"the engine stopped: {exc}"
-        self.rank_killed = getattr(self.llm.engine, "rank_killed", False)
+        self.rank_killed = self.llm.engine.rank_killed
         log.error("engine loop: %s", why)
         self._send({"op": "dead", "why": why})
         return self.exit_when_dead
@@ -146,9 +146,9 @@ class EngineLoop:
         """The server is going away: every open request ends with this error (the HTTP process answers 503);
         `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
         blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing."""
-        msg = {"op": "dead", "why": why, "restart": True} if restart else {"op": "dead", "why": why, "shutdown": True}
         try:
-            self._outputs.send(wire.pack(msg), zmq.NOBLOCK)
+            self._outputs.send(wire.pack({"op": "dead", "why": why, "restart" if restart else "shutdown": True}),
+                               zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 

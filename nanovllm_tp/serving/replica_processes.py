@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from nanovllm_tp.distributed.channel_common import KILLED_BY
 from nanovllm_tp.distributed.shm_ring import unlink_by_prefix
 
 log = logging.getLogger("nanovllm_tp")
@@ -31,7 +32,7 @@ RESTART_LIMIT = 3             # a replica's deaths within RESTART_WINDOW_S after
 RESTART_WINDOW_S = 60.0
 NOT_STARTED = 3               # a replica's exit code when it failed before it served (launch/serve_replicas.py)
 RANK_KILLED = 4               # ... when its engine stopped because one of its ranks was killed from outside
-KILLED = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, RANK_KILLED)
+KILLED = (*KILLED_BY, RANK_KILLED)
 
 
 class ReplicaProcesses:

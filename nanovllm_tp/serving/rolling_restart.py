@@ -22,7 +22,6 @@ class RollingRestart:
         self.requested = False             # set by the SIGHUP handler; taken by step()
         self.pending: list[int] = []       # replicas still to restart, in order
         self.current: tuple[int, int, float] | None = None     # (replica, its old pid, when it was told)
-        self.done = 0                      # rolling restarts finished (tests, logs)
 
     def request(self) -> None:
         self.requested = True
@@ -62,7 +61,6 @@ class RollingRestart:
                 self._finished()
 
     def _finished(self) -> None:
-        self.done += 1
         log.info("rolling restart: every replica restarted")
 
     def _current_back(self) -> bool:

@@ -205,19 +205,19 @@ class PrefixAwareRouter(Router):
         hashes = block_hashes(prompt, self.block_size, self.max_blocks, lora_id)
         busy = [load.busy for load in loads]
         self._idle = [n + 1 if b == 0 else 0 for n, b in zip(self._idle, busy)]
-        replica, matched = self._pick(hashes, loads, alive, lora_id)
+        replica, matched = self._pick(hashes, loads, busy, alive, lora_id)
         worth = matched if matched else len(hashes)     # a new prompt of many blocks: likely a prefix to own
         if worth < self.queue_match and not loads[replica].has_room:     # see the note on room
             least = min(busy[i] for i in alive)
             roomy = [i for i in alive if loads[i].has_room] or [i for i in alive if busy[i] == least]
-            replica, matched = self._pick(hashes, loads, roomy, lora_id)
+            replica, matched = self._pick(hashes, loads, busy, roomy, lora_id)
         self._record(replica, hashes)
         return replica, matched > 0
 
-    def _pick(self, hashes: list[int], loads, alive: list[int], lora_id) -> tuple[int, int]:
-        """(the replica among `alive` by affinity and patience, the blocks of the prompt it holds)."""
+    def _pick(self, hashes: list[int], loads, busy: list[int], alive: list[int], lora_id) -> tuple[int, int]:
+        """(the replica among `alive` by affinity and patience, the blocks of the prompt it holds); `busy`: each
+        replica's load.busy."""
         order = self._load_order(loads, lora_id)
-        busy = [load.busy for load in loads]
         least = min(busy[i] for i in alive)
         spare = any(self._idle[i] > self.idle_routes for i in alive)       # a replica left idle: see the note
         patience = self.load_threshold if spare else self.miss_threshold

@@ -43,6 +43,20 @@ def wait_all_ready(port: int, proc) -> None:
     pytest.fail(f"the replicas did not all come up: {health.text}")
 
 
+def wait_replica_back(port: int, proc, index: int, old_pid: int) -> None:
+    """Until replica `index` runs in a new process and every replica serves (/health 200 with no body); the
+    server must not stop meanwhile."""
+    deadline = time.monotonic() + BACK_WITHIN
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server stopped: replica {index} did not come back"
+        back = replicas(proc.pid).get(index)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        if back not in (None, old_pid) and health.status_code == 200 and not health.content:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"replica {index} did not come back within {BACK_WITHIN:.0f} s: {health.text}")
+
+
 def routed(port: int) -> dict[int, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     return {int(rank): float(v) for rank, v in
@@ -112,15 +126,7 @@ def test_a_killed_replicas_stream_goes_on_elsewhere_and_the_replica_comes_back(t
         reader.join(300)
         assert ends[-1].usage.completion_tokens == 3000
         assert [ch.choices[0].finish_reason for ch in ends if ch.choices][-1] == "length"
-        deadline = time.monotonic() + BACK_WITHIN
-        while time.monotonic() < deadline:              # started again, and serving once it says ready
-            back = replicas(proc.pid).get(0)
-            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-            if back not in (None, first[0]) and health.status_code == 200 and not health.content:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"replica 0 did not come back within {BACK_WITHIN:.0f} s: {health.text}")
+        wait_replica_back(port, proc, 0, first[0])     # started again, and serving once it says ready
         before = routed(port)
         for _ in range(4):
             assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,

@@ -5,15 +5,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 
-import httpx
 import pytest
 
 from nanovllm_tp import SamplingParams
-from tests.procs import GONE_WITHIN, free_port, python_cmd, started
-from tests.serving.test_data_parallel import BACK_WITHIN, replicas, wait_all_ready
-from tests.serving.test_serve import ENGINE_ARGS, client, rundirs, wait_ready
+from tests.procs import free_port, python_cmd, started
+from tests.serving.test_data_parallel import replicas, wait_all_ready, wait_replica_back
+from tests.serving.test_serve import ENGINE_ARGS, client, stop_server, wait_ready
 from tests.unit.test_hub_ids import hub_snapshot, model_files
 
 pytestmark = pytest.mark.spawn
@@ -38,11 +36,7 @@ def hub_server(model: str, env: dict, *extra: str):
             wait_ready(port, proc)
             yield port, proc
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=GONE_WITHIN)
-            assert not rundirs(proc.pid), "the server left its sockets"
+            stop_server(proc)
 
 
 def test_serve_a_hub_id_answers_to_it(hub_env, tiny_model_dir, tiny_llm):
@@ -65,16 +59,7 @@ def test_data_parallel_replicas_load_the_snapshot_the_command_resolved(hub_env, 
         os.remove(os.path.join(snapshot, "..", "..", "refs", "main"))
         first = replicas(proc.pid)
         os.kill(first[0], signal.SIGKILL)
-        deadline = time.monotonic() + BACK_WITHIN
-        while time.monotonic() < deadline:              # started again, and serving once it says ready
-            assert proc.poll() is None, "the server stopped: the restarted replica could not load"
-            back = replicas(proc.pid).get(0)
-            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-            if back not in (None, first[0]) and health.status_code == 200 and not health.content:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"replica 0 did not come back within {BACK_WITHIN:.0f} s: {health.text}")
+        wait_replica_back(port, proc, 0, first[0])     # it loads the snapshot path, not the id
         got = client(port, key="none").completions.create(model="org/tiny", prompt=PROMPT, max_tokens=4)
         assert got.model == "org/tiny" and got.usage.completion_tokens == 4
 

@@ -42,12 +42,17 @@ def start_server(model_dir: str, *extra: str, stderr=None):
             try:
                 yield proc
             finally:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=GONE_WITHIN)
-                assert not rundirs(proc.pid), "the server left its sockets"
+                stop_server(proc)
     return port, run()
+
+
+def stop_server(proc) -> None:
+    """SIGTERM to a test's server (if it still runs), a wait for it, and no sockets' directory left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=GONE_WITHIN)
+    assert not rundirs(proc.pid), "the server left its sockets"
 
 
 @contextlib.contextmanager

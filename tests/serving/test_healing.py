@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
-from tests.procs import cmdline, descendants, wait_gone
+from tests.procs import cmdline, descendants
 from tests.serving.test_data_parallel import replicas, wait_all_ready
+from tests.serving.test_replica_lifecycle import assert_all_gone
 from tests.serving.test_serve import client, start_server, wait_ready
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
@@ -32,6 +33,14 @@ def is_zombie_or_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def sigterm_exits_0(proc) -> None:
+    """SIGTERM to the server: it exits 0, and no process, shared memory or sockets' directory of it is left."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert_all_gone(proc, pids)
 
 
 def health(port: int) -> httpx.Response:
@@ -68,11 +77,11 @@ def test_a_rank_of_an_idle_replica_killed_is_seen_within_seconds(tiny_model_dir)
                                                        temperature=0).usage.completion_tokens == 4
 
 
-def test_a_pipeline_stage_killed_while_idle_is_seen_and_the_server_stays_up(tiny_model_dir):
+def test_a_pipeline_stage_killed_while_idle_is_seen_and_the_server_stays_up(tiny_model_dir, tmp_path):
     """-pp 2, nothing running: kill -9 of stage 1. /health answers 503 naming the rank within seconds, requests
     get a clean 503, the server keeps answering (no traceback, no exit) until SIGTERM, which it obeys with 0."""
-    log = f"/tmp/nvtp-test-pp-log-{os.getpid()}"
-    with open(log, "w+") as err:
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
         port, ctx = start_server(tiny_model_dir, "--pipeline-parallel-size", "2", stderr=err)
         with ctx as proc:
             wait_ready(port, proc)
@@ -91,13 +100,8 @@ def test_a_pipeline_stage_killed_while_idle_is_seen_and_the_server_stays_up(tiny
             assert r.status_code == 503, r.text
             time.sleep(2.5)                             # heartbeats of a stopped engine: no traceback, no exit
             assert proc.poll() is None
-            pids = [proc.pid, *descendants(proc.pid)]
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0
-            assert wait_gone(pids, 30) is not None
-        err.seek(0)
-        text = err.read()
-    os.unlink(log)
+            sigterm_exits_0(proc)
+    text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
 
 
@@ -191,12 +195,16 @@ def test_the_router_queues_nowhere_while_another_replica_has_a_free_slot(tiny_mo
                 samples.append((time.monotonic(), figures))
                 time.sleep(0.05)
 
-        def chat(i):
-            body = {"model": "tiny", "max_tokens": 800, "ignore_eos": True, "temperature": 0,
-                    "messages": [{"role": "system", "content": SYSTEM},
-                                 {"role": "user", "content": f"story number {i}: once upon a time"}]}
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
-            assert r.status_code == 200, r.text
+        def chat(i):           # a closed loop, until the figures were sampled often enough (a slow /metrics)
+            until = time.monotonic() + 120
+            while True:
+                body = {"model": "tiny", "max_tokens": 800, "ignore_eos": True, "temperature": 0,
+                        "messages": [{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": f"story number {i}: once upon a time"}]}
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
+                assert r.status_code == 200, r.text
+                if len(samples) >= 12 or time.monotonic() > until:
+                    return
         watcher = threading.Thread(target=sample)
         watcher.start()
         clients = [threading.Thread(target=chat, args=(i,)) for i in range(16)]
@@ -273,7 +281,7 @@ def test_a_stream_survives_the_death_of_its_replica(tiny_model_dir, invariant_ll
         assert re.search(r'nanovllm_tp:router_requests_resumed_total\{model_name="tiny"\} 1\.0', text), text
 
 
-def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_model_dir, invariant_llm):
+def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_model_dir, invariant_llm, tmp_path):
     """-dp 2 --batch-invariant under 8 streams: SIGHUP to the server restarts replica 0, then replica 1 (new
     processes, one at a time); every request completes, each answer equal to the undisturbed engine's, and the
     streams running on a restarting replica are resumed on the other."""
@@ -281,8 +289,8 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
     from nanovllm_tp.bench import chaos
     want = {p: o.outputs[0].text for p, o in zip(chaos.PROMPTS, invariant_llm.generate(
         chaos.PROMPTS, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False))}
-    log = f"/tmp/nvtp-test-sighup-{os.getpid()}"
-    with open(log, "w+") as err:
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
         port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--batch-invariant",
                                  "--max-model-len", "1024", stderr=err)
         with ctx as proc:
@@ -293,20 +301,15 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
             time.sleep(2.0)
             proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and "every replica restarted" not in open(log).read():
+            while time.monotonic() < deadline and "every replica restarted" not in log.read_text():
                 time.sleep(0.2)
             time.sleep(1.0)
             streams.stop.set()
             assert streams.join(300)
             after = replicas(proc.pid)
             resumed = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            pids = [proc.pid, *descendants(proc.pid)]
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0
-            assert wait_gone(pids, 30) is not None
-        err.seek(0)
-        text = err.read()
-    os.unlink(log)
+            sigterm_exits_0(proc)
+    text = log.read_text()
     assert "rolling restart: every replica restarted" in text, text[-3000:]
     assert text.index("replica 0 stops") < text.index("replica 0 serves again") < text.index("replica 1 stops")
     assert sorted(after) == [0, 1] and all(after[i] != before[i] for i in (0, 1))
@@ -318,9 +321,9 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
     assert "Traceback" not in text, text[-3000:]
 
 
-def test_sighup_to_a_one_engine_server_is_ignored_with_a_line(tiny_model_dir):
-    log = f"/tmp/nvtp-test-sighup1-{os.getpid()}"
-    with open(log, "w+") as err:
+def test_sighup_to_a_one_engine_server_is_ignored_with_a_line(tiny_model_dir, tmp_path):
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
         port, ctx = start_server(tiny_model_dir, stderr=err)
         with ctx as proc:
             wait_ready(port, proc)
@@ -329,7 +332,5 @@ def test_sighup_to_a_one_engine_server_is_ignored_with_a_line(tiny_model_dir):
             assert proc.poll() is None
             assert client(port, "none").completions.create(model="tiny", prompt="hi",
                                                            max_tokens=4).usage.completion_tokens == 4
-        err.seek(0)
-        text = err.read()
-    os.unlink(log)
+    text = log.read_text()
     assert "SIGHUP: a rolling restart needs --data-parallel-size 2 or more" in text

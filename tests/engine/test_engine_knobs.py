@@ -42,6 +42,8 @@ def other_value(f, tmp_path):
         return next(c for c in k.choices if c != default)
     if kind is float:
         return 0.5 if default != 0.5 else 0.25
+    if kind is str:
+        return "v3"
     return (default or 0) + 3
 
 

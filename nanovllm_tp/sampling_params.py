@@ -9,7 +9,7 @@ from nanovllm_tp.utils.checks import flag as _flag, integer as _integer, number 
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 (as in vLLM).
 MIN_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20          # the most top logprobs one position may ask for (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20          # the engine's default max_logprobs (vLLM's): the most top logprobs per position
 MAX_BIAS = 100.0           # logit_bias values are clamped to [-MAX_BIAS, MAX_BIAS] (OpenAI's range)
 _INT64_MAX = 2**63 - 1     # the per-row arrays' integers
 MAX_BAD_WORDS = 128        # token sequences bad_words may come to, each spelling counted (vLLM's default)
@@ -135,8 +135,8 @@ class SamplingParams:
         _integer("min_tokens", self.min_tokens, lo=0, hi=_INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
-        _integer("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, optional=True)
+        _integer("logprobs", self.logprobs, lo=0, hi=_INT64_MAX, optional=True)      # the engine's max_logprobs
+        _integer("prompt_logprobs", self.prompt_logprobs, lo=0, hi=_INT64_MAX, optional=True)   # bounds them
         _flag("skip_special_tokens", self.skip_special_tokens)
         _integer("stream_interval", self.stream_interval, lo=1, optional=True)
         if not isinstance(self.output_kind, RequestOutputKind):

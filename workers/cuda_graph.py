@@ -192,7 +192,7 @@ def run_profile_steps(runner, config, measure=None):
             runner.execute(plan)
         # The sampler's [rows, vocab] temporaries for a full decode batch count towards the peak too.
         from nanovllm_tp.layers.sampler import run_worst_case
-        run_worst_case(runner.device, config.max_num_seqs, config.model_config.vocab_size)
+        run_worst_case(runner.device, config.max_num_seqs, config.model_config.vocab_size, config.max_logprobs)
         return measure() if measure is not None else None
     finally:
         runner.drop_kv_cache()

@@ -41,7 +41,7 @@ def draft_config(config: EngineConfig) -> EngineConfig:
         draft.validate()
     except (ValueError, TypeError) as exc:
         raise ValueError(f"speculative_config model {spec.model!r}: {exc}") from None
-    target_vocab = load_tokenizer(config.model).get_vocab()
+    target_vocab = load_tokenizer(config.tokenizer or config.model).get_vocab()
     draft_vocab = load_tokenizer(spec.model).get_vocab()
     if draft_vocab != target_vocab:
         differ = sorted(t for t in set(draft_vocab) ^ set(target_vocab))[:3] or sorted(

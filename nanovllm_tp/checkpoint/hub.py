@@ -88,6 +88,36 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     return path
 
 
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja",
+                      "chat_template.json", "config.json")
+
+
+def resolve_tokenizer(tokenizer: str, download_dir: str | None = None) -> str:
+    """The local path a tokenizer knob names (a model's own tokenizer taken from elsewhere): itself when it exists or
+    is not of the hub's id form, else the hub id's snapshot with its tokenizer files only (no weights; config.json,
+    which some tokenizers read for their class), from the cache or downloaded there. `org/name:FILE.gguf` or
+    `org/name:QUANT`: the GGUF file whose vocabulary to use. ValueError in one line, as for the model."""
+    parsed = None if os.path.exists(tokenizer) else parse_hub_id(tokenizer)
+    if parsed is None:
+        return tokenizer
+    repo_id, pick = parsed
+    from huggingface_hub import constants, snapshot_download
+    offline, cache = constants.HF_HUB_OFFLINE, cache_dir(download_dir)
+    patterns = gguf_patterns(pick) if pick is not None else list(TOKENIZER_PATTERNS)
+    try:
+        folder = snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns, local_files_only=offline)
+    except Exception as exc:       # the library's errors vary by version (see resolve_model)
+        raise ValueError(f"tokenizer {tokenizer!r} is not a local path, and the Hugging Face hub id {repo_id!r} "
+                         f"{_why(exc, offline, None)}; looked in the cache {cache}") from None
+    path = folder if pick is None else _picked(folder, patterns)
+    if path is None:
+        raise ValueError(f"tokenizer {tokenizer!r}: the Hugging Face repo {repo_id!r} has no GGUF file matching "
+                         f"{' or '.join(patterns[:2])}; looked in the cache {cache}")
+    log.info("tokenizer %s: %s", tokenizer, path)
+    return path
+
+
 def _picked(folder: str, patterns: list[str]) -> str | None:
     """The GGUF file of `folder` the pick names; of several, vLLM's choice: the fewest dashes, then by name."""
     found = [os.path.relpath(os.path.join(root, name), folder)

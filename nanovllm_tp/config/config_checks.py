@@ -35,6 +35,26 @@ def check_model_path(config) -> None:
                          "nanovllm_tp.launch.make_tiny DIR)")
 
 
+def check_tokenizer_path(config) -> None:
+    """The tokenizer knob as a local path (a hub id resolved as the model's, its tokenizer files only, in
+    `download_dir`), or None: the model's own tokenizer."""
+    declared = {f.name: f for f in fields(config)}
+    check_value("tokenizer", config.tokenizer, declared["tokenizer"])
+    if config.tokenizer is None:
+        return
+    from nanovllm_tp.checkpoint.hub import resolve_tokenizer
+    path = resolve_tokenizer(os.path.expanduser(os.fspath(config.tokenizer)), config.download_dir)
+    if not os.path.exists(path):
+        raise ValueError(f"tokenizer {config.tokenizer!r} is neither a local directory or .gguf file nor a Hugging "
+                         "Face hub id (org/name)")
+    from nanovllm_tp.checkpoint.loader import TOKENIZER_FILES
+    from nanovllm_tp.checkpoint.gguf import find_gguf
+    if not find_gguf(path) and not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer {config.tokenizer!r}: {path} holds no tokenizer files "
+                         f"({', '.join(TOKENIZER_FILES)}) and no .gguf file")
+    config.tokenizer = os.path.abspath(path)
+
+
 def check_trace(config) -> None:
     if config.trace_path is None:
         if config.trace_layers is True:

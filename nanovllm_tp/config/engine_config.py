@@ -4,10 +4,12 @@ it); validate() runs each knob's own check, then the checks across knobs and aga
 from dataclasses import dataclass, field
 
 from nanovllm_tp.config.config_checks import (check_against_model, check_batch_invariant, check_model_path,
-                                              check_sub_configs, check_trace, lora_defaults)
+                                              check_sub_configs, check_tokenizer_path, check_trace, lora_defaults)
+from nanovllm_tp.config.generation_defaults import check_generation_config
 from nanovllm_tp.config.pipeline_checks import check_pipeline, check_pipeline_against_model
 from nanovllm_tp.config.knobs import add_args, argv_of, check_knobs, config_from_kwargs, knob, kwargs_of
 from nanovllm_tp.config.model_config import ModelConfig
+from nanovllm_tp.sampling_params import MAX_LOGPROBS
 
 __all__ = ["EngineConfig", "ModelConfig", "LORA_DEFAULTS", "add_engine_args", "engine_kwargs", "engine_argv"]
 
@@ -38,6 +40,19 @@ class EngineConfig:
     download_dir: str | None = knob(None, help="with a hub id as model: the huggingface_hub cache directory to look "
                                                "in and download to (default: huggingface_hub's, $HF_HUB_CACHE or "
                                                "$HF_HOME/hub)", path=True)
+    tokenizer: str | None = knob(None, help="the tokenizer to use instead of the model's own: a Hugging Face "
+                                            "directory, a .gguf file, or a hub id (org/name: its tokenizer files "
+                                            "only, from huggingface_hub's cache or downloaded there, as the model's)",
+                                 path=True)
+    generation_config: str = knob("auto", help="the request defaults (vLLM's): auto (the sampling fields of the "
+                                               "model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                               "repetition_penalty, and max_new_tokens as max_tokens, where a "
+                                               "request leaves them unset), vllm (the file is not read: vLLM's "
+                                               "defaults), or a directory holding a generation_config.json",
+                                  metavar="auto|vllm|DIR", path=True)
+    max_logprobs: int = knob(MAX_LOGPROBS, help="the most logprobs (and prompt_logprobs) per position one request "
+                                                "may ask for; more is refused (vLLM's knob; -1: the whole "
+                                                "vocabulary)", minimum=-1)
     tensor_parallel_size: int = knob(1, help="tensor-parallel ranks", flags=("--tensor-parallel-size", "-tp", "--tp"),
                                      minimum=1)
     pipeline_parallel_size: int = knob(1, help="pipeline stages: each holds a contiguous range of the decoder layers "
@@ -156,8 +171,10 @@ class EngineConfig:
         """Every knob checked, alone and together, and the model's config read (model_config); some knobs are
         settled on the way (paths, max_model_len, enforce_eager)."""
         check_model_path(self)
+        check_tokenizer_path(self)
         check_knobs(self)
         check_trace(self)
+        check_generation_config(self)
         check_sub_configs(self)
         check_batch_invariant(self)
         check_pipeline(self)

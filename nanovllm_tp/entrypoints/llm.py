@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from nanovllm_tp.config.engine_config import EngineConfig
+from nanovllm_tp.config.generation_defaults import sampling_defaults
 from nanovllm_tp.engine.output_processor import RequestState
 from nanovllm_tp.engine.resume import ResumedChoice, check_resume
 from nanovllm_tp.entrypoints.prompts import check_prompt_length, is_token_ids, render_chat
@@ -43,7 +44,11 @@ class LLM:
         from nanovllm_tp.engine.llm_engine import LLMEngine
         from nanovllm_tp.structured.backend import GrammarBackend
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.sampling_defaults = sampling_defaults(config)      # the generation_config knob's request defaults
+        if self.sampling_defaults:
+            log.info("request defaults from the model's generation config (--generation-config vllm: none): %s",
+                     self.sampling_defaults)
         self.engine = LLMEngine(config)
         from nanovllm_tp.lora.registry import AdapterRegistry
         lora = self.engine.runner.lora
@@ -60,6 +65,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams holding the generation_config knob's defaults (the model's generation_config.json
+        by default), vLLM's for every other field: what generate and chat use without sampling_params."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
                  priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
@@ -300,7 +310,7 @@ class LLM:
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
         if not isinstance(sampling_params, (list, tuple)):
@@ -314,10 +324,22 @@ class LLM:
                 raise TypeError(f"sampling_params entries must be SamplingParams, got {type(sp).__name__}")
             sp.validate()
             sp.check_vocab(vocab)
+            self._check_logprobs(sp, vocab)
             sp.tokenize_bad_words(self.tokenizer, vocab)
             if sp.structured_outputs is not None:
                 self.grammars.compile(sp.structured_outputs)     # compiled (or refused) before the engine
         return list(sampling_params)
+
+    def _check_logprobs(self, sp: SamplingParams, vocab: int) -> None:
+        """logprobs and prompt_logprobs within the max_logprobs knob (-1: the vocabulary)."""
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sp, name)
+            if asked is not None and asked > limit >= 0:
+                raise ValueError(f"{name}={asked} is more than this engine allows: max_logprobs={limit} (the "
+                                 "--max-logprobs flag)")
+            if asked is not None and asked > vocab:
+                raise ValueError(f"{name}={asked} is more than the vocabulary's {vocab} tokens")
 
     def prepare(self, sampling_params: SamplingParams):
         """Start compiling a request's structured output in the background (the server calls it before

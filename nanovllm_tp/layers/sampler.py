@@ -111,13 +111,15 @@ def prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]) -> list[Tok
     return [token_logprobs(logits, c.rows, c.token_ids, c.seq.params.prompt_logprobs) for c in chunks]
 
 
-def run_worst_case(device: torch.device, rows: int, vocab: int) -> None:
-    """Sample a full batch with every knob on, so memory profiling sees the sampler's peak temporaries."""
-    from nanovllm_tp.sampling_params import MAX_LOGPROBS, SamplingParams
+def run_worst_case(device: torch.device, rows: int, vocab: int, max_logprobs: int) -> None:
+    """Sample a full batch with every knob on (as many logprobs as max_logprobs allows), so memory profiling sees
+    the sampler's peak temporaries."""
+    from nanovllm_tp.sampling_params import SamplingParams
     from nanovllm_tp.scheduler.rows import rows_of
     from nanovllm_tp.scheduler.sequence import Sequence
+    top_n = vocab if max_logprobs < 0 else min(max_logprobs, vocab)
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
-                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=MAX_LOGPROBS, logit_bias={0: 1.0},
+                            presence_penalty=0.5, frequency_penalty=0.5, logprobs=top_n, logit_bias={0: 1.0},
                             allowed_token_ids=[0])
     seqs = [Sequence(i, [i % vocab], params, seed=i) for i in range(rows)]
     batch = SamplingBatch(seqs, rows_of(seqs), np.zeros(rows, np.int64))

@@ -53,7 +53,7 @@ def build_app(engine: EngineClient, model: ServedModel, config: ServerConfig | N
     metrics = ServingMetrics(engine.labelled_stats, model_name, engine if hasattr(engine, "router") else None,
                              model.max_model_len)
     engine.on_finished = metrics.on_finished
-    encoder = PromptEncoder(tokenizer, model.max_model_len)
+    encoder = PromptEncoder(tokenizer, model.max_model_len, chat_template=model.chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

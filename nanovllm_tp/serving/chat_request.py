@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from nanovllm_tp.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm_tp.sampling_params import SamplingParams
 from nanovllm_tp.serving.body import Body, Int, shape_of
 from nanovllm_tp.serving.completion_request import SamplingFields
 from nanovllm_tp.serving.tool_calls import ToolMode
@@ -83,8 +83,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def tool_mode(self) -> ToolMode | None:
-        """What the tools and tool_choice ask for (None: no tools)."""
+    def tool_mode(self, auto: bool = True, parser: str | None = None) -> ToolMode | None:
+        """What the tools and tool_choice ask for (None: no tools). `auto`: whether tool_choice "auto" (the default
+        with tools) is served (--enable-auto-tool-choice); `parser`: the format it reads (--tool-call-parser)."""
         if not self.tools:
             if self.tool_choice not in (None, "none"):
                 raise ValueError("tool_choice needs tools")
@@ -97,8 +98,12 @@ class ChatCompletionRequest(SamplingFields):
                                  "name of its own")
             seen.add(f["name"])
         choice = self.tool_choice or "auto"
+        if choice == "auto" and not auto:
+            raise ValueError('"auto" tool choice (the default with tools) needs a server started with '
+                             '--enable-auto-tool-choice; this one was started with --no-enable-auto-tool-choice: '
+                             'send tool_choice "none", "required" or a named function')
         mode = ToolMode(functions, "named" if isinstance(choice, NamedToolChoice) else choice,
-                        parallel=self.parallel_tool_calls)
+                        parallel=self.parallel_tool_calls, parser=parser)
         if mode.choice == "named":
             mode.name = choice.function.name
             if mode.name not in mode.names:
@@ -109,10 +114,13 @@ class ChatCompletionRequest(SamplingFields):
     def template_tools(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
-    def sampling_params(self, tools: ToolMode | None = None) -> SamplingParams:
+    def sampling_params(self, tools: ToolMode | None = None, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the engine's request defaults (--generation-config) for the fields the body leaves unset."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs is not None and self.top_logprobs < 0:      # the engine's max_logprobs bounds it
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None, tools)
+        if limit is None:
+            limit = (defaults or {}).get("max_tokens")
+        return self._params(limit, (self.top_logprobs or 0) if self.logprobs else None, None, tools, defaults)

@@ -85,10 +85,13 @@ class SamplingFields(TextBody):
     response_format: ResponseFormat | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                tools: ToolMode | None = None) -> SamplingParams:
+                tools: ToolMode | None = None, defaults: dict | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         kw = {name: value for name in _FROM_BODY if (value := getattr(self, name)) is not None}
+        for name, value in (defaults or {}).items():       # the engine's request defaults (--generation-config)
+            if name in _FROM_BODY:
+                kw.setdefault(name, value)
         kw["structured_outputs"] = structured_outputs_of(self.response_format, self.structured_outputs, tools)
         return SamplingParams(**kw, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
@@ -113,6 +116,12 @@ class CompletionRequest(SamplingFields):
         """One entry per prompt: a string or a list of token ids."""
         return prompt_list(self.prompt, "prompt")
 
-    def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs,
-                            (self.logprobs or 0) if self.echo and self.logprobs is not None else None)
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the engine's request defaults (--generation-config) for the fields the body leaves unset;
+        max_tokens left out is the default's, else 16 (OpenAI's)."""
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set:
+            max_tokens = (defaults or {}).get("max_tokens", max_tokens)
+        return self._params(max_tokens, self.logprobs,
+                            (self.logprobs or 0) if self.echo and self.logprobs is not None else None,
+                            defaults=defaults)

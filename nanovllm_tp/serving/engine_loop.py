@@ -89,7 +89,8 @@ class EngineLoop:
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
         self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
-                       "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters]}
+                       "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters],
+                       "tokenizer": llm.config.tokenizer, "sampling_defaults": llm.sampling_defaults}
 
     def run(self, keep_going) -> None:
         """Serve until keep_going() is false (checked between steps and at least every IDLE_POLL_MS) or the HTTP

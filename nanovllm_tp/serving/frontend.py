@@ -81,6 +81,7 @@ def main(argv=None) -> None:
         lower_priority()                 # first: before ZMQ and uvicorn start threads, so they inherit it
     import uvicorn
     from nanovllm_tp.checkpoint.loader import load_tokenizer
+    from nanovllm_tp.entrypoints.chat_template import load_chat_template
     parent, rundir = os.getppid(), os.path.dirname(args.commands[0].removeprefix("ipc://"))
     if len(args.commands) != len(args.outputs):
         raise SystemExit("frontend: one --outputs endpoint per --commands endpoint")
@@ -120,8 +121,9 @@ def main(argv=None) -> None:
             info = await waiting
         except asyncio.CancelledError:
             return
-        model = ServedModel(args.name, info["model"], info["max_model_len"], load_tokenizer(info["model"]),
-                            info.get("loras", []))
+        model = ServedModel(args.name, info["model"], info["max_model_len"],
+                            load_tokenizer(info.get("tokenizer") or info["model"]), info.get("loras", []),
+                            load_chat_template(config.chat_template), info.get("sampling_defaults") or {})
         app = build_app(engine, model, config)
         server = state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                                  log_level=config.log_level,

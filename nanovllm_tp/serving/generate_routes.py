@@ -21,7 +21,7 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
     async def completions(body: CompletionRequest, request: Request):
         lora = ctx.check_model(body.model)
         try:
-            params, prompts = body.sampling_params(), body.prompts()
+            params, prompts = body.sampling_params(ctx.model.sampling_defaults), body.prompts()
             check_request(config, params, len(prompts))
             encoded = await encoder.completions(prompts, client=client_of(request))
         except (ValueError, TypeError) as exc:
@@ -53,8 +53,8 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
         lora = ctx.check_model(body.model)
         ctx.check_template_kwargs(body.chat_template_kwargs)
         try:
-            tools = body.tool_mode()
-            params = body.sampling_params(tools)
+            tools = ctx.tool_mode(body)
+            params = body.sampling_params(tools, ctx.model.sampling_defaults)
             check_request(config, params)
             prompt = await encoder.chat([m.as_template_message() for m in body.messages],
                                         body.add_generation_prompt, body.chat_template_kwargs, body.template_tools(),

@@ -27,11 +27,12 @@ LARGE_INPUT = 256 << 10        # characters from which a job, or bytes from whic
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
-           tools: list[dict] | None = None) -> str:
+           tools: list[dict] | None = None, default_template: str | None = None) -> str:
     """A request's conversation as prompt text. A `chat_template` among the kwargs is the template (the handlers
-    let one through only when the operator trusts them); `tools` go to the template as transformers hands them."""
+    let one through only when the operator trusts them), else `default_template` (--chat-template), else the
+    tokenizer's; `tools` go to the template as transformers hands them."""
     kwargs = dict(chat_template_kwargs or {})
-    template = kwargs.pop("chat_template", None)
+    template = kwargs.pop("chat_template", None) or default_template
     return render_chat(tokenizer, messages, template, add_generation_prompt, kwargs, tools)
 
 
@@ -126,8 +127,8 @@ class FairPool:
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, max_model_len: int, threads: int = THREADS):
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+    def __init__(self, tokenizer, max_model_len: int, threads: int = THREADS, chat_template: str | None = None):
+        self.tokenizer, self.max_model_len, self.chat_template = tokenizer, max_model_len, chat_template
         self._pool = FairPool(threads)
         self._requests = itertools.count()
         self._chars_per_token: int | None = None
@@ -151,10 +152,12 @@ class PromptEncoder:
     async def chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
                    tools: list[dict] | None = None, client=None, output_room: int = 1,
                    add_special_tokens: bool = False) -> list[int]:
-        """The conversation rendered through the model's chat template (render), as token ids. ValueError /
-        TypeError for bad input; the template's own errors as they come (jinja raises its own types)."""
+        """The conversation rendered through the chat template (render: --chat-template's, else the model's), as
+        token ids. ValueError / TypeError for bad input; the template's own errors as they come (jinja raises its
+        own types)."""
         def encode():
-            text = render(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools)
+            text = render(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, tools,
+                          self.chat_template)
             return self._encode(0, text, add_special_tokens, None, output_room)    # the template has them
         return await self.run(encode, client=client)
 

@@ -38,7 +38,8 @@ REFUSED_FIELDS: dict[str, str] = {
     "reasoning_effort": _REASONING, "include_reasoning": _REASONING, "verbosity": "verbosity is not implemented",
     "web_search_options": "web search is not implemented",
     "truncate_prompt_tokens": "prompt truncation is not implemented: the prompt must fit max_model_len",
-    "chat_template": "a request's own chat template is not accepted: the model's is used",
+    "chat_template": "a request's own chat template is not accepted: the server's is used (the model's, or "
+                     "--chat-template's)",
     "continue_final_message": "continue_final_message is not implemented",
     "documents": "documents for the chat template are not implemented",
     "mm_processor_kwargs": "multimodal inputs are not implemented",

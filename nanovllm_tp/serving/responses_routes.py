@@ -66,8 +66,8 @@ def add_responses_routes(app, ctx: RouteContext, store: ResponseStore | None = N
             history = prior.messages
         try:
             chat = body.as_chat(history)
-            tools = chat.tool_mode()
-            params = chat.sampling_params(tools)
+            tools = ctx.tool_mode(chat)
+            params = chat.sampling_params(tools, ctx.model.sampling_defaults)
             check_request(config, params)
             prompt = await encoder.chat([m.as_template_message() for m in chat.messages], True, None,
                                         chat.template_tools(), client=client_of(request))

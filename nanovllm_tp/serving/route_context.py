@@ -22,6 +22,8 @@ class ServedModel:
     max_model_len: int
     tokenizer: object          # for chat templates and echo
     loras: list = field(default_factory=list)    # [name, lora_int_id, path] of each adapter served from the start
+    chat_template: str | None = None             # --chat-template's text (None: the tokenizer's)
+    sampling_defaults: dict = field(default_factory=dict)    # the engine's request defaults (--generation-config)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,10 @@ class RouteContext:
             raise ApiError(429, str(exc), "rate_limit_error") from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
+
+    def tool_mode(self, body):
+        """A chat body's ToolMode under the server's --enable-auto-tool-choice and --tool-call-parser."""
+        return body.tool_mode(self.config.enable_auto_tool_choice, self.config.tool_call_parser)
 
     def check_template_kwargs(self, kwargs: dict | None) -> None:
         if "chat_template" in (kwargs or {}) and not self.config.trust_request_chat_template:

@@ -8,8 +8,10 @@ import os
 from dataclasses import asdict, dataclass
 
 from nanovllm_tp.config.knobs import add_args, check_knobs, knob, kwargs_of
+from nanovllm_tp.entrypoints.chat_template import load_chat_template
 from nanovllm_tp.serving.reasoning import PARSERS
 from nanovllm_tp.serving.router import POLICIES
+from nanovllm_tp.serving.tool_calls import check_tool_parser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -41,6 +43,19 @@ class ServerConfig:
     max_stop_string_chars: int = knob(1024, help="longest stop string, in characters", minimum=1)
     trust_request_chat_template: bool = knob(False, help="render a chat template sent in a request "
                                                          "(chat_template_kwargs.chat_template); refused otherwise")
+    chat_template: str | None = knob(None, help="the chat template conversations are rendered with (chat "
+                                                "completions, responses, /tokenize with messages) instead of the "
+                                                "tokenizer's: a file, or the template itself (vLLM's)",
+                                     metavar="FILE|TEMPLATE")
+    enable_auto_tool_choice: bool = knob(True, help="read the tool calls a model writes by itself (tool_choice "
+                                                    "\"auto\", the default with tools; format: --tool-call-parser); "
+                                                    "off: \"auto\" is refused with a 400, as vLLM refuses it "
+                                                    "without this flag")
+    tool_call_parser: str | None = knob(None, help="the tool-call format tool_choice \"auto\" reads (vLLM's "
+                                                   "names): hermes (<tool_call>{...}</tool_call>, as Qwen2.5/3 and "
+                                                   "Hermes templates ask for) or llama3_json / llama4_json (JSON "
+                                                   "{\"name\", \"parameters\"} calls); default: either",
+                                        metavar="NAME")
     reasoning_parser: str | None = knob(None, help="split a chat answer's think block into reasoning_content "
                                                    "(vLLM's parsers: qwen3, deepseek_r1)",
                                         choices=tuple(PARSERS))
@@ -118,6 +133,8 @@ def server_config(args) -> ServerConfig:
     """The parsed server flags, checked (ValueError / TypeError naming the flag's field)."""
     config = ServerConfig(**kwargs_of(ServerConfig, args))
     check_knobs(config)
+    load_chat_template(config.chat_template)         # a missing file or a syntax error: one line, before the engine
+    check_tool_parser(config.tool_call_parser, config.enable_auto_tool_choice)
     if config.lora_root is not None and not os.path.isdir(config.lora_root):
         raise ValueError(f"--lora-root {config.lora_root!r} is not a directory")
     return config

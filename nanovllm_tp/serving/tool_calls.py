@@ -5,7 +5,9 @@ and Llama 3.x JSON calls), and OpenAI's `delta.tool_calls` for streams.
 "required": the output is constrained to a JSON array of {"name": a tool's name, "parameters": its arguments};
 a named function: to that function's arguments alone. Either way each call's arguments are streamed as the
 model writes them, in pieces that concatenate to the arguments' JSON. Under "auto" text streams as content until
-a tool call begins; each call is sent whole once its JSON is complete.
+a tool call begins; each call is sent whole once its JSON is complete. --tool-call-parser (vLLM's names: hermes,
+llama3_json) makes "auto" read one of the two formats only; --no-enable-auto-tool-choice refuses "auto" (vLLM's
+behaviour without --enable-auto-tool-choice).
 """
 import json
 import re
@@ -15,6 +17,10 @@ from dataclasses import dataclass, field
 from nanovllm_tp.structured.schema import rewrite_subschemas
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# --tool-call-parser: vLLM's names of the formats "auto" reads (None: either); llama4_json is vLLM's other name
+# for its Llama 3 JSON parser
+TOOL_PARSERS = {"hermes": "<tool_call>{...}</tool_call> blocks", "llama3_json": "JSON calls",
+                "llama4_json": "JSON calls"}
 PYTHON_TAG = "<|python_tag|>"          # Llama 3.x: what a JSON tool call may start with
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -30,6 +36,7 @@ class ToolMode:
     choice: str                        # "none", "auto", "required" or "named"
     name: str | None = None            # the named function
     parallel: bool = True              # more than one call per answer ("required")
+    parser: str | None = None          # the format "auto" reads (TOOL_PARSERS; None: either)
 
     @property
     def names(self) -> set[str]:
@@ -57,7 +64,7 @@ class ToolMode:
         if self.choice == "required":
             return None, [(c.name, c.args) for c in scan_calls(text) if c.name is not None]
         if self.choice == "auto":
-            return parse_auto(text, self.names)
+            return parse_auto(text, self.names, self.parser)
         return text, []
 
     def streamer(self) -> "ToolStreamer":
@@ -78,15 +85,34 @@ def rebase_refs(schema, root: str):
     return out
 
 
-def parse_auto(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
+def check_tool_parser(parser: str | None, auto: bool) -> None:
+    """--tool-call-parser's name and --enable-auto-tool-choice together: ValueError in one line."""
+    if parser is None:
+        return
+    if parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {parser!r} is not implemented: this server reads "
+                         + ", ".join(f"{name} ({what})" for name, what in TOOL_PARSERS.items()))
+    if not auto:
+        raise ValueError("--tool-call-parser is the format tool_choice \"auto\" reads, which "
+                         "--no-enable-auto-tool-choice turns off")
+
+
+def parse_auto(text: str, names: set[str], parser: str | None = None) -> tuple[str | None, list[tuple[str, str]]]:
     """Hermes blocks (a last one may lack its closing tag), else one or more Llama 3 JSON calls (`;`-separated,
-    maybe after <|python_tag|>); calls to unknown tools or unreadable JSON leave the text as content."""
+    maybe after <|python_tag|>); calls to unknown tools or unreadable JSON leave the text as content. `parser`:
+    hermes reads the blocks only, llama3_json / llama4_json the JSON calls only."""
+    if parser is not None and parser != "hermes":
+        return _json_calls(text, names)
     if HERMES_OPEN in text:
         calls = [_call_of(m.group(1), names) for m in _HERMES.finditer(text)]
         if calls and all(calls):
             content = _HERMES.sub("", text).strip()
             return content or None, calls
         return text, []
+    return _json_calls(text, names) if parser is None else (text, [])
+
+
+def _json_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].strip()
@@ -212,12 +238,12 @@ class ToolStreamer:
         return out
 
     def _auto(self, finished: bool) -> tuple[str, list[dict]]:
-        text = self.text
-        start = text.find(HERMES_OPEN)
-        json_like = text.lstrip().startswith(("{", PYTHON_TAG[:2]))
+        text, parser = self.text, self.mode.parser
+        start = text.find(HERMES_OPEN) if parser in (None, "hermes") else -1
+        json_like = parser != "hermes" and text.lstrip().startswith(("{", PYTHON_TAG[:2]))
         if not finished:
             if start < 0 and not json_like:       # content, but not a tag's beginning at the end
-                safe = len(text) - _tag_prefix(text)
+                safe = len(text) - (_tag_prefix(text) if parser in (None, "hermes") else 0)
                 content, self.sent_content = text[self.sent_content:safe], max(self.sent_content, safe)
                 return content, []
             if start >= 0:
@@ -227,7 +253,7 @@ class ToolStreamer:
                 calls = [_call_of(m.group(1), self.mode.names) for m in done]
                 return content, self._whole(calls)
             return "", []
-        content, calls = parse_auto(text[self.sent_content:], self.mode.names)
+        content, calls = parse_auto(text[self.sent_content:], self.mode.names, parser)
         head = text[self.sent_content:start] if start > self.sent_content else ""
         self.sent_content = len(text)
         if not calls:

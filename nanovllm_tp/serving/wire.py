@@ -8,8 +8,10 @@ HTTP -> engine:  {"op": "add", "ids", "prompts", "params", "priority", "lora", [
                                                                        request taken over from another replica)
                  {"op": "abort", "ids"}
                  {"op": "lora_load" / "lora_unload", "ids": [key], "lora": [name, id, path]}   (answered "accepted")
-engine -> HTTP:  {"op": "ready", "model", "max_model_len", "loras"}  (first, once the engine is up; loras: the
-                                                                       [name, id, path] of --lora-modules)
+engine -> HTTP:  {"op": "ready", "model", "max_model_len", "loras",  (first, once the engine is up; loras: the
+                  "tokenizer", "sampling_defaults"}                    [name, id, path] of --lora-modules;
+                                                                       tokenizer: --tokenizer's path or None;
+                                                                       sampling_defaults: --generation-config's)
                  {"op": "accepted", "items": [[first id, error, error type]]}  (per add; error: None, or
                                                                        validation's message)
                  {"op": "outputs", "outputs": [...], "stats": {...}}  (one per step; stats alone when idle, at

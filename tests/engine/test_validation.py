@@ -145,7 +145,6 @@ BAD_PARAMS = [
     (dict(min_tokens=2**64), ValueError, r"min_tokens must be <= 9223372036854775807"),
     (dict(max_tokens=4, min_tokens=5), ValueError, r"min_tokens must be <= max_tokens=4, got 5"),
     (dict(logprobs=-1), ValueError, r"logprobs must be >= 0"),
-    (dict(logprobs=21), ValueError, r"logprobs must be <= 20"),
     (dict(prompt_logprobs=1.0), TypeError, r"prompt_logprobs must be an int or None"),
     (dict(skip_special_tokens=None), TypeError, r"skip_special_tokens must be a bool"),
     (dict(output_kind=7), ValueError, r"output_kind must be a RequestOutputKind"),

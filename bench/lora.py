@@ -40,7 +40,7 @@ def make_adapters(model: str, count: int, rank: int, out_dir: str) -> list[str]:
     try:
         import peft  # noqa: F401
     except ImportError:
-        raise SystemExit("bench_lora makes its adapters with peft: pip install peft") from None
+        raise SystemExit("bench lora makes its adapters with peft: pip install 'nanovllm-tp[bench]'") from None
     import torch
     from transformers import AutoModelForCausalLM
     from nanovllm_tp.checkpoint.gguf import find_gguf

@@ -143,7 +143,7 @@ async def run_server_point(args, workload: bc.Workload, prompts, point: dict) ->
     try:
         import aiohttp
     except ImportError:
-        raise SystemExit("bench_serve's client needs aiohttp: pip install 'nanovllm-tp[bench]' (or aiohttp)") from None
+        raise SystemExit("bench serve's client needs aiohttp: pip install 'nanovllm-tp[bench]'") from None
     n = workload.num_requests
     offsets = arrival_offsets(n, point["request_rate"], args.seed) if point["mode"] == "poisson" else [0.0] * n
     cap = asyncio.Semaphore(point["concurrency"] or n)

@@ -6,11 +6,13 @@
     nanovllm-tp convert FILE.gguf OUT_DIR          # a GGUF file as a plain HF directory
     nanovllm-tp --version
 
-Each subcommand is the module `python -m nanovllm_tp.launch.<name>` (or, for a benchmark, its bench module) with
-the same flags: `nanovllm-tp SUBCOMMAND --help` prints them. Under torchrun, run the module form
+Each subcommand but bench is the module `python -m nanovllm_tp.launch.<module>` (COMMANDS: the subcommand's name
+with `_` for `-`) with the same flags; `bench KIND` is `python -m nanovllm_tp.bench KIND`, one of BENCHES' modules.
+`nanovllm-tp SUBCOMMAND --help` prints the flags. Under torchrun, run the module form
 (`./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 ...`).
 """
 import importlib
+import importlib.util
 import sys
 
 # subcommand -> (module, what it does)
@@ -52,6 +54,18 @@ BENCHES = {
 }
 
 
+# bench KIND -> the packages it imports beyond the package's own requirements: all in the [bench] extra (setup.cfg),
+# checked before the benchmark starts
+BENCH_NEEDS = {
+    "serve": ("aiohttp", "httpx"),
+    "chaos": ("httpx",),
+    "limits": ("httpx",),
+    "json": ("jsonschema",),
+    "struct-validity": ("openai", "jsonschema"),
+    "lora": ("peft",),
+}
+
+
 def version() -> str:
     from nanovllm_tp import __version__
     return __version__
@@ -60,6 +74,11 @@ def version() -> str:
 def _usage(table: dict, head: str) -> str:
     width = max(map(len, table))
     return head + "\n" + "\n".join(f"  {name.ljust(width)}  {what}" for name, (_, what) in table.items())
+
+
+def missing_packages(kind: str) -> list[str]:
+    """The packages bench KIND needs (BENCH_NEEDS) that this environment cannot import."""
+    return [name for name in BENCH_NEEDS.get(kind, ()) if importlib.util.find_spec(name) is None]
 
 
 def _run(module: str, argv: list[str], prog: str) -> int:
@@ -71,7 +90,10 @@ def _run(module: str, argv: list[str], prog: str) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage(COMMANDS, "usage: nanovllm-tp {--version | SUBCOMMAND [flags]}\n\nsubcommands:"))
+        print(_usage(COMMANDS, "usage: nanovllm-tp {--version | SUBCOMMAND [flags]}\n\nsubcommands:")
+              + "\n\nnanovllm-tp SUBCOMMAND --help: its flags. Module forms, same flags:\n"
+                "  python -m nanovllm_tp.launch.<module>   the subcommand's name, _ for - (make_shape)\n"
+                "  python -m nanovllm_tp.bench KIND        nanovllm-tp bench KIND")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name in ("-V", "--version"):
@@ -83,12 +105,20 @@ def main(argv=None) -> int:
     if name == "bench":
         kind = rest[0] if rest and not rest[0].startswith("-") else "throughput"
         if rest and rest[0] in ("-h", "--help") and len(rest) == 1:
-            print(_usage(BENCHES, "usage: nanovllm-tp bench [KIND] [flags]   (KIND --help: its flags)\n\nkinds:"))
+            print(_usage(BENCHES, "usage: nanovllm-tp bench [KIND] [flags]   (KIND --help: its flags)\n\nkinds:")
+                  + "\n\nSome kinds need the [bench] extra: pip install 'nanovllm-tp[bench]'.\n"
+                    "A kind that keeps its result writes it to results/<name>-<timestamp>.json under\n"
+                    "the working directory (--out PATH: there instead) and prints its path on stderr.")
             return 0
         if kind not in BENCHES:
             print(f"nanovllm-tp bench: unknown kind {kind!r}\n\n" + _usage(BENCHES, "kinds:"), file=sys.stderr)
             return 2
         rest = rest[1:] if rest and rest[0] == kind else rest
+        missing = missing_packages(kind)
+        if missing and not {"-h", "--help"} & set(rest):
+            print(f"nanovllm-tp bench {kind}: needs {', '.join(missing)}: pip install 'nanovllm-tp[bench]'",
+                  file=sys.stderr)
+            return 2
         return _run(BENCHES[kind][0], rest, f"nanovllm-tp bench {kind}")
     if name in ("serve", "generate") and rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]      # `serve MODEL`, as `vllm serve MODEL`

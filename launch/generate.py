@@ -53,20 +53,50 @@ def refuse_bad_engine_args(command: str, args) -> None:
         sys.exit(2)
 
 
+USAGE = "%(prog)s [--model MODEL] [--prompt TEXT ...] [options]"
+DESCRIPTION = """\
+Print completions for prompts, offline (no server). Without --model: the
+embedded tiny checkpoint, whose output is fluent nonsense (random weights).
+
+Defaults that differ from the API's: generate is greedy (--temperature 0) and
+writes up to 48 tokens (--max-tokens 48), whatever the model's generation
+config says; SamplingParams and the server's /v1/completions default to
+temperature 1.0 and 16 tokens (vLLM's), unless the model's
+generation_config.json sets others (--generation-config).
+
+examples:
+  nanovllm-tp generate --prompt "The quick brown fox"
+  nanovllm-tp generate --model DIR --chat --prompt "Hello"
+  nanovllm-tp generate --model Qwen/Qwen3-0.6B --chat --prompt "Hi" --temperature 0.6
+"""
+DEFAULT_PROMPTS = ["The quick brown fox", "Return a list of"]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanovllm_tp.launch.help_format import HelpFormatter
+    parser = argparse.ArgumentParser(usage=USAGE, description=DESCRIPTION, formatter_class=HelpFormatter,
+                                     epilog="Every engine flag is also an LLM(...) keyword: docs/knobs.md.")
+    g = parser.add_argument_group("prompts and sampling")
+    g.add_argument("--prompt", action="append", metavar="TEXT",
+                   help=f"a prompt (repeat for several) (default: {' and '.join(map(repr, DEFAULT_PROMPTS))})")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template as one user message (default: off)")
+    g.add_argument("--max-tokens", type=int, default=48,
+                   help="most tokens to generate per completion (default: 48; the API's: 16)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0: greedy (default: 0, greedy; the API's: 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: off (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p x the likeliest token's probability; 0: off (default: 0.0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalty on tokens of the prompt and output; 1: off (default: 1.0)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string (repeat for several) (default: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token, up to --max-tokens (default: off)")
     add_engine_args(parser)
-    parser.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
-    parser.add_argument("--stop", action="append", help="a stop string (repeat for several)")
-    parser.add_argument("--ignore-eos", action="store_true")
     return parser
 
 
@@ -81,7 +111,7 @@ def main(argv=None) -> None:
         parser.error(str(exc))
     refuse_bad_engine_args("generate", args)
     llm = build_llm(args)
-    prompts = args.prompt or ["The quick brown fox", "Return a list of"]
+    prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

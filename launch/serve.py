@@ -40,14 +40,48 @@ from nanovllm_tp import envs
 from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.engine_server import engine_threads, serve_engine, serve_plans
 from nanovllm_tp.launch.generate import local_model, refuse_bad_engine_args
+from nanovllm_tp.launch.help_format import HelpFormatter
 from nanovllm_tp.serving.server_config import add_server_args, lora_modules, server_config
 from nanovllm_tp.utils.proctitle import PREFIX, rank_title, set_title
 
 GOMP_SPINCOUNT = "10000"      # libgomp's spins before an idle thread sleeps (see the docstring)
 
 
+USAGE = "%(prog)s [MODEL] [options]"
+DESCRIPTION = """\
+Serve MODEL over an OpenAI-compatible HTTP API: /v1/completions,
+/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /health,
+/metrics; on 127.0.0.1:8000 unless --host and --port say otherwise.
+
+MODEL: a Hugging Face directory, a .gguf file (or a directory holding one),
+or a hub id (org/name, org/name:Q4_K_M), as vLLM takes it; the same as
+--model. Without it: the embedded tiny checkpoint (random weights).
+
+examples:
+  nanovllm-tp serve HuggingFaceTB/SmolLM2-135M-Instruct
+  nanovllm-tp serve DIR --port 8000 --api-key KEY
+  nanovllm-tp serve DIR -tp 2        # tensor parallel over 2 ranks
+  nanovllm-tp serve DIR -dp 2        # 2 replicas behind one endpoint
+"""
+EPILOG = """\
+Every engine flag is also an LLM(...) keyword: docs/knobs.md. Routes, request
+fields and limits: docs/serving.md. Under torchrun, run the module form:
+  ./torchrun.sh 2 -m nanovllm_tp.launch.serve --tp 2 --model DIR
+SIGTERM or Ctrl-C stops the server between two steps.
+"""
+
+
+def model_first(argv: list[str]) -> list[str]:
+    """`serve MODEL ...` as `serve --model MODEL ...` (vLLM's form): the model is then one flag wherever the
+    command line is passed on (replicas get it again with --model, and the last --model wins)."""
+    return ["--model", argv[0], *argv[1:]] if argv and not argv[0].startswith("-") else list(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model to serve, as --model (default: the embedded tiny checkpoint)")
     add_engine_args(parser)
     add_server_args(parser)
     # a data-parallel replica's own process (serving/replica_processes.py starts it): index and sockets, and the
@@ -59,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    argv = model_first(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     try:
         server = server_config(args)
         if server.data_parallel_size > 1 and args.pipeline_parallel_size > 1:

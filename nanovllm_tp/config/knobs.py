@@ -17,6 +17,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
+from nanovllm_tp.config.flag_groups import group_for, help_order
 from nanovllm_tp.utils import checks
 
 
@@ -121,17 +122,27 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _help(k: Knob, kind, default) -> str:
+    """A knob's help with its default: on/off for a switch, the value, or "none" where the help does not say."""
+    if kind is bool:
+        return f"{k.help} (default: {'on' if default else 'off'})"
+    if default is None:
+        return k.help if "default" in k.help else f"{k.help} (default: none)"
+    return f"{k.help} (default: {default})"
+
+
 def add_args(config_cls, parser: argparse.ArgumentParser, title: str = "engine") -> None:
-    """Every knob of config_cls as a flag of `parser` (dest: the field's name), in an argument group of that
-    title. `--model` is optional here: the commands run the embedded tiny checkpoint without it."""
-    group = parser.add_argument_group(title)
-    for f in knob_fields(config_cls):
+    """Every knob of config_cls as a flag of `parser` (dest: the field's name), each in its help group
+    (flag_groups.py: model, server, parallelism, ...; a knob in none: "other {title} flags"). `--model` is
+    optional here: the commands run the embedded tiny checkpoint without it."""
+    for f in sorted(knob_fields(config_cls), key=lambda f: help_order(f.name)):
         k, (kind, _) = f.metadata["knob"], _base_type(f.type)
         default = None if f.name == "model" else _default(f)
-        help_text = k.help if default in (None, False) or kind is bool else f"{k.help} (default: {default})"
+        help_text = _help(k, kind, default)
+        group = group_for(parser, f.name, f"other {title} flags")
         if kind is bool:
             group.add_argument(*_flags(f), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=f"{help_text} (default: {'on' if default else 'off'})")
+                               help=help_text)
         elif kind is list:      # several values after one flag (vLLM's --lora-modules a=x b=y)
             group.add_argument(*_flags(f), dest=f.name, nargs="+", default=default, metavar=k.metavar,
                                help=help_text)

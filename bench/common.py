@@ -13,11 +13,11 @@ import pathlib
 
 from nanovllm_tp.bench.env import environment, finish_environment
 from nanovllm_tp.bench.report import (default_out_path, fmt, format_table, log, median, percentile, plot_path,
-                                      save_plot, save_result, summarize, write_json)
+                                      save_plot, save_result, say_written, summarize, write_json)
 from nanovllm_tp.bench.workload import MAX_TOKEN_ID, Workload, make_workload, shared_prefix_prompts, warmup_prompts
 
 __all__ = ["environment", "finish_environment", "default_out_path", "fmt", "format_table", "log", "median",
-           "percentile", "plot_path", "save_plot", "save_result", "summarize", "write_json", "MAX_TOKEN_ID",
+           "percentile", "plot_path", "save_plot", "save_result", "say_written", "summarize", "write_json", "MAX_TOKEN_ID",
            "Workload", "make_workload", "shared_prefix_prompts", "warmup_prompts", "add_workload_args",
            "add_paired_workload_args", "apply_threads", "add_output_args", "out_path", "finish", "resolve_model", "model_vocab_size", "config_dict",
            "quiet_transformers"]
@@ -63,7 +63,8 @@ def apply_threads(args) -> None:
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output")
-    g.add_argument("--out", help="JSON result path (default: results/<name>-<timestamp>.json)")
+    g.add_argument("--out", help="JSON result path (default: results/<name>-<timestamp>.json under the working "
+                                 "directory; the path is printed on stderr)")
     g.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
                    help="also write a PNG (default path: the JSON path with .png); needs matplotlib")
     g.add_argument("--quiet", action="store_true", help="only the final table")
@@ -79,8 +80,7 @@ def finish(args, name: str, env: dict, table: str, **fields) -> dict:
     (out_path), then the table on stdout."""
     result = {"name": name, "config": config_dict(args), "environment": finish_environment(env), **fields,
               "table": table}
-    out = write_json(out_path(args, name), result)
-    log(args, f"wrote {out}")
+    say_written(write_json(out_path(args, name), result))
     print(table, flush=True)
     return result
 

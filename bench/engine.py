@@ -23,10 +23,12 @@ def warm_up_engine(llm, vocab_size: int, seed: int, temperature: float) -> float
     return time.perf_counter() - t0
 
 
-def run_engine(llm, workload: bc.Workload, prompts, temperature: float, mixed: bool = False) -> dict:
+def run_engine(llm, workload: bc.Workload, prompts, temperature: float, mixed: bool = False,
+               progress=False) -> dict:
+    """One timed generate() of the workload; `progress`: its use_tqdm (bench/progress.py's lines, or False)."""
     params = sampling_params(workload, temperature, mixed)
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
     produced = [len(o.outputs[0].token_ids) for o in outputs]
     tpot = bc.median(o.metrics.tpot for o in outputs if o.metrics is not None)    # None where no request has one

@@ -1,6 +1,6 @@
 """What a benchmark reports: summary statistics (median, interpolated percentiles), the JSON result (written
 atomically, default path results/<name>-<timestamp>.json), a plain-text table, an optional matplotlib plot, and
-progress lines on stderr (silenced by --quiet)."""
+progress lines on stderr (silenced by --quiet; the line that says where the result went stays)."""
 from __future__ import annotations
 
 import datetime
@@ -105,8 +105,15 @@ def save_result(args, out_path: pathlib.Path, result: dict, draw) -> dict:
         result["plot"] = png
     write_json(out_path, result)
     result["out"] = str(out_path)
-    log(args, f"wrote {out_path}" + (f" and {png}" if png else ""))
+    say_written(out_path, png)
     return result
+
+
+def say_written(*paths) -> None:
+    """The line that says where a benchmark wrote its result (--quiet too), each path absolute: the default,
+    results/, is under whatever directory the benchmark ran in."""
+    where = " and ".join(str(pathlib.Path(p).resolve()) for p in paths if p)
+    print(f"results: {where}", file=sys.stderr, flush=True)
 
 
 def log(args, msg: str) -> None:

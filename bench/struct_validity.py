@@ -422,8 +422,7 @@ def main(argv=None) -> dict:
     result["table"] = table([result])
     out = bc.out_path(args, NAME)
     result["out"] = str(out)
-    bc.write_json(out, result)
-    bc.log(args, f"wrote {out}")
+    bc.say_written(bc.write_json(out, result))
     print(result["table"], flush=True)
     return result
 

@@ -32,6 +32,7 @@ import time
 from nanovllm_tp.bench import common as bc, compare as bench_compare
 from nanovllm_tp.bench.engine import run_engine, summarize_runs, warm_up_engine
 from nanovllm_tp.bench.hf import HFRunner
+from nanovllm_tp.bench.progress import progress_lines
 from nanovllm_tp.config.engine_config import add_engine_args
 
 NAME = "bench"
@@ -144,6 +145,7 @@ def main(argv=None) -> dict:
     hf = None
     try:
         if not args.no_warmup:
+            bc.log(args, "warming up the engine")
             extra["engine_warmup_s"] = warm_up_engine(llm, vocab, args.seed, args.temperature)
         if args.compare == "hf":
             cb_tokens = args.hf_cb_max_batch_tokens or min(512, args.max_num_batched_tokens)
@@ -153,11 +155,13 @@ def main(argv=None) -> dict:
         engine_runs, static_runs, cb_runs, mixed_runs = [], {b: [] for b in batch_sizes}, [], []
         for r in range(args.repeats):
             prompts = workload.prompts(draw=r + 1)
-            engine_runs.append(run_engine(llm, workload, prompts, args.temperature))
+            engine_runs.append(run_engine(llm, workload, prompts, args.temperature,
+                                          progress=progress_lines(args, f"[{r + 1}/{args.repeats}] engine")))
             bc.log(args, f"[{r + 1}/{args.repeats}] engine: {engine_runs[-1]['tok_s']:.1f} tok/s "
                          f"in {engine_runs[-1]['seconds']:.2f}s")
             if args.sampling == "mixed":      # fresh prompts: no prefix hits from the plain run
-                mixed_runs.append(run_engine(llm, workload, workload.prompts(draw=1000 + r), args.temperature, True))
+                mixed_runs.append(run_engine(llm, workload, workload.prompts(draw=1000 + r), args.temperature, True,
+                                             progress_lines(args, f"[{r + 1}/{args.repeats}] engine, mixed")))
                 bc.log(args, f"[{r + 1}/{args.repeats}] engine, mixed sampling: {mixed_runs[-1]['tok_s']:.1f} tok/s")
             if hf is None:
                 continue

@@ -447,25 +447,29 @@ class LLM:
             else:
                 self.engine.finish(seq, "abort")
 
-    def _run(self, ids: list[str], use_tqdm: bool, desc: str) -> list:
-        """Step until the requests `ids` have finished; their whole outputs in that order."""
+    def _run(self, ids: list[str], use_tqdm, desc: str) -> list:
+        """Step until the requests `ids` have finished; their whole outputs in that order. use_tqdm: True (a tqdm
+        bar), False, or, as vLLM takes it, a callable that makes a tqdm-like bar from total= and desc=; the bar
+        shows the prompt and decode rates so far (step_rates.py)."""
+        from nanovllm_tp.entrypoints.step_rates import StepRates
         mine = [self._requests[i] for i in ids]
         bar = None
-        if use_tqdm:
+        if callable(use_tqdm):
+            bar = use_tqdm(total=len(ids), desc=desc)
+        elif use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True)
-        prefill_tps = decode_tps = 0.0
+        rates = StepRates()
         done = 0
         try:
             while not all(s.finished for s in mine):
                 start = time.perf_counter()
                 with trace.span("step"):
                     num_tokens, is_prefill = self._engine_step()
-                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-                prefill_tps, decode_tps = (rate, decode_tps) if is_prefill else (prefill_tps, rate)
+                rates.add(num_tokens, is_prefill, time.perf_counter() - start)
                 if bar is not None:
                     now_done = sum(s.finished for s in mine)
-                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
+                    bar.set_postfix(rates.postfix(), refresh=False)
                     bar.update(now_done - done)
                     done = now_done
         finally:

@@ -235,3 +235,15 @@ def test_the_bench_kinds_listed_are_the_programs():
     assert sorted(kind for kind, _ in rows) == sorted(cli.BENCHES)
     for kind, module in rows:
         assert cli.BENCHES[kind][0] == f"nanovllm_tp.bench.{module}", kind
+
+
+def test_each_subcommand_is_the_module_the_docs_name():
+    """README and docs/cli.md: every subcommand but bench is `python -m nanovllm_tp.launch.<its name, _ for ->`,
+    and each such module runs its main as `python -m` (a __main__ block)."""
+    for name, (module, _) in cli.COMMANDS.items():
+        if name == "bench":
+            assert module is None
+            continue
+        assert module == f"nanovllm_tp.launch.{name.replace('-', '_')}", name
+        source = (REPO / "launch" / f"{module.rsplit('.', 1)[-1]}.py").read_text()
+        assert 'if __name__ == "__main__":' in source, module

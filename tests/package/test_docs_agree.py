@@ -224,15 +224,21 @@ def test_every_flag_shown_is_taken(monkeypatch):
     assert not unknown, "\n".join(unknown)
 
 
+def _same_kinds(where: str, listed: list[str]) -> None:
+    missing, unknown = sorted(set(cli.BENCHES) - set(listed)), sorted(set(listed) - set(cli.BENCHES))
+    assert not missing and not unknown and len(listed) == len(set(listed)), \
+        f"{where}: missing {missing}, not kinds {unknown} (the kinds: launch/cli.py's BENCHES)"
+
+
 def test_the_bench_kinds_listed_are_the_programs():
     readme = (REPO / "README.md").read_text()
     listed = re.search(r"`bench KIND` \(([^)]*)\)", readme)
     assert listed, "README: the Commands section's `bench KIND` (kinds) list"
-    assert sorted(k.strip() for k in listed.group(1).split(",")) == sorted(cli.BENCHES)
+    _same_kinds("README.md's Commands list", [k.strip() for k in listed.group(1).split(",")])
     cli_md = (REPO / "docs" / "cli.md").read_text()
     table = cli_md[cli_md.index("## Benchmarks"):]
     rows = re.findall(r"^\| `([a-z-]+)`(?: \(default\))? \| `bench/(\w+)\.py` \|", table, re.M)
-    assert sorted(kind for kind, _ in rows) == sorted(cli.BENCHES)
+    _same_kinds("docs/cli.md's KIND table", [kind for kind, _ in rows])
     for kind, module in rows:
         assert cli.BENCHES[kind][0] == f"nanovllm_tp.bench.{module}", kind
 

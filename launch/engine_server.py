@@ -20,7 +20,8 @@ from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 def engine_threads(args, ranks: int | None = None) -> bool:
     """The engine's threads: --threads, else OMP_NUM_THREADS, else on CPU this node's cores shared by its `ranks`
     (default: torchrun's local world size, else --tensor-parallel-size x --pipeline-parallel-size); args.threads
-    says it from then on. Returns whether the engine runs on CPU (see http_at_idle)."""
+    says it from then on. Where none is given the count is a ceiling the ranks follow the load under
+    (config/cpu_threads.py). Returns whether the engine runs on CPU (see http_at_idle)."""
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if args.threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -29,6 +30,9 @@ def engine_threads(args, ranks: int | None = None) -> bool:
         if ranks is None:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size * args.pipeline_parallel_size))
         args.threads = envs.cores_per_rank(ranks)
+        os.environ["NANOVLLM_TP_THREADS_AUTO"] = str(ranks)    # a ceiling: the ranks follow the load under it
+    elif args.threads is not None and not getattr(args, "replica", None):
+        os.environ.pop("NANOVLLM_TP_THREADS_AUTO", None)     # given: fixed (a replica inherits its supervisor's)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
 

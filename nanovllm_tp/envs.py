@@ -22,6 +22,10 @@ VARIABLES = {
                                       "the even split (vLLM's VLLM_PP_LAYER_PARTITION); as many numbers as stages, "
                                       "summing to the model's layers",
     "NANOVLLM_TP_HOST": "the address other nodes reach rank 0 at (default MASTER_ADDR, else 127.0.0.1)",
+    # CPU threads (config/cpu_threads.py)
+    "NANOVLLM_TP_THREADS_AUTO": "set by serve where it chose the engine's threads itself: the engine ranks on this "
+                                "node (OMP_NUM_THREADS is then a ceiling, and each rank follows the other "
+                                "processes' load under it, as it does without OMP_NUM_THREADS)",
     # serving and files
     "NANOVLLM_TP_API_KEY": "the server's API key (launch/serve --api-key's default)",
     "NANOVLLM_TP_ALLOW_RUNTIME_LORA_UPDATING": "1: serve's /v1/load_lora_adapter and /v1/unload_lora_adapter are "

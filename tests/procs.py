@@ -187,3 +187,15 @@ def left_behind(before: set[str], unowned: bool = False, grace: float = 15.0) ->
         time.sleep(0.2)
         found = leaks()
     return found
+
+
+@contextlib.contextmanager
+def busy_machine(spinners: int = 2):
+    """Processes that keep `spinners` cores of the test machine busy while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.distributed import pipeline
 from nanovllm_tp.distributed.parallel_state import tp_rank, tp_size
@@ -160,6 +161,8 @@ class ModelRunner:
         plan.prompt_logits; None when every row is an embedding's), None on the other ranks. Rank 0 keeps the
         final hidden states of a step with embedding rows for take_hidden(). Under pipeline parallelism
         collect=False leaves the logits on their way: rank 0 takes them later with collect_logits(plan)."""
+        if self.device.type == "cpu":
+            cpu_threads.tick()               # the thread count follows other processes' load (once a second)
         if plan.block_copies is not None and len(plan.block_copies):
             self.copy_blocks(plan.block_copies)
         if self.graphs is not None and not plan.is_prefill and self.graphs.can_run(plan.num_rows):

@@ -14,7 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nanovllm_tp import envs
+from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed import shm_allreduce
@@ -61,8 +61,6 @@ def join_group(config: EngineConfig, device: torch.device, spawn=None) -> DistIn
         spawn.wait_for_workers()
     elif info.mode == "spawn":
         join_spawned(info)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(envs.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     init_process_group(rank, world, device, info.store if info.mode == "spawn" else
                        torchrun_replicas.group_store() if placement is not None else None)
     if pp > 1:      # the stages' TP groups and the TP ranks' pipeline groups (distributed/pipeline.py)
@@ -82,6 +80,9 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     """This rank's model shard and KV cache; every rank agrees on the smallest block count. extra_block_bytes:
     what else each block costs this rank (rank 0's draft model keeps a block of its own per target block)."""
     torch.manual_seed(config.seed)
+    if device.type == "cpu":      # before the weights load: the linear kernels are timed at this count
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        cpu_threads.govern(int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
     runner = ModelRunner(config, device, dtype, backend)
     block_bytes = runner.kv_block_bytes() + extra_block_bytes
     budget = config.kv_cache_memory

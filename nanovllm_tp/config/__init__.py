@@ -8,7 +8,8 @@ imported on first use, so that a light module can import `nanovllm_tp.config.kno
 
 
 def __getattr__(name):
-    from nanovllm_tp.config import engine_config
+    import importlib
+    engine_config = importlib.import_module(f"{__name__}.engine_config")    # not through this function again
     if name in engine_config.__all__:
         return getattr(engine_config, name)
     raise AttributeError(f"module 'nanovllm_tp.config' has no attribute {name!r}")

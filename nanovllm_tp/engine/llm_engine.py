@@ -6,6 +6,7 @@ import time
 import weakref
 
 
+from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
 from nanovllm_tp.distributed.launch import SpawnRendezvous, exit_on_sigterm, launched_by_torchrun, spawn_workers
@@ -115,6 +116,7 @@ class LLMEngine:
                 "quantization": self.runner.quantization,
                 "linear": linear_paths(self.runner.model),
                 "linear_kernels": kernel_choice.report(self.runner.model),
+                "cpu_threads": cpu_threads.report() if self.device.type == "cpu" else None,
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
                 "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,

@@ -215,7 +215,9 @@ class LLM:
         quantization ("none", or the quantized types the weights run in: "Q4_1+Q8_0"), linear (the matmul paths:
         packed_linear.linear_paths), linear_kernels (packed_linear="auto": the kernel per weight shape and
         row-count bucket with the timings that chose it, the extra bytes of second layouts: kernel_choice.report;
-        else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
+        else None), cpu_threads (on CPU, rank 0's: threads, the count now; auto, whether it follows the other
+        processes' load, and then ceiling, other_cores (their cores in use over the last second) and changes:
+        config/cpu_threads.py; else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and
         num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens and
         prefix_cache_query_tokens (tokens found in the prefix cache, of those looked up), num_running and

@@ -10,7 +10,9 @@ both win, which `extra_bytes` reports.
 The table (kernel_table.py) is cached as JSON beside the compiled kernels, one file per dtype under a key of the
 CPU model and flags, the kernels' sources, the choice's own files, torch's version (oneDNN's), the thread count
 and the candidates: a later load reuses it; another CPU, source version or candidate set measures afresh. Shapes
-a file lacks are measured and added.
+a file lacks are measured and added. A shape whose timings other processes spoiled twice is cached too, as
+disturbed (the first candidate in every bucket): a later load measures it again only when it finds the cores
+quiet (under QUIET_CORES of other processes' work), so that a busy machine pays for the timings once.
 
 A kernel joins with one `register(name, can_run, pack, run)` (packed_linear.py registers "c" and "onednn"). The
 candidates of a weight are those whose can_run accepts it, so a quantized kernel registers with a can_run that
@@ -26,9 +28,10 @@ from typing import Callable
 
 import torch
 
+from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.layers import cpu_build, cpu_features, kernel_table, kernel_timing
-from nanovllm_tp.layers.kernel_table import (BUCKETS, TIMED_ROWS, ShapeChoice, bucket, cached_choice, read_table,
-                                             summary, write_table)
+from nanovllm_tp.layers.kernel_table import (BUCKETS, TIMED_ROWS, ShapeChoice, bucket, cached_choice, entry_of,
+                                             read_table, summary, write_table)
 from nanovllm_tp.layers.kernel_timing import COPY_BYTES, disturbed, measure, winners_of
 
 __all__ = ["BUCKETS", "TIMED_ROWS", "Candidate", "CANDIDATES", "ChosenWeight", "ShapeChoice", "bucket", "cache_path",
@@ -44,6 +47,7 @@ INVARIANT = "c"            # the kernel whose every row is the same sum at any r
 # takes (the fused C decode layers for small batches, the modules through oneDNN for large ones and for prefill)
 # are exercised on every machine.
 AMX_TABLE = ("c", "c", "c", "onednn", "onednn", "onednn", "onednn")
+QUIET_CORES = 0.25         # other processes' cores in use under which a load measures a disturbed shape again
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +109,7 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False,
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
     copy_bytes = min(COPY_BYTES, sum(w.nbytes for w in weights))
-    out, tables, started, measuring = {}, {}, time.perf_counter(), False
+    out, tables, started, measuring, quiet = {}, {}, time.perf_counter(), False, None
     for (shape, dtype), ws in groups.items():
         cands = [c for c in CANDIDATES.values() if c.can_run(ws[0])]
         if not cands:
@@ -122,15 +126,19 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False,
             choice = ShapeChoice(shape, dname, tuple(n if n in names else names[0] for n in fixed), {})
         if choice is None:
             choice = cached_choice(shapes.get(f"{shape[0]}x{shape[1]}"), names, shape, dname)
+            if choice is not None and choice.disturbed:
+                if quiet is None:
+                    quiet = cpu_threads.others_busy() < QUIET_CORES
+                if quiet:
+                    choice = None          # spoiled last time, and the cores are quiet now: measured again
         if choice is None:
             if not measuring:
                 measuring = True
                 cpu_build.first_run_notice("measuring the linear kernels on this CPU once per model shape (a few "
                                            f"seconds; cached in {path.parent})...")
             choice = measure(cands, ws, copy_bytes)
-            if not choice.disturbed:
-                shapes[choice.key] = {"winners": choice.winners, "us": choice.micros}
-                tables[dtype][2] = True
+            shapes[choice.key] = entry_of(choice)
+            tables[dtype][2] = True
         if row_invariant and INVARIANT in names:
             choice = ShapeChoice(shape, dname, (INVARIANT,) * (len(BUCKETS) - 1) + choice.winners[-1:],
                                  choice.micros, choice.cached, disturbed=choice.disturbed)

@@ -32,7 +32,7 @@ class ShapeChoice:
     micros: dict[str, list[float]]
     cached: bool = False
     extra_bytes: int = 0
-    disturbed: bool = False      # timings other processes spoiled: the first candidate everywhere, not cached
+    disturbed: bool = False      # timings other processes spoiled: the first candidate everywhere, cached as such
 
     @property
     def key(self) -> str:
@@ -75,7 +75,12 @@ def cached_choice(entry, names: list[str], shape, dtype: str) -> ShapeChoice | N
         return None
     if len(winners) != len(BUCKETS) or not set(winners) <= set(names):
         return None
-    return ShapeChoice(shape, dtype, winners, micros, cached=True)
+    return ShapeChoice(shape, dtype, winners, micros, cached=True, disturbed=entry.get("disturbed") is True)
+
+
+def entry_of(choice: ShapeChoice) -> dict:
+    """A measured shape's entry in the table file."""
+    return {"winners": choice.winners, "us": choice.micros, **({"disturbed": True} if choice.disturbed else {})}
 
 
 def summary(table: list[ShapeChoice]) -> str:

@@ -3,7 +3,7 @@
 Each candidate runs at one row count per bucket (kernel_table.TIMED_ROWS; 256 for a prefill), a few milliseconds
 each (the median call of a round, the best of rounds that alternate the candidates), over distinct packed copies
 of the model's own weights (enough to exceed the last-level cache where the model does, so that they come from
-memory as in a real step). Timings other processes evidently spoiled are taken again, then not kept."""
+memory as in a real step). Timings other processes evidently spoiled are taken again, then kept as disturbed (kernel_choice.py)."""
 from __future__ import annotations
 
 import logging
@@ -65,7 +65,7 @@ def measure(cands: list[Candidate], weights: list[torch.Tensor], copy_bytes: int
         if not disturbed(micros, w.nbytes):
             return ShapeChoice(shape, dtype, winners_of(micros), micros)
     log.warning("kernel timings of a %dx%d weight were disturbed twice (other processes on the cores?): it runs "
-                "%s in every bucket, and is measured again at the next load", *w.shape, cands[0].name)
+                "%s in every bucket, and is measured again at a load that finds the cores quiet", *w.shape, cands[0].name)
     return ShapeChoice(shape, dtype, (cands[0].name,) * len(BUCKETS), micros, disturbed=True)
 
 

@@ -2,7 +2,6 @@
 anything starts, a data-parallel replica that cannot start or keeps dying, a server left without replicas, and
 SIGTERM on a busy machine. Each against a real server process on 127.0.0.1 (and ReplicaProcesses' counting of
 deaths on a clock the test moves)."""
-import contextlib
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ import pytest
 from nanovllm_tp.serving.replica_processes import (NOT_STARTED, RANK_KILLED, RESTART_LIMIT, RESTART_WINDOW_S,
                                                    ReplicaProcesses)
 from tests.helpers import GGUF_DIR
-from tests.procs import cmdline, descendants, free_port, python_cmd, segments_of, started, wait_gone
+from tests.procs import busy_machine, cmdline, descendants, free_port, python_cmd, segments_of, started, wait_gone
 from tests.serving.test_data_parallel import BACK_WITHIN, wait_all_ready
 from tests.serving.test_serve import ENGINE_ARGS, client, rundirs, start_server
 
@@ -35,18 +34,6 @@ def heads3_model_dir(tmp_path_factory):
 
 def log_lines(path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()]
-
-
-@contextlib.contextmanager
-def busy_machine(spinners: int = 2):
-    """Processes that keep both cores of the test machine busy while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def assert_all_gone(proc, pids: list[int]) -> None:

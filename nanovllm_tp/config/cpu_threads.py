@@ -1,0 +1,181 @@
+"""A CPU rank's thread count where nothing fixes it (no --threads, no OMP_NUM_THREADS): the cores the rest of the
+machine leaves to this node's ranks, decided before the weights load and again every second while the engine
+steps.
+
+Why it follows the load: each parallel region of a step waits for its slowest thread. On cores other processes
+keep busy, one of a rank's threads is preempted in most regions, and the others spin or sleep until it is back: on
+a 2-core machine with one busy process per core, two threads ran the Q4_1 SmolLM2 benchmark at a third of one
+thread's speed. So a rank takes
+
+    threads = round((cores - the cores other processes used) / ranks on this node), at least 1, at most the ceiling
+
+where the ceiling is the node's cores shared by its ranks, as before, and the cores come from sched_getaffinity.
+"Other processes" is every CPU second /proc/stat counts (user, system, interrupts, steal) but niced time (a niced
+process yields; the server's HTTP process is niced) and the engine's own: this process's, and as much again for
+each other rank of the node (they run the same steps). A change needs two periods in a row to agree, and each
+is logged. Without /proc/stat (not Linux) the ceiling holds.
+"""
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm_tp import envs
+
+log = logging.getLogger("nanovllm_tp")
+
+PERIOD_S = 1.0          # how often a stepping engine looks again
+FIRST_SAMPLE_S = 0.2    # the look before the weights load
+
+
+def _cpu_ids() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def busy_jiffies(cpus: set[int]) -> int | None:
+    """The CPU time /proc/stat counts on these cores as competing work (user, system, irq, softirq, steal; not
+    nice, idle or iowait), in clock ticks; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            v = [int(x) for x in rest.split()]
+            total += v[0] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return total
+
+
+def others_busy(seconds: float = 0.1) -> float:
+    """The cores processes other than this one keep busy, over a look of `seconds` (0.0 where /proc/stat cannot
+    be read)."""
+    cpus, tick_s = _cpu_ids(), 1.0 / os.sysconf("SC_CLK_TCK")
+    busy, own = busy_jiffies(cpus), own_seconds()
+    if busy is None:
+        return 0.0
+    start = time.monotonic()
+    time.sleep(seconds)
+    span = time.monotonic() - start
+    return max(0.0, ((busy_jiffies(cpus) - busy) * tick_s - (own_seconds() - own)) / span)
+
+
+def own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclass(slots=True)
+class ThreadGovernor:
+    """One process's torch thread count, following the other processes' load (see the module docstring)."""
+    ceiling: int
+    ranks: int
+    cpus: set
+    tick_s: float
+    at: float = 0.0
+    busy: int = 0
+    own: float = 0.0
+    pending: int = 0           # the count the last period wanted, where it differs from the current one
+    foreign: float = 0.0       # the cores other processes used over the last period
+    changes: int = 0
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def sample(self) -> tuple[float, int, float] | None:
+        busy = busy_jiffies(self.cpus)
+        return None if busy is None else (time.monotonic(), busy, own_seconds())
+
+    def wanted(self, now: float, busy: int, own: float) -> int:
+        """The count the period since the last sample asks for (and the sample becomes the last)."""
+        span = max(now - self.at, 1e-3)
+        used = (busy - self.busy) * self.tick_s / span
+        self.foreign = max(0.0, used - (own - self.own) / span * self.ranks)
+        self.at, self.busy, self.own = now, busy, own
+        free = len(self.cpus) - self.foreign
+        return max(1, min(self.ceiling, int(free / self.ranks + 0.5)))
+
+    def start(self) -> None:
+        """The first choice, before the weights load (the linear kernels are timed at this count): a short look."""
+        first = self.sample()
+        if first is None:
+            torch.set_num_threads(self.ceiling)
+            return
+        self.at, self.busy, self.own = first
+        time.sleep(FIRST_SAMPLE_S)
+        self._set(self.wanted(*self.sample()), first=True)
+
+    def tick(self) -> None:
+        """Between steps: look again once a period has passed; change where two periods in a row agree."""
+        now = time.monotonic()
+        if now - self.at < PERIOD_S:
+            return
+        got = self.sample()
+        if got is None:
+            return
+        want = self.wanted(*got)
+        if want == self.threads:
+            self.pending = 0
+        elif want == self.pending:
+            self._set(want)
+        else:
+            self.pending = want
+
+    def _set(self, count: int, first: bool = False) -> None:
+        before = torch.get_num_threads()
+        self.pending = 0
+        if count == before and not first:
+            return
+        torch.set_num_threads(count)
+        if count != self.ceiling or not first:
+            self.changes += not first
+            log.info("CPU threads %s%d of %d: other processes use %.1f of %d cores", "" if first else
+                     f"{before} -> ", count, self.ceiling, self.foreign, len(self.cpus))
+
+
+_governor: ThreadGovernor | None = None
+
+
+def auto_ranks() -> int | None:
+    """The node's engine ranks where a launcher chose this process's thread ceiling itself (OMP_NUM_THREADS set
+    for it, serve), else None."""
+    value = envs.get("NANOVLLM_TP_THREADS_AUTO")
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def govern(ranks_on_node: int) -> ThreadGovernor | None:
+    """This CPU process's threads: fixed where OMP_NUM_THREADS says so (and no launcher chose it), else a governor
+    (one per process: the thread count is the process's) under the ceiling of cores per rank."""
+    global _governor
+    auto = auto_ranks()
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp and auto is None:
+        return None
+    ranks = auto or ranks_on_node
+    cpus = _cpu_ids()
+    ceiling = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(cpus) // ranks)
+    if _governor is not None and (_governor.ceiling, _governor.ranks) == (ceiling, ranks):
+        return _governor
+    _governor = ThreadGovernor(ceiling, ranks, cpus, 1.0 / os.sysconf("SC_CLK_TCK"))
+    _governor.start()
+    return _governor
+
+
+def tick() -> None:
+    """Called between steps on every rank: cheap unless a period has passed."""
+    if _governor is not None:
+        _governor.tick()
+
+
+def report() -> dict:
+    """LLM.stats()'s threads: the count now, and the governor's ceiling and last reading where one decides it."""
+    g = _governor
+    if g is None:
+        return {"threads": torch.get_num_threads(), "auto": False}
+    return {"threads": torch.get_num_threads(), "auto": True, "ceiling": g.ceiling,
+            "other_cores": round(g.foreign, 2), "changes": g.changes}

@@ -155,6 +155,7 @@ def govern(ranks_on_node: int) -> ThreadGovernor | None:
     auto = auto_ranks()
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp and auto is None:
+        _governor = None                 # fixed: an earlier engine's governor of this process stops too
         return None
     ranks = auto or ranks_on_node
     cpus = _cpu_ids()

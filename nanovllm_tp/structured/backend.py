@@ -26,6 +26,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import numpy as np
 
+from nanovllm_tp.structured.number_digits import DigitLimits, NumberDigits, TokenDigits, limits_of
 from nanovllm_tp.structured.params import StructuredOutputsParams
 from nanovllm_tp.structured.schema import check_terminates, rewrite_subschemas
 
@@ -123,13 +124,14 @@ class Grammar:
     """One sequence's matcher. It follows the sequence's output tokens (advanced on the tokens the sequence
     accepted, rolled back if they shrink), and gives the mask of the next token: only what keeps the output a
     prefix of the language, and EOS only where the language may end. After EOS it constrains nothing more."""
-    __slots__ = ("matcher", "backend", "consumed", "ended", "error")
+    __slots__ = ("matcher", "backend", "consumed", "ended", "error", "numbers")
 
-    def __init__(self, matcher, backend: "GrammarBackend"):
+    def __init__(self, matcher, backend: "GrammarBackend", numbers: NumberDigits | None = None):
         self.matcher, self.backend = matcher, backend
         self.consumed = 0          # output tokens the matcher took
         self.ended = False         # it took an EOS
         self.error: str | None = None
+        self.numbers = numbers     # JSON constraints: where the output is in a number, for the digits' bounds
 
     @property
     def constrains(self) -> bool:
@@ -141,6 +143,8 @@ class Grammar:
         out = len(token_ids) - num_prompt_tokens
         if out < self.consumed:
             self.matcher.rollback(self.consumed - out)
+            if self.numbers is not None:
+                self.numbers.pop(self.consumed - out)
             self.consumed, self.ended = out, False
         if self.error is not None or self.ended:
             return self.error
@@ -153,6 +157,8 @@ class Grammar:
                               failure(raw, f"at output token {self.consumed + 1}"))
                 return self.error
             self.consumed += 1
+            if self.numbers is not None:
+                self.numbers.push(t)
             if t in eos:
                 self.ended = True
                 break
@@ -160,13 +166,14 @@ class Grammar:
 
 
 class CompiledGrammar:
-    __slots__ = ("matcher", "backend")
+    __slots__ = ("matcher", "backend", "limits")
 
-    def __init__(self, matcher, backend: "GrammarBackend"):
-        self.matcher, self.backend = matcher, backend
+    def __init__(self, matcher, backend: "GrammarBackend", limits: DigitLimits | None = None):
+        self.matcher, self.backend, self.limits = matcher, backend, limits
 
     def new(self) -> Grammar:
-        return Grammar(self.matcher.deep_copy(), self.backend)
+        numbers = None if self.limits is None else NumberDigits.start(self.limits, self.backend.token_digits())
+        return Grammar(self.matcher.deep_copy(), self.backend, numbers)
 
 
 class _Job:
@@ -218,6 +225,7 @@ class GrammarBackend:
         self.eos = frozenset(eos)
         self.words = (vocab_size + 31) // 32        # int32 words of one mask (the tokenizer's size if larger)
         self._tokenizer = None
+        self._token_digits: TokenDigits | None = None
         self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queues: dict[str, list] = {"small": [], "large": []}    # heaps of (size, order, job)
@@ -319,7 +327,10 @@ class GrammarBackend:
             raise ValueError(f"structured_outputs.{params.kind}: {readable(matcher.get_error())}")
         self._check_abandoned(job)
         self._try_start(matcher, params.kind)
-        return CompiledGrammar(matcher, self)
+        limits = limits_of(params.kind, params.spec)
+        if limits is not None:
+            self.token_digits()
+        return CompiledGrammar(matcher, self, limits)
 
     @staticmethod
     def _check_abandoned(job: _Job) -> None:
@@ -352,6 +363,18 @@ class GrammarBackend:
                 self.words = (size + 31) // 32
             return self._tokenizer
 
+    def token_digits(self) -> TokenDigits:
+        """Each token's bytes and leading digits, for the bounds on JSON numbers (built once, on the first JSON
+        compile)."""
+        tokenizer = self.tokenizer()
+        with self._tokenizer_lock:
+            if self._token_digits is None:
+                size = self.words * 32
+                self._token_digits = TokenDigits(
+                    [b"" if t >= size or tokenizer.is_special_token(t) else tokenizer.decode_bytes([t])
+                     for t in range(min(size, tokenizer.vocab_size))], self.words)
+            return self._token_digits
+
     def fill_masks(self, grammars: list[tuple[Grammar, object]]) -> np.ndarray:
         """The next-token bitmasks ([len, words] int32, bit t of a row: token t allowed) of (grammar, sequence)
         pairs, each grammar brought up to its sequence first. One after another: tens of microseconds each,
@@ -363,13 +386,19 @@ class GrammarBackend:
         for g, seq in grammars:
             g.advance(seq.token_ids, seq.num_prompt_tokens)
         for i, (g, _) in enumerate(grammars):
+            if g.error is None:
+                llguidance.numpy.fill_next_token_bitmask(g.matcher, masks, i)
+                if g.matcher.is_error():  # the next token hit one of the parser's limits, or nothing can follow
+                    g.error = failure(g.matcher.get_error(), f"at output token {g.consumed + 1}")
+                elif g.numbers is not None and g.constrains:
+                    g.numbers.restrict(masks[i])
+                    if not masks[i].any():
+                        g.error = (f"no token can continue the output at output token {g.consumed + 1} within "
+                                   "the bounds on a JSON number's digits")
             if g.error is not None:       # the request ends with its error after this step (LLM._advance_grammar):
-                for t in self.eos:        # its row samples an EOS meanwhile, never from an empty mask
+                masks[i] = 0              # its row samples an EOS meanwhile, never from an empty mask
+                for t in self.eos:
                     masks[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
-                continue
-            llguidance.numpy.fill_next_token_bitmask(g.matcher, masks, i)
-            if g.matcher.is_error():      # the next token hit one of the parser's limits, or nothing can follow
-                g.error = failure(g.matcher.get_error(), f"at output token {g.consumed + 1}")
         self.mask_steps, self.masks_filled = self.mask_steps + 1, self.masks_filled + len(grammars)
         self.mask_seconds += time.perf_counter() - start
         return masks

@@ -202,6 +202,30 @@ def test_a_grammar_left_nothing_by_other_knobs_ends_its_request_as_abort(tiny_ll
     assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].text in ("a", "b")
 
 
+def test_numbers_end_within_their_digit_bounds_where_the_model_would_write_digits_forever(tiny_llm):
+    """A logit bias makes "1" the model's choice wherever the mask allows it: a number's integer part, fraction
+    and exponent each end at their bound (16, 16, 3 digits), and the output ends as JSON well within max_tokens
+    (without the bounds it wrote ones until max_tokens)."""
+    one = tiny_llm.tokenizer.encode("1", add_special_tokens=False)
+    schema = {"type": "object", "properties": {"n": {"type": "number"}, "m": {"type": "number"}},
+              "required": ["n", "m"]}
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=120, logit_bias={one[0]: 100.0},
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for t, s in ((0.0, None), (0.8, 1), (0.8, 2), (1.0, 3))]
+    for out in tiny_llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        value = json.loads(c.text)
+        jsonschema.validate(value, schema)
+        for number in re.findall(r"-?[0-9][0-9.eE+-]*", c.text):
+            whole, _, rest = number.lstrip("-").partition(".")
+            part, _, exponent = rest.replace("E", "e").partition("e")
+            if "e" in whole.replace("E", "e"):
+                whole, _, exponent = whole.replace("E", "e").partition("e")
+            assert len(whole) <= 16 and len(part) <= 16 and len(exponent.lstrip("+-")) <= 3, number
+        assert "1" * 16 in c.text, c.text             # the bias did push digits up to the bound
+
+
 def test_streamed_structured_output_concatenates_to_valid_json(tiny_llm):
     rid = tiny_llm.add_request(PROMPTS[2], SamplingParams(temperature=1.0, seed=5, max_tokens=256,
                                                           output_kind=RequestOutputKind.DELTA,

@@ -101,3 +101,29 @@ def test_batch_invariant_refuses_the_knobs_that_take_another_path(tiny_model_dir
         assert llm.config.packed_linear == "c" and llm.config.attention_backend == "cpu"
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_a_prompt_past_512_tokens_is_the_same_cold_on_a_hit_chunked_and_in_company(tiny_model_dir, dtype):
+    """A 700-token prompt: past 512 tokens the cpu backend's default path is SDPA's blocked prefill, so the knob
+    must force every prompt token through the decode kernel there too (the prompts above stay below 512, where
+    that path is taken anyway). Cold, on a prefix hit (12 tokens over 688 cached: decode rows), chunked (chunks
+    of 256 over cached KV) and in a step with three other prompts: the same tokens and logprobs. Without the
+    forcing (platform.py's every_row_as_decode), the hit and the chunked prompt give other logprobs in both
+    dtypes; in company the prompt's row would go through SDPA as it does cold, so that case holds the linear
+    layers' side."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, 1000) for _ in range(700)]
+    others = [[rng.randrange(100, 1000) for _ in range(n)] for n in (90, 600, 30)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    base = {"max_model_len": 1024, "kv_cache_memory": 64 << 20, "batch_invariant": True, "dtype": dtype}
+    out = {}
+    with LLM(tiny_model_dir, **base) as llm:
+        out["cold"] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        out["prefix hit"] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with LLM(tiny_model_dir, **base, max_num_batched_tokens=256) as llm:
+        out["chunked"] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with LLM(tiny_model_dir, **base) as llm:
+        out["in company"] = llm.generate(others + [prompt], params, use_tqdm=False)[-1].outputs[0]
+        assert llm.stats()["num_preemptions"] == 0
+    assert_identical(out)

@@ -137,6 +137,13 @@ class BlockManager:
         return hits if needed <= self.num_free_blocks else None
 
     def allocate(self, seq: Sequence, hits: list[int]) -> None:
+        self._take(seq, hits, seq.num_blocks(self.block_size))
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_prefix_hit_tokens += seq.num_cached_tokens
+        self.num_prefix_query_tokens += len(seq)
+
+    def _take(self, seq: Sequence, hits: list[int], count: int) -> None:
+        """seq's block table: the cached blocks `hits`, then fresh blocks up to `count`."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         for block_id in hits:
@@ -146,11 +153,24 @@ class BlockManager:
             block.ref_count += 1
             block.reused = True
             seq.block_table.append(block_id)
-        for _ in range(seq.num_blocks(self.block_size) - len(hits)):
+        for _ in range(count - len(hits)):
             seq.block_table.append(self.take_block())
-        seq.num_cached_tokens = len(hits) * self.block_size
-        self.num_prefix_hit_tokens += seq.num_cached_tokens
-        self.num_prefix_query_tokens += len(seq)
+
+    def allocate_imported(self, seq: Sequence, num_computed: int) -> list[int] | None:
+        """Blocks for a sequence whose first `num_computed` tokens' KV another engine computed (it comes with the
+        sequence: engine/kv_transfer.py): the blocks of those tokens, the leading full ones taken from the prefix
+        cache where it holds them (a hit, counted as one). Returns the positions in seq's block table whose KV the
+        caller writes (the blocks not found in the cache), or None when the pool is short (nothing taken)."""
+        count = -(-num_computed // self.block_size)
+        hits = self._cached_prefix(seq)[:num_computed // self.block_size]
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if count - len(hits) + revived > self.num_free_blocks:
+            return None
+        self._take(seq, hits, count)
+        seq.num_cached_tokens = num_computed
+        self.num_prefix_hit_tokens += len(hits) * self.block_size
+        self.num_prefix_query_tokens += num_computed
+        return list(range(len(hits), count))
 
     def share(self, block_id: int) -> None:
         """One more owner of an allocated block (a forked sequence reading its sibling's prompt KV)."""

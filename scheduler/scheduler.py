@@ -105,6 +105,36 @@ class Scheduler(Admission, Preemption, StepResults):
                              f"{longest} (max_model_len={self.config.max_model_len})")
         policy.enqueue(self.waiting, seq, self.by_priority, front=False)
 
+    def adopt(self, seq: Sequence, write) -> bool:
+        """A decoding sequence that comes with its KV from another engine (engine/kv_transfer.py): all but its
+        last token computed there. It takes blocks for those tokens (the prefix cache's where this pool holds the
+        leading ones), `write(positions, block_ids)` fills the others (positions in its block table, which are
+        the payload's), its full blocks enter the prefix cache as if computed here, and it decodes its next token
+        in the next step. False, with nothing taken, when the pool is short (or it runs a LoRA adapter): the
+        caller then queues it to compute its tokens again, as after a preemption."""
+        if self.scheduled:
+            raise RuntimeError("adopt() between schedule() and postprocess()")
+        bm = self.block_manager
+        if seq.lora is not None or not 0 < seq.num_tokens < self.config.max_model_len:
+            return False
+        positions = bm.allocate_imported(seq, seq.num_tokens - 1)
+        if positions is None:
+            return False
+        try:
+            write(positions, [seq.block_table[i] for i in positions])
+        except BaseException:
+            bm.deallocate(seq)
+            raise
+        if bm.enable_prefix_caching:
+            for i in range(seq.num_cached_tokens // self.block_size):
+                bm.hash_block(seq, i)
+        bm.release_outside_window(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.first_token_time = seq.last_token_time = time.perf_counter()
+        self.running.append(seq)
+        self.decode_batch = None
+        return True
+
     @staticmethod
     def mark_aborted(seq: Sequence) -> None:
         """A sequence that finished in the step just run ends as "abort" instead: its grammar failed in that step

@@ -64,6 +64,8 @@ class LLMEngine:
                           Scheduler(scheduler_config, self.draft))
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
+        from nanovllm_tp.engine.kv_transfer import KVMoves
+        self.kv_moves = KVMoves()         # what moved in and out with its KV (engine/kv_transfer.py)
         atexit.register(self.close)
         _live_engines.add(self)
         log.info("engine ready: %s%s", self.runner.describe(), f"; {self.draft.describe()}" if self.draft else "")
@@ -95,6 +97,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def adopt(self, seq: Sequence, parts: dict[str, bytes]) -> bool:
+        """A decoding sequence with the KV of all but its last token from another engine, checked against this one
+        (engine/kv_transfer.py): into the pool and running (Scheduler.adopt); False when the pool is short."""
+        from nanovllm_tp.workers.kv_blocks import write_blocks
+        if self.dead:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+
+        def write(rows: list[int], block_ids: list[int]) -> None:
+            write_blocks(self.runner, parts, rows, block_ids)
+            self.kv_moves.blocks_in += len(block_ids)
+        return self.scheduler.adopt(seq, write)
+
+    def read_kv(self, block_ids: list[int]) -> dict[str, bytes]:
+        """The KV of these blocks, every layer, as bytes (workers/kv_blocks.py)."""
+        from nanovllm_tp.workers.kv_blocks import read_blocks
+        return read_blocks(self.runner, block_ids)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_completion_tokens: int | None = None) -> None:
         """End a request between steps (abort, stop string); its blocks are free at once (with pipeline
@@ -119,6 +138,7 @@ class LLMEngine:
                 "cpu_threads": cpu_threads.report() if self.device.type == "cpu" else None,
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
                 "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
+                "num_computed_tokens": sched.num_computed_tokens, "kv_transfer": self.kv_moves.as_dict(),
                 "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
                 "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,

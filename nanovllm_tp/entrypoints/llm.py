@@ -104,16 +104,23 @@ class LLM:
 
     def add_requests(self, prompts: list, sampling_params: SamplingParams | PoolingParams | None = None,
                      request_ids: list[str] | None = None, max_tokens_must_fit: bool = False,
-                     priority: int = 0, lora_request=None, resume: list | None = None) -> list[str]:
+                     priority: int = 0, lora_request=None, resume: list | None = None,
+                     kv: list | None = None) -> list[str]:
         """Queue one request per prompt, all with the same sampling parameters (priority, LoRARequest), all or
         none: every prompt, id and parameter is checked before the first is queued. Returns their request ids.
         PoolingParams make them embedding requests (step() reports each once, as an EmbeddingRequestOutput).
         `resume`: per prompt, the ResumedChoice list of a request taken over from another engine
-        (engine/resume.py), whose outputs are delta outputs that go on where its client stopped."""
+        (engine/resume.py), whose outputs are delta outputs that go on where its client stopped. `kv`: with
+        resume, per prompt, one entry per resumed completion: None (its tokens are computed again), or its
+        CompletionKV (engine/kv_payload.py: the KV of all but its last token, sized for this engine's cache): it
+        decodes on at once (it computes again where the pool has no room for it now)."""
         ids = self._new_request_ids(prompts, request_ids)
         if resume is not None and (isinstance(sampling_params, PoolingParams) or not isinstance(resume, list)
                                    or len(resume) != len(prompts)):
             raise ValueError("resume needs one list of resumed completions per prompt, and a generation request")
+        if kv is not None and (resume is None or not isinstance(kv, list) or len(kv) != len(resume) or not all(
+                isinstance(k, list) and isinstance(r, list) and len(k) == len(r) for k, r in zip(kv, resume))):
+            raise ValueError("kv needs resume, and one entry per resumed completion of each prompt")
         if isinstance(sampling_params, PoolingParams):       # embedding requests (vLLM: params of either kind)
             if lora_request is not None:
                 raise ValueError("embedding requests run on the base model: lora_request must be None")
@@ -137,6 +144,9 @@ class LLM:
                 raise ValueError("a resumed request's outputs are delta outputs: output_kind must be DELTA")
             resume = [check_resume(r, sp.n, len(token_ids), sp.max_tokens, self.config.max_model_len,
                                    self.config.model_config.vocab_size) for (_, token_ids), r in zip(items, resume)]
+            if kv is not None:
+                from nanovllm_tp.engine.kv_transfer import check_kv
+                check_kv(self, [len(token_ids) for _, token_ids in items], resume, kv)
             if sp.structured_outputs is not None:      # every grammar replayed before the first request is queued
                 compiled = self.grammars.compile(sp.structured_outputs)
                 for (_, token_ids), choices in zip(items, resume):
@@ -145,8 +155,8 @@ class LLM:
                             raise ValueError(f"resumed completion {ch.index}: {error}")
         incremental = sp.output_kind != RequestOutputKind.FINAL_ONLY
         resume = resume or [None] * len(items)
-        return [self._add(text, token_ids, sp, rid, incremental, rank, lora, resumed)
-                for (text, token_ids), rid, resumed in zip(items, ids, resume)]
+        return [self._add(text, token_ids, sp, rid, incremental, rank, lora, resumed, parts)
+                for (text, token_ids), rid, resumed, parts in zip(items, ids, resume, kv or [None] * len(items))]
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter: requests running with it finish with it, its slot goes to the next adapter that needs
@@ -162,7 +172,8 @@ class LLM:
         return self._run(ids, use_tqdm, "Generating")
 
     def _add(self, text: str | None, token_ids: list[int], sp: SamplingParams, request_id: str | None = None,
-             incremental: bool = False, priority: int = 0, lora=None, resumed: list | None = None) -> str:
+             incremental: bool = False, priority: int = 0, lora=None, resumed: list | None = None,
+             kv: list | None = None) -> str:
         number = next(self._request_numbers)
         request_id = str(number) if request_id is None else request_id
         base = sp.seed if sp.seed is not None else (self.config.seed * 1_000_003 + number) % (1 << 63)
@@ -176,7 +187,7 @@ class LLM:
             seqs[0].forks = seqs[1:]        # siblings start from the first one's prompt KV
             self.engine.add(seqs[0])
         else:
-            self._resume(seqs)
+            self._resume(seqs, kv)
         state = RequestState(request_id, text, token_ids, sp, seqs, self.tokenizer, self._token_texts, incremental,
                              max(sp.stream_interval or 1, self.config.stream_interval), resumed)
         self._requests[request_id] = state
@@ -184,17 +195,31 @@ class LLM:
             self._by_seq[seq.seq_id] = state
         return request_id
 
-    def _resume(self, seqs: list[Sequence]) -> None:
+    def _resume(self, seqs: list[Sequence], kv: list | None = None) -> None:
         """Resumed completions (engine/resume.py) into the engine, each on its own: their grammars replay the
         tokens so far (add_requests checked that they can), their logprobs and prompt logprobs went out with the
-        first engine's outputs."""
-        for seq in seqs:
+        first engine's outputs. `kv`: per completion, None or its CompletionKV (engine/kv_transfer.py): then it
+        runs on without computing its tokens again where the pool has room for it."""
+        for seq, entry in zip(seqs, kv or [None] * len(seqs)):
             if seq.grammar is not None:
                 seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
             seq.prompt_logprobs = None
             if seq.logprobs is not None:
                 seq.logprobs = [None] * seq.num_completion_tokens     # never sent again (delta outputs)
+            if entry is not None and entry.kv is not None and self.engine.adopt(seq, entry.kv):
+                continue
+            if kv is not None:
+                self.engine.kv_moves.completions_recomputed += 1
             self.engine.add(seq)
+
+    def _detach(self, request_id: str) -> None:
+        """The request leaves this engine without a further output (it moved to another: engine/kv_transfer.py):
+        its sequences end, their blocks freed."""
+        state = self._requests[request_id]
+        for c in state.completions:
+            self.engine.finish(c.seq, "abort")
+        self._dirty.pop(request_id, None)
+        self._forget(state)
 
     def _token_texts(self, ids) -> dict[int, str]:
         """The token id -> text cache of logprobs, holding every id of ids: the missing ones decoded in one batch
@@ -219,7 +244,9 @@ class LLM:
         processes' load, and then ceiling, other_cores (their cores in use over the last second) and changes:
         config/cpu_threads.py; else None), cuda_graph_batch_sizes (None when eager), num_steps, num_preemptions,
         num_draft_tokens / num_accepted_tokens (speculative decoding: proposed, accepted) and
-        num_accepted_tokens_per_pos (accepted, by place in the draft), prefix_cache_hit_tokens and
+        num_accepted_tokens_per_pos (accepted, by place in the draft), num_computed_tokens (tokens run through the
+        model: prompt chunks and decodes), kv_transfer (requests moved out and in with their KV, completions
+        imported that computed again, blocks and bytes, seconds: engine/kv_transfer.py), prefix_cache_hit_tokens and
         prefix_cache_query_tokens (tokens found in the prefix cache, of those looked up), num_running and
         num_waiting (sequences), kv_cache_usage (the fraction of KV blocks
         in use), grammar_mask_steps / grammar_masks / grammar_mask_seconds (structured outputs: steps that filled

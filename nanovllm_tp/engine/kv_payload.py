@@ -1,0 +1,187 @@
+"""The bytes a request moves in between engines (engine/kv_transfer.py): its state and its KV, a msgpack map with
+explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
+
+    {"format": FORMAT, "version": VERSION, "byteorder": "little",
+     "layout": {"architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_dtype"},
+     "request_id", "prompt_token_ids", "priority",
+     "params": the request's SamplingParams as the server's wire sends them (serving/wire.py), its seed the
+               request's own (drawn by the first engine where the caller set none),
+     "completions": [{"index", "token_ids" (generated so far), "sent_chars" (characters of its text the caller
+                      has seen), "num_cached_tokens" (tokens whose KV travels: 0, or all but the last token),
+                      "kv": None, or {"k", "v"[, "k_scale", "v_scale"]}: bytes of [layers, blocks, block_size,
+                      kv_heads, head_dim] (scales without head_dim, fp32) over the completion's blocks}]}
+
+`KVPayload.decode` checks the shape of every field; `check_against` checks the payload against the importing
+engine's own layout (every layout field equal, each completion's token counts against its block count, each part's
+byte count), so that nothing reaches the engine before the whole payload is known to fit. A mismatch raises
+ValueError naming the field.
+"""
+import sys
+from dataclasses import dataclass, fields
+
+import msgpack
+
+FORMAT = "nanovllm-tp kv transfer"
+VERSION = 1
+VALUE_PARTS = ("k", "v")
+SCALE_PARTS = ("k_scale", "v_scale")
+SCALE_BYTES = 4          # an 8-bit cache's fp32 scale per token and KV head
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What an engine's KV blocks are: equal on both sides, or the payload is refused."""
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int      # of one TP rank
+    head_dim: int
+    block_size: int
+    kv_dtype: str          # the cache's storage: "float32", "bfloat16", "int8", "fp8_e4m3", ...
+
+    def to_wire(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, d) -> "KVLayout":
+        if not isinstance(d, dict):
+            raise ValueError(f"KV payload field layout must be a map, got {type(d).__name__}")
+        values = {}
+        for f in fields(cls):
+            v = d.get(f.name)
+            if f.type is str and not isinstance(v, str):
+                raise ValueError(f"KV payload field layout.{f.name} must be a string, got {v!r}")
+            if f.type is int and not _is_int(v, 1):
+                raise ValueError(f"KV payload field layout.{f.name} must be a positive integer, got {v!r}")
+            values[f.name] = v
+        return cls(**values)
+
+    def part_bytes(self, name: str, num_blocks: int, value_bytes: int) -> int:
+        """Bytes of `num_blocks` blocks of one part (values of `value_bytes` each, or fp32 scales)."""
+        per_head = SCALE_BYTES if name in SCALE_PARTS else self.head_dim * value_bytes
+        return self.num_layers * num_blocks * self.block_size * self.num_kv_heads * per_head
+
+
+@dataclass(slots=True)
+class CompletionKV:
+    """One unfinished completion: its tokens so far, what its caller saw, and the KV of all but its last token."""
+    index: int
+    token_ids: list[int]
+    sent_chars: int
+    num_cached_tokens: int = 0          # 0: no KV travels (the importer computes it again)
+    kv: dict[str, bytes] | None = None  # part name -> bytes (VALUE_PARTS, and SCALE_PARTS for an 8-bit cache)
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-self.num_cached_tokens // block_size)
+
+    def to_wire(self) -> dict:
+        return {"index": self.index, "token_ids": self.token_ids, "sent_chars": self.sent_chars,
+                "num_cached_tokens": self.num_cached_tokens, "kv": self.kv}
+
+    def check(self, layout: KVLayout, value_bytes: int, scaled: bool, prompt_len: int, where: str) -> None:
+        """Its KV fits a cache of `layout` (values of `value_bytes` each; `scaled`: with fp32 scales) after a
+        prompt of `prompt_len` tokens: the KV of all but its last token, each part's bytes those of its blocks."""
+        if self.kv is None:
+            return
+        total = prompt_len + len(self.token_ids)
+        if self.num_cached_tokens != total - 1:
+            raise ValueError(f"KV payload field {where}.num_cached_tokens is {self.num_cached_tokens}: a decoding "
+                             f"completion of {total} tokens has the KV of {total - 1}")
+        parts = VALUE_PARTS + (SCALE_PARTS if scaled else ())
+        if sorted(self.kv) != sorted(parts):
+            raise ValueError(f"KV payload field {where}.kv holds {sorted(self.kv)}, this engine's cache "
+                             f"({layout.kv_dtype}) is {sorted(parts)}")
+        blocks = self.num_blocks(layout.block_size)
+        for name in parts:
+            want = layout.part_bytes(name, blocks, value_bytes)
+            if len(self.kv[name]) != want:
+                raise ValueError(f"KV payload field {where}.kv.{name} has {len(self.kv[name])} bytes; "
+                                 f"{blocks} blocks of {self.num_cached_tokens} tokens take {want}")
+
+    @classmethod
+    def from_wire(cls, i: int, d) -> "CompletionKV":
+        where = f"completions[{i}]"
+        if not isinstance(d, dict):
+            raise ValueError(f"KV payload field {where} must be a map, got {type(d).__name__}")
+        for name in ("index", "sent_chars", "num_cached_tokens"):
+            if not _is_int(d.get(name), 0):
+                raise ValueError(f"KV payload field {where}.{name} must be an integer >= 0, got {d.get(name)!r}")
+        _token_list(f"{where}.token_ids", d.get("token_ids"), empty=True)
+        kv = d.get("kv")
+        if kv is not None and (not isinstance(kv, dict) or not all(
+                isinstance(k, str) and isinstance(v, bytes) for k, v in kv.items())):
+            raise ValueError(f"KV payload field {where}.kv must be None or a map of part names to bytes")
+        if (kv is None) != (d["num_cached_tokens"] == 0):
+            raise ValueError(f"KV payload field {where}.kv: KV travels exactly when num_cached_tokens > 0 (here "
+                             f"{d['num_cached_tokens']}, and kv is {'absent' if kv is None else 'present'})")
+        return cls(d["index"], d["token_ids"], d["sent_chars"], d["num_cached_tokens"], kv)
+
+
+@dataclass(slots=True)
+class KVPayload:
+    layout: KVLayout
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict                     # SamplingParams on the wire (serving/wire.py params_to_wire)
+    priority: int
+    completions: list[CompletionKV]
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
+                              "layout": self.layout.to_wire(), "request_id": self.request_id,
+                              "prompt_token_ids": self.prompt_token_ids, "params": self.params,
+                              "priority": self.priority, "completions": [c.to_wire() for c in self.completions]},
+                             use_bin_type=True)
+
+    @property
+    def num_bytes(self) -> int:
+        """The KV's bytes (every part of every completion)."""
+        return sum(len(b) for c in self.completions for b in (c.kv or {}).values())
+
+    @classmethod
+    def decode(cls, raw) -> "KVPayload":
+        """The payload's fields, each of its expected type (ValueError naming the first that is not)."""
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise ValueError(f"a KV payload is bytes, got {type(raw).__name__}")
+        try:
+            d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as exc:       # truncated, or not msgpack at all
+            raise ValueError(f"KV payload is not a whole msgpack map ({type(exc).__name__}: {exc})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"KV payload field format must be {FORMAT!r}: this is not a KV transfer")
+        if d.get("version") != VERSION:
+            raise ValueError(f"KV payload field version: {d.get('version')!r}, this engine reads {VERSION}")
+        if d.get("byteorder") != sys.byteorder:
+            raise ValueError(f"KV payload field byteorder: {d.get('byteorder')!r}, this host is {sys.byteorder}")
+        layout = KVLayout.from_wire(d.get("layout"))
+        if not isinstance(d.get("request_id"), str):
+            raise ValueError(f"KV payload field request_id must be a string, got {d.get('request_id')!r}")
+        _token_list("prompt_token_ids", d.get("prompt_token_ids"), empty=False)
+        if not isinstance(d.get("params"), dict):
+            raise ValueError("KV payload field params must be a map of SamplingParams fields")
+        if not _is_int(d.get("priority"), None):
+            raise ValueError(f"KV payload field priority must be an integer, got {d.get('priority')!r}")
+        rows = d.get("completions")
+        if not isinstance(rows, list) or not rows:
+            raise ValueError("KV payload field completions must be a non-empty list")
+        return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"],
+                   [CompletionKV.from_wire(i, row) for i, row in enumerate(rows)])
+
+    def check_against(self, layout: KVLayout, value_bytes: int, scaled: bool) -> None:
+        """This payload fits an engine of `layout` whose cache stores values of `value_bytes` each (`scaled`: with
+        fp32 scales): ValueError naming the first field that does not."""
+        for f in fields(layout):
+            mine, theirs = getattr(self.layout, f.name), getattr(layout, f.name)
+            if mine != theirs:
+                raise ValueError(f"KV payload field layout.{f.name} is {mine!r}, this engine's is {theirs!r}")
+        for i, c in enumerate(self.completions):
+            c.check(layout, value_bytes, scaled, len(self.prompt_token_ids), f"completions[{i}]")
+
+
+def _is_int(v, lo: int | None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
+
+
+def _token_list(name: str, v, empty: bool) -> None:
+    if not isinstance(v, list) or (not v and not empty) or not all(_is_int(t, 0) for t in v):
+        raise ValueError(f"KV payload field {name} must be a {'' if empty else 'non-empty '}list of token ids")

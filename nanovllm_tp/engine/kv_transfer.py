@@ -1,0 +1,160 @@
+"""A running request moved between two engines with its KV: `export_request` takes it out of one (its state and
+the KV of its blocks as bytes: engine/kv_payload.py; the request leaves that engine, its blocks freed),
+`import_request` puts it into another, which goes on decoding it without computing its prompt again.
+
+The import is the resume path of engine/resume.py (`LLM.add_requests(resume=...)`) with one more way in: a
+completion that brings its KV takes blocks in the new engine's pool (the leading full ones from its prefix cache
+where it holds them), the KV is written into them, they enter the prefix cache as if computed there, and the
+completion is running at once, its next token decoded in the next step. A completion without KV (it was waiting,
+preempted or part-way through its prompt, or its sliding window had released blocks), or one the new pool has no
+room for now, is queued to compute its tokens again, as a resumed one is. Either way its outputs are delta outputs
+that start where the first engine's caller stopped, and its tokens count as its output (max_tokens, penalties, the
+sampler's noise counter). The request's seed travels (the one the first engine drew, where the caller set none),
+so a sampled completion goes on with the draws it would have made: the noise is a function of the seed and the
+token index (layers/sampling_noise.py). A grammar replays the tokens so far; penalties recount them.
+
+Not yet: tensor_parallel_size > 1 and pipeline_parallel_size > 1 (rank 0 holds only its part of the KV), a draft
+model's KV, LoRA requests, cumulative logprobs (logprobs go on from the move, as for a resumed request). These are
+refused by name.
+"""
+import time
+from dataclasses import dataclass
+
+from nanovllm_tp.engine.kv_payload import CompletionKV, KVLayout, KVPayload
+from nanovllm_tp.engine.resume import ResumedChoice
+from nanovllm_tp.sampling_params import RequestOutputKind
+from nanovllm_tp.scheduler.sequence import SequenceStatus
+
+_SEED_MIX = 0x9E3779B97F4A7C15       # as entrypoints/llm.py mixes a completion's index into the request's seed
+
+
+@dataclass(slots=True)
+class KVMoves:
+    """An engine's lifetime counts of what moved (LLM.stats()["kv_transfer"])."""
+    requests_out: int = 0
+    requests_in: int = 0
+    completions_recomputed: int = 0   # imported completions queued to compute again (no KV, or no room)
+    blocks_out: int = 0
+    blocks_in: int = 0                # blocks written (those the prefix cache held are not)
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds_out: float = 0.0
+    seconds_in: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def engine_layout(llm) -> KVLayout:
+    """The layout of `llm`'s KV blocks (rank 0's: the whole cache at TP 1)."""
+    runner, mc = llm.engine.runner, llm.config.model_config
+    layer = runner.attention_layers[0]
+    return KVLayout(mc.architecture, mc.vocab_size, len(runner.attention_layers), layer.num_kv_heads,
+                    layer.head_dim, llm.config.kvcache_block_size, runner.kv_cache_format())
+
+
+def _cache_of(llm) -> tuple[KVLayout, int, bool]:
+    """`llm`'s KV layout, the bytes of one stored value, and whether fp32 scales go with them."""
+    runner = llm.engine.runner
+    return engine_layout(llm), runner.k_cache.element_size(), runner.kv_scales is not None
+
+
+def check_kv(llm, prompt_lens: list[int], resume: list, kv: list) -> None:
+    """`LLM.add_requests`' check of its `kv` argument, before anything is queued: per prompt, per resumed
+    completion, None or that completion's CompletionKV (its index and tokens), sized for this engine's cache."""
+    _check_engine(llm, "moving a request's KV")
+    layout, value_bytes, scaled = _cache_of(llm)
+    for prompt_len, choices, entries in zip(prompt_lens, resume, kv):
+        for choice, entry in zip(choices, entries):
+            if entry is None:
+                continue
+            if not isinstance(entry, CompletionKV) or (entry.index, entry.token_ids) != (choice.index,
+                                                                                        choice.token_ids):
+                raise ValueError(f"kv of completion {choice.index} must be None or its CompletionKV "
+                                 "(engine/kv_payload.py), with its index and tokens")
+            entry.check(layout, value_bytes, scaled, prompt_len, f"completion {choice.index}")
+
+
+def _check_engine(llm, what: str) -> None:
+    """The engines a request moves between, for now: one rank, no draft model."""
+    cfg = llm.config
+    for knob in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(cfg, knob) > 1:
+            raise ValueError(f"{what} is not implemented with {knob}={getattr(cfg, knob)} yet: rank 0 holds only its "
+                             "part of the KV")
+    if llm.engine.draft is not None:
+        raise ValueError(f"{what} is not implemented with a draft model yet (speculative_config "
+                         "{'method': 'draft_model'}): the draft's KV does not move")
+    if llm.engine.scheduler.scheduled:
+        raise RuntimeError(f"{what} between a step's schedule and its results")
+
+
+def export_request(llm, request_id: str) -> bytes:
+    """Take request `request_id` out of `llm` (it leaves without a further output, its blocks freed): its state and
+    the KV of its running completions, as the bytes `import_request` reads."""
+    return take_request(llm, request_id).encode()
+
+
+def take_request(llm, request_id: str) -> KVPayload:
+    """export_request's payload, before encoding."""
+    from nanovllm_tp.serving.wire import params_to_wire
+    start = time.perf_counter()
+    _check_engine(llm, "moving a request's KV")
+    state = llm._requests.get(request_id)
+    if state is None or not hasattr(state, "completions"):
+        raise ValueError(f"request_id {request_id!r} is not a generation request of this engine")
+    if state.finished:
+        raise ValueError(f"request {request_id!r} has finished: nothing is left to move")
+    completions = [c for c in state.completions if not c.seq.is_finished]
+    first = completions[0].seq
+    if first.lora is not None:
+        raise ValueError(f"request {request_id!r} runs LoRA adapter {first.lora.lora_name!r}: a LoRA request does not "
+                         "move with its KV yet")
+    engine, bs = llm.engine, llm.config.kvcache_block_size
+    pending = {dst: src for src, dst in engine.scheduler._copies}   # n > 1: a sibling's block copy not yet run
+    moves, out = engine.kv_moves, []
+    for c in completions:
+        seq = c.seq
+        row = CompletionKV(seq.index, seq.completion_token_ids, c.sent_chars)
+        if seq.status == SequenceStatus.RUNNING and seq.num_cached_tokens == seq.num_tokens - 1 \
+                and not seq.num_window_freed:
+            row.num_cached_tokens = seq.num_cached_tokens
+            blocks = [pending.get(b, b) for b in seq.block_table[:row.num_blocks(bs)]]
+            row.kv = engine.read_kv(blocks)
+            moves.blocks_out += len(blocks)
+        out.append(row)
+    params = params_to_wire(state.params)
+    params["seed"] = (first.seed - first.index * _SEED_MIX) % (1 << 63)     # the request's, as the first engine drew it
+    payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out)
+    llm._detach(request_id)
+    moves.requests_out += 1
+    moves.bytes_out += payload.num_bytes
+    moves.seconds_out += time.perf_counter() - start
+    return payload
+
+
+def import_request(llm, payload, request_id: str | None = None) -> str:
+    """Queue in `llm` the request an `export_request` took out of another engine (`request_id`: its id here, by
+    default the one it had there). Every field is checked against this engine before anything is queued (ValueError
+    naming the field; the engine untouched). Returns its request id; step() goes on with it."""
+    from nanovllm_tp.serving.wire import params_from_wire
+    start = time.perf_counter()
+    _check_engine(llm, "moving a request's KV")
+    p = KVPayload.decode(payload)
+    p.check_against(*_cache_of(llm))
+    try:
+        params = params_from_wire(dict(p.params))
+    except TypeError as exc:
+        raise ValueError(f"KV payload field params: {exc}") from None
+    if "pooling" in p.params:
+        raise ValueError("KV payload field params: an embedding request does not move")
+    params.output_kind = RequestOutputKind.DELTA     # it goes on where its caller stopped, as a resumed request
+    moves = llm.engine.kv_moves
+    rid, = llm.add_requests([p.prompt_token_ids], params, [p.request_id if request_id is None else request_id],
+                            priority=p.priority,
+                            resume=[[ResumedChoice(c.index, c.token_ids, c.sent_chars) for c in p.completions]],
+                            kv=[p.completions])
+    moves.requests_in += 1
+    moves.bytes_in += p.num_bytes
+    moves.seconds_in += time.perf_counter() - start
+    return rid

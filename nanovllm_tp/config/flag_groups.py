@@ -11,7 +11,8 @@ import weakref
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "served_model_name", "revision", "download_dir", "tokenizer", "dtype", "quantization",
                "max_model_len", "generation_config")),
-    ("server", ("host", "port", "api_key", "log_level", "disable_log_stats", "disable_fastapi_docs",
+    ("server", ("host", "port", "api_key", "log_level", "disable_log_stats", "enable_log_requests",
+                "disable_log_requests", "max_log_len", "disable_uvicorn_access_log", "disable_fastapi_docs",
                 "http_priority", "threads")),
     ("chat, tools and reasoning", ("chat_template", "enable_auto_tool_choice", "tool_call_parser",
                                    "reasoning_parser",

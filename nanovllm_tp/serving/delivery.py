@@ -48,6 +48,7 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
     error event (503) and [DONE]."""
     async def events():
         ready, finals, started = streams[0].ready, {}, set()
+        stopped = None                       # why the engine could not finish them
         try:
             while not all(s.done for s in streams):
                 choices, failed = [], []
@@ -55,6 +56,7 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
                     try:
                         item = s.take()
                     except EngineDead as exc:       # an error event, then [DONE] as after any other end
+                        stopped = str(exc)
                         yield _sse(error_body(str(exc), "service_unavailable", 503))
                         yield "data: [DONE]\n\n"
                         return
@@ -80,7 +82,7 @@ def stream(streams: list[RequestStream], builder: ResponseBuilder, include_usage
         finally:
             open_ids = [i for i, s in enumerate(streams) if not s.done]
             if open_ids:                     # the client went away (or the engine failed) mid-stream
-                abort(open_ids)
+                abort(open_ids, stopped)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

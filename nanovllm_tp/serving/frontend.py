@@ -16,6 +16,7 @@ removes the sockets' directory, which the engine process would have removed).
 """
 import argparse
 import asyncio
+import copy
 import logging
 import os
 import shutil
@@ -129,7 +130,12 @@ def main(argv=None) -> None:
         app = build_app(engine, model, config)
         server = state["server"] = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                                  log_level=config.log_level,
+                                                                 log_config=uvicorn_logging(),
+                                                                 access_log=not config.disable_uvicorn_access_log,
                                                                  timeout_graceful_shutdown=1))
+        if not config.disable_uvicorn_access_log:           # its lines whatever the level of uvicorn's own
+            access = logging.getLogger("uvicorn.access")
+            access.setLevel(min(access.level, logging.INFO))
         server.handle_exit = ending(server.handle_exit, engine, asyncio.get_running_loop())
         logging_stats = None if config.disable_log_stats else \
             asyncio.ensure_future(StatsLogger(engine.labelled_stats, app.state.metrics.token_totals).run())
@@ -140,6 +146,15 @@ def main(argv=None) -> None:
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run())
+
+
+def uvicorn_logging() -> dict:
+    """uvicorn's own logging configuration, but for its access lines: on stderr, with the rest of the server's log
+    (uvicorn writes them to stdout)."""
+    from uvicorn.config import LOGGING_CONFIG
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def ending(handle_exit, engine: EngineClient, loop):

@@ -27,7 +27,8 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("cmpl")
-        streams = await ctx.submit_all(rid, [ids for _, ids in encoded], params, body.priority, lora)
+        streams = await ctx.submit_all(rid, [ids for _, ids in encoded], params, body.priority, lora, request,
+                                       [text for text, _ in encoded])
         builder = ResponseBuilder("completion", rid, lora[0] if lora else model_name, params.n)
         top_n = body.logprobs or 0
 
@@ -64,7 +65,7 @@ def add_generate_routes(app, ctx: RouteContext) -> None:
         except Exception as exc:          # the template's own errors (jinja raises its own types)
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
         rid = engine.new_request_id("chatcmpl")
-        streams = await ctx.submit_all(rid, [prompt], params, body.priority, lora)
+        streams = await ctx.submit_all(rid, [prompt], params, body.priority, lora, request)
         builder = ResponseBuilder("chat", rid, lora[0] if lora else model_name, params.n)
         top_n = body.top_logprobs or 0
         streamers, splitters = {}, {}   # choice -> its ToolStreamer / ThinkSplitter (streams with tools / reasoning)

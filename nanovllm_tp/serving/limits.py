@@ -25,15 +25,16 @@ def _too_large(limit: int) -> JSONResponse:
 
 
 class BodyLimit:
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, requests=None):
+        """`requests`: the RequestLog that logs each 413 (None: none)."""
+        self.app, self.limit, self.requests = app, limit, requests
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _too_large(self.limit)(scope, receive, send)
+            return await self._too_large(scope)(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -41,7 +42,7 @@ class BodyLimit:
                 return                                  # the client left before its body was in
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await _too_large(self.limit)(scope, receive, send)
+                return await self._too_large(scope)(scope, receive, send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -60,6 +61,13 @@ class BodyLimit:
             if size >= LARGE_INPUT:       # the body, its JSON and whatever came of them are freed by now
                 del body, chunks
                 await asyncio.to_thread(release_heap)
+
+    def _too_large(self, scope) -> JSONResponse:
+        response = _too_large(self.limit)
+        if self.requests is not None:
+            self.requests.refused(scope["method"], scope["path"], 413, f"the request body is larger than this "
+                                  f"server takes ({self.limit} bytes)")
+        return response
 
 
 def check_prompt_count(config: ServerConfig, num_prompts: int) -> None:

@@ -26,7 +26,8 @@ def add_prompt_routes(app, ctx: RouteContext) -> None:
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         rid = engine.new_request_id("embd")
-        streams = await ctx.submit_all(rid, [ids for _, ids in encoded], params, body.priority)
+        streams = await ctx.submit_all(rid, [ids for _, ids in encoded], params, body.priority, None, request,
+                                       [text for text, _ in encoded])
         outputs = await finals(request, streams, ctx.aborter(rid, len(streams)))
         return embedding_response(outputs, model_name, body.encoding_format)
 

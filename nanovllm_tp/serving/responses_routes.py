@@ -77,7 +77,7 @@ def add_responses_routes(app, ctx: RouteContext, store: ResponseStore | None = N
             raise ApiError(400, f"the chat template failed on these messages: {exc}") from None
         rid = engine.new_request_id("resp")
         try:
-            streams = await ctx.submit_all(rid, [prompt], params, body.priority, lora)
+            streams = await ctx.submit_all(rid, [prompt], params, body.priority, lora, request)
         except ApiError as exc:           # the engine's own checks (SamplingParams, the context)
             raise (_refused(exc) if exc.status == 400 else exc) from None
         writer = ResponseWriter(new_id("resp"), lora[0] if lora else ctx.model.name, body, params, body.stream)
@@ -112,7 +112,7 @@ def add_responses_routes(app, ctx: RouteContext, store: ResponseStore | None = N
         the stream with response.failed."""
         splitter = ThinkSplitter.of(parser) if parser is not None else None
         streamer = tools.streamer() if tools is not None else None
-        counted = 0
+        counted, failed = 0, None
         writer.start()
         yield "".join(writer.take())
         try:
@@ -120,7 +120,8 @@ def add_responses_routes(app, ctx: RouteContext, store: ResponseStore | None = N
                 try:
                     out = stream.take()
                 except EngineDead as exc:
-                    writer.finish("failed", None, {"code": "server_error", "message": str(exc)})
+                    failed = str(exc)
+                    writer.finish("failed", None, {"code": "server_error", "message": failed})
                     yield "".join(writer.take())
                     return
                 for c in out.outputs if out is not None else ():
@@ -145,7 +146,7 @@ def add_responses_routes(app, ctx: RouteContext, store: ResponseStore | None = N
                     await stream.ready.wait()
         finally:
             if not stream.done:              # the client went away (or the engine failed) mid-stream
-                abort()
+                abort(failed=failed)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

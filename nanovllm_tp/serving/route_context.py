@@ -1,11 +1,13 @@
 """What the routes of the OpenAI API share in the HTTP process: the served model, and `RouteContext`, the handle
-every route file takes (engine client, server config, prompt encoder, adapters) with the checks and the submission
-the endpoints have in common."""
+every route file takes (engine client, server config, prompt encoder, adapters, the request log) with the checks and
+the submission the endpoints have in common."""
+import time
 from dataclasses import dataclass, field
 
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
 from nanovllm_tp.serving.inputs import PromptEncoder
 from nanovllm_tp.serving.lora_routes import ServedAdapters
+from nanovllm_tp.serving.request_log import RequestLog
 from nanovllm_tp.serving.responses import ApiError
 from nanovllm_tp.serving.server_config import ServerConfig
 
@@ -33,6 +35,7 @@ class RouteContext:
     config: ServerConfig
     encoder: PromptEncoder
     adapters: ServedAdapters
+    requests: RequestLog | None = None           # None: --disable-log-requests
 
     def check_model(self, name: str | None) -> list | None:
         """The LoRA adapter a request's model field names ([name, id, path]), None for the base model."""
@@ -46,17 +49,25 @@ class RouteContext:
                        "model")
 
     async def submit_all(self, request_id: str, prompts: list[list[int]], params, priority: int,
-                         lora: list | None = None) -> list[RequestStream]:
-        """One engine request per prompt (ids `{request_id}-{i}`), queued all or none."""
+                         lora: list | None = None, request=None, texts=None) -> list[RequestStream]:
+        """One engine request per prompt (ids `{request_id}-{i}`), queued all or none; the request log's line
+        once they are (`request`: the HTTP request, for its route; `texts`: the prompts as written, where text)."""
+        started = time.monotonic()
         try:
-            return await self.engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
-                                            priority, lora)
+            streams = await self.engine.submit([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params,
+                                               priority, lora)
         except (ValueError, TypeError) as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
             raise ApiError(429, str(exc), "rate_limit_error") from None
         except EngineDead as exc:
             raise ApiError(503, str(exc), "service_unavailable") from None
+        if self.requests is not None:
+            self.requests.accepted(request_id, request.url.path if request is not None else "?", prompts, params,
+                                   texts, started)
+            if request is not None:
+                request.state.logged_request = request_id     # its end is logged by the request log, not as refused
+        return streams
 
     def tool_mode(self, body):
         """A chat body's ToolMode under the server's --enable-auto-tool-choice and --tool-call-parser."""
@@ -69,6 +80,18 @@ class RouteContext:
                            param="chat_template_kwargs.chat_template")
 
     def aborter(self, request_id: str, count: int):
-        """abort(which=all): aborts the engine requests submit_all made for `request_id`."""
-        engine = self.engine
-        return lambda which=range(count): engine.abort([f"{request_id}-{i}" for i in which])
+        """abort(which=all): aborts the engine requests submit_all made for `request_id` (its client went away,
+        or the engine stopped: the request log says which)."""
+        engine, requests = self.engine, self.requests
+
+        def abort(which=range(count), failed: str | None = None):
+            """`failed`: why the engine could not finish them (else their client went away, unless the engine
+            stopped)."""
+            if requests is not None:
+                why = failed or engine.dead
+                if why:
+                    requests.failed(request_id, 503, why)
+                else:
+                    requests.client_gone(request_id)
+            engine.abort([f"{request_id}-{i}" for i in which])
+        return abort

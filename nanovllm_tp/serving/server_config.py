@@ -24,7 +24,8 @@ class ServerConfig:
                                           "$NANOVLLM_TP_API_KEY)")
     served_model_name: str | None = knob(None, help="the model name clients use (default: --model or 'tiny')")
     max_waiting_requests: int = knob(1024, help="beyond this many waiting requests, new ones get 429", minimum=1)
-    log_level: str = knob("warning", help="uvicorn's log level", choices=LOG_LEVELS)
+    log_level: str = knob("warning", help="uvicorn's log level (its own messages; its access lines: "
+                                          "--disable-uvicorn-access-log)", choices=LOG_LEVELS)
     threads: int | None = knob(None, help="CPU threads per rank (default: $OMP_NUM_THREADS, else this node's cores "
                                           "shared by its ranks; the HTTP process uses what they leave idle)",
                                minimum=1)
@@ -62,6 +63,16 @@ class ServerConfig:
     disable_fastapi_docs: bool = knob(False, help="no /docs, /redoc or /openapi.json")
     disable_log_stats: bool = knob(False, help="no stats line in the log (by default one every 10 s while requests "
                                                "run: throughput, queues, KV cache, prefix cache hit rate)")
+    enable_log_requests: bool = knob(True, help="the request log: one line when a request is accepted (id, route, "
+                                                "prompt tokens, max_tokens, n, stream), one when it ends (finish "
+                                                "reasons or HTTP status, tokens, seconds, TTFT), one for each "
+                                                "refused request (vLLM's flag; off: --no-enable-log-requests or "
+                                                "--disable-log-requests)")
+    disable_log_requests: bool = knob(False, help="no request log (vLLM's older flag)")
+    max_log_len: int | None = knob(None, help="the request log shows the first N characters of a request's (first) "
+                                              "prompt too (default: no prompt text)", minimum=0, metavar="N")
+    disable_uvicorn_access_log: bool = knob(False, help="no access line per HTTP request (uvicorn's, at INFO "
+                                                        "whatever --log-level: client, method, path, status)")
     # LoRA adapters (with the engine's --enable-lora)
     lora_modules: list | None = knob(None, help="LoRA adapters served by name, as vLLM's: NAME=PATH or a JSON "
                                                 "object {\"name\": ..., \"path\": ...}; a request picks one by its "
@@ -88,6 +99,10 @@ class ServerConfig:
                                            open_minimum=True)
     shutdown_timeout: float = knob(5.0, help="seconds a step in flight may take after SIGTERM before every rank "
                                              "is killed", minimum=0.0)
+
+    @property
+    def log_requests(self) -> bool:
+        return self.enable_log_requests and not self.disable_log_requests
 
     def to_json(self) -> str:
         """For the HTTP process's command line: the API key is left out (it goes in the environment)."""

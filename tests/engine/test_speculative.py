@@ -315,3 +315,27 @@ def test_the_server_streams_speculative_output(tiny_model_dir, hf_model):
         per_pos = [m[f"spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"tiny\",position=\"{j}\"}}"]
                    for j in range(NGRAM["num_speculative_tokens"])]
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_sampling_under_batch_invariant_is_plain_decoding_token_for_token(tiny_model_dir, dtype):
+    """docs/features.md's guarantee: under batch_invariant a cold prompt alone gets the same tokens and logprobs
+    with n-gram speculation as without (seeded sampling), for a prompt of at most 64 tokens (a row-count bucket
+    that the speculating engine's default would run through the C kernel and the plain engine's through the
+    timed table's winner) and for a longer one; proposals were taken along the way."""
+    rng = random.Random(3)
+    head = [rng.randrange(100, 1000) for _ in range(20)]
+    prompts = [head * 3, head * 5 + [rng.randrange(100, 1000) for _ in range(30)]]          # 60 and 130 tokens
+    params = SamplingParams(temperature=0.8, seed=1234, max_tokens=64, ignore_eos=True, logprobs=1)
+    knobs = dict(batch_invariant=True, dtype=dtype, **SMALL)
+    outs = {}
+    for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
+        with LLM(tiny_model_dir, **knobs, **extra) as llm:
+            outs[name] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+            stats = llm.stats()
+    assert stats["num_draft_tokens"] >= 20 and stats["num_accepted_tokens"] >= 4, stats   # verify steps ran
+    for plain, spec in zip(outs["plain"], outs["ngram"], strict=True):
+        assert spec.token_ids == plain.token_ids
+        assert [{t: lp.logprob for t, lp in s.items()} for s in spec.logprobs] == \
+            [{t: lp.logprob for t, lp in s.items()} for s in plain.logprobs]

@@ -25,9 +25,12 @@ def free_port() -> int:
 
 def start(argv: list[str], api_key: str | None = None) -> tuple[subprocess.Popen, str]:
     """The server process and its OpenAI base URL, once /health answers 200. SystemExit if it exits first or is
-    not ready within READY_TIMEOUT_S (then it is stopped)."""
+    not ready within READY_TIMEOUT_S (then it is stopped). A benchmark's server logs no line per request (the
+    benchmark counts them itself) unless argv asks for it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nanovllm_tp.launch.serve", "--port", str(port), *argv]
+    quiet = [] if any(a.startswith("--enable-log-requests") for a in argv) else [
+        "--disable-log-requests", "--disable-uvicorn-access-log"]
+    cmd = [sys.executable, "-m", "nanovllm_tp.launch.serve", "--port", str(port), *quiet, *argv]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)

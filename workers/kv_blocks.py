@@ -6,10 +6,10 @@ cache an fp32 scale per token and KV head beside each ([layers, blocks, block_si
 the same arrays over its blocks only, in its block-table order, as raw bytes of the cache's own dtype (bf16, int8
 and fp8 moved bit for bit, as bytes: torch indexes them as uint8).
 """
+import warnings
+
+import numpy as np
 import torch
-
-PARTS = ("k", "v", "k_scale", "v_scale")     # the arrays of a request's KV, in the order they travel
-
 
 def _tensors(runner) -> dict[str, torch.Tensor]:
     """The runner's cache arrays by part name (the scales only for a quantized cache)."""
@@ -24,10 +24,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def read_blocks(runner, block_ids: list[int]) -> dict[str, bytes]:
-    """Every part of the cache over `block_ids`, in that order, as bytes (little-endian, as the host)."""
+def read_blocks(runner, block_ids: list[int]) -> dict[str, memoryview]:
+    """Every part of the cache over `block_ids`, in that order, as bytes (little-endian, as the host): a view of
+    one gathered copy each, which msgpack packs as it is."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=runner.k_cache.device)
-    return {name: _as_bytes(t).index_select(1, index).cpu().contiguous().numpy().tobytes()
+    return {name: memoryview(_as_bytes(t).index_select(1, index).cpu().numpy()).cast("B")
             for name, t in _tensors(runner).items()}
 
 
@@ -37,10 +38,13 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
     if not rows:
         return
     device = runner.k_cache.device
-    src = torch.tensor(rows, dtype=torch.int64)
     dst = torch.tensor(block_ids, dtype=torch.int64, device=device)
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
-        shape = (cache.shape[0], len(parts[name]) // (cache[0, 0].numel() * cache.shape[0]), *cache.shape[2:])
-        data = torch.frombuffer(bytearray(parts[name]), dtype=torch.uint8).view(shape)
-        cache.index_copy_(1, dst, data.index_select(1, src).to(device))
+        with warnings.catch_warnings():      # the payload's bytes are read-only; they are only read from here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(np.frombuffer(parts[name], np.uint8))
+        data = data.view(cache.shape[0], -1, *cache.shape[2:])
+        if rows != list(range(data.shape[1])):      # blocks the prefix cache held are not written
+            data = data.index_select(1, torch.tensor(rows, dtype=torch.int64))
+        cache.index_copy_(1, dst, data.to(device))

@@ -101,10 +101,12 @@ def choose(weights: list[torch.Tensor], row_invariant: bool = False,
     bucket, e.g. AMX_TABLE) instead of either: nothing measured, a bucket whose kernel cannot run a weight takes
     the first candidate that can. With row_invariant
     (speculative decoding) a weight the C kernel runs takes it in every decode bucket (up to 64 rows) whatever
-    the table says: it computes each row alike at any row count, so a verify step's 1 + k rows get the logits
-    that plain decoding's one row gets (oneDNN's bf16 sums do not: its rounding flips near ties between the
-    buckets). The prefill bucket keeps the table's winner, as an engine without speculation does, so that both
-    write the same KV for a prompt."""
+    the table says: it computes each row alike at any row count, so a verify step's 1 + k rows agree with each
+    other whatever k is (oneDNN's bf16 sums do not: its rounding flips near ties between the buckets). The
+    prefill bucket (over 64 rows) keeps the table's winner, as an engine without speculation does. Where the
+    table's winner at one row or up to 64 is not the C kernel, an engine without speculation rounds its decode
+    rows and its short prompts (64 tokens or fewer) otherwise, so the two agree on tokens only under
+    batch_invariant (docs/features.md)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)

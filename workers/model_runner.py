@@ -55,6 +55,11 @@ class ModelRunner:
         pack_cpu_weights(self.model, config.packed_linear, int8=self._int8(config),
                          row_invariant=config.speculative_config is not None)
         self.quantization = quantization_of(self.model)     # "none", or the quantized types the weights run in
+        if config.batch_invariant and device.type == "cpu" and linear_paths(self.model) != "c" and tp_rank() == 0:
+            log.warning("batch_invariant: csrc/linear.c does not run this model's %s weights on this CPU (it needs "
+                        "AVX-512%s), so its linear layers run %s, whose sums may change with a step's row count: "
+                        "a request's tokens can then depend on its company", str(dtype).removeprefix("torch."),
+                        " BF16" if dtype == torch.bfloat16 else " F", linear_paths(self.model))
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attn in self.attention_layers:

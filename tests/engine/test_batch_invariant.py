@@ -127,3 +127,22 @@ def test_tiny_a_prompt_past_512_tokens_is_the_same_cold_on_a_hit_chunked_and_in_
         out["in company"] = llm.generate(others + [prompt], params, use_tqdm=False)[-1].outputs[0]
         assert llm.stats()["num_preemptions"] == 0
     assert_identical(out)
+
+
+def test_a_cpu_without_the_row_independent_kernel_is_told_at_load(tiny_model_dir, caplog):
+    """Where csrc/linear.c cannot run the weights (no AVX-512), the knob cannot hold what it promises: a warning
+    at load says so; where it runs them, no warning."""
+    import logging
+
+    import torch
+
+    from nanovllm_tp.layers import cpu_kernels
+    kernels = cpu_kernels.load()
+    c_runs = kernels is not None and torch.float32 in kernels.linear_dtypes
+    with caplog.at_level(logging.WARNING, logger="nanovllm_tp"):
+        llm = LLM(tiny_model_dir, batch_invariant=True, kvcache_block_size=16, kv_cache_memory=16 << 20)
+        llm.close()
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch_invariant:")]
+    assert bool(warned) == (not c_runs), warned
+    if warned:
+        assert "AVX-512 F" in warned[0] and "float32" in warned[0]

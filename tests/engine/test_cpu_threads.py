@@ -64,7 +64,8 @@ def test_busy_cores_take_the_threads_and_quiet_ones_give_them_back(tiny_model_di
                              "changes": 0}
         with busy_machine(CPUS):
             assert step_until(llm, lambda: threads()["threads"] == 1, within=20), threads()
-            assert threads()["other_cores"] > CPUS - 0.5 and threads()["changes"] == 1
+            # what the spinners got beside the engine's thread (not all they asked for)
+            assert threads()["other_cores"] > CPUS / 2 - 0.25 and threads()["changes"] == 1
         quiet()
         assert step_until(llm, lambda: threads()["threads"] == CPUS, within=20), threads()
         assert threads()["changes"] == 2

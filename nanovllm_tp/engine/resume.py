@@ -10,6 +10,10 @@ would have made; a completion's seed is the request's seed mixed with its index,
 seed, the new engine draws its own: a valid continuation, not the same one). Under batch_invariant a greedy
 completion's tokens equal those of a run that never moved.
 
+The same entry takes a request whose KV moves with it (engine/kv_transfer.py: `add_requests(resume=..., kv=...)`):
+its completions that bring the KV of their tokens go on decoding at once, without computing them again; the others
+are computed again as above. One path, two ways in.
+
 Its outputs are delta outputs that start where the client's text stopped (`sent_chars` characters of the
 completion's text: the text of the tokens may run ahead of what was shown, held back before a possible stop string
 or an unfinished character) and hold only the completions resumed.

@@ -217,3 +217,19 @@ def test_what_does_not_move_is_refused_by_name(fp32_pair):
     with pytest.raises(ValueError, match=r"completion 0.kv.k has"):
         second.add_requests([PROMPT], delta, ["raw"], resume=resume, kv=[[moved]])
     assert second.stats()["num_running"] == 0 and "raw" not in second._requests
+
+
+def test_a_request_moves_between_engines_that_speculate(tiny_model_dir):
+    """n-gram proposals on both sides: a request moved after steps that accepted proposals (more than one token a
+    step, blocks taken for drafts) goes on with the tokens of a run that never moved."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    first, second = (LLM(tiny_model_dir, speculative_config=spec, **KNOBS) for _ in range(2))
+    try:
+        prompt, params = [5, 6, 7, 8] * 12, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        want = alone(first, prompt, params)[0]
+        before, after, _ = move(first, second, "spec", prompt, params, k=9)
+        assert len(before[0]) > 9 and before[0] + after[0] == want
+        assert second.stats()["num_accepted_tokens"] > 0
+    finally:
+        first.close()
+        second.close()

@@ -4,8 +4,8 @@ steps.
 
 Why it follows the load: each parallel region of a step waits for its slowest thread. On cores other processes
 keep busy, one of a rank's threads is preempted in most regions, and the others spin or sleep until it is back: on
-a 2-core machine with one busy process per core, two threads ran the Q4_1 SmolLM2 benchmark at a third of one
-thread's speed. So a rank takes
+a 2-core machine with one busy process per core, two threads ran the Q4_1 SmolLM2 benchmark at 0.33-0.56 of one
+thread's speed (BENCHMARKS.md, "CPU threads on a busy machine"). So a rank takes
 
     threads = round((cores - the cores other processes used) / ranks on this node), at least 1, at most the ceiling
 

@@ -11,8 +11,10 @@ import sys
 import tempfile
 
 from nanovllm_tp import envs
+from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.bench.common import apply_threads
 from nanovllm_tp.launch.generate import build_llm
+from nanovllm_tp.serving.http_priority import HttpPriority
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.shutdown import StopSignals, hard_stop
 
@@ -27,14 +29,19 @@ def engine_threads(args, ranks: int | None = None) -> bool:
     if args.threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         args.threads = int(os.environ["OMP_NUM_THREADS"])
     if args.threads is None and on_cpu:
-        if ranks is None:
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size * args.pipeline_parallel_size))
+        ranks = ranks or local_ranks(args)
         args.threads = envs.cores_per_rank(ranks)
         os.environ["NANOVLLM_TP_THREADS_AUTO"] = str(ranks)    # a ceiling: the ranks follow the load under it
     elif args.threads is not None and not getattr(args, "replica", None):
         os.environ.pop("NANOVLLM_TP_THREADS_AUTO", None)     # given: fixed (a replica inherits its supervisor's)
     apply_threads(args)                  # this process, and OMP_NUM_THREADS (= --threads if given) for the ranks
     return on_cpu
+
+
+def local_ranks(args) -> int:
+    """This node's engine ranks: torchrun's local world size, else --tensor-parallel-size x
+    --pipeline-parallel-size."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size * args.pipeline_parallel_size))
 
 
 def http_at_idle(server: ServerConfig, on_cpu: bool, threads: int | None) -> bool:
@@ -74,10 +81,12 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
     commands, outputs = f"ipc://{rundir}/commands", f"ipc://{rundir}/outputs"
     idle = http_at_idle(server, on_cpu, args.threads)
     name = server.served_model_name or args.model or "tiny"
-    front, llm, loop, signals = None, None, None, None
+    front, llm, loop, signals, watcher = None, None, None, None, None
     try:
         if replicas is None:             # its imports overlap the engine's loading
             front = start_front(server, name, [(commands, outputs)], idle)
+            cpu_threads.count_as_own(front.pid)     # its CPU time is not load the engine's threads make way for
+            watcher = HttpPriority.watch(front.pid, local_ranks(args)) if idle else None
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
         signals = StopSignals(server.shutdown_timeout, lambda: hard_stop(front, llm, rundir))
@@ -91,10 +100,14 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
         if replicas is not None:
             endpoints = [(commands, outputs), *(tuple(e) for e in torchrun_replicas.others_endpoints())]
             front = start_front(server, name, endpoints, idle, secret)
+            cpu_threads.count_as_own(front.pid)     # its CPU time is not load the engine's threads make way for
+            watcher = HttpPriority.watch(front.pid, local_ranks(args)) if idle else None
         loop.run(lambda: not signals.received)
         if signals.received:
             loop.stop(f"the server is shutting down ({signal.Signals(signals.received[0]).name})")
     finally:
+        if watcher is not None:
+            watcher.stop()
         if replicas is not None:
             torchrun_replicas.stop_all("rank 0 stopped")
         if front is not None:

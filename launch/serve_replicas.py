@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from nanovllm_tp.launch.generate import build_llm
+from nanovllm_tp.serving.http_priority import HttpPriority
 from nanovllm_tp.launch.engine_server import engine_threads, http_at_idle, serve_engine, serve_plans, start_front
 from nanovllm_tp.serving.replica_processes import NOT_STARTED, RANK_KILLED
 from nanovllm_tp.serving.rolling_restart import RollingRestart
@@ -52,6 +53,8 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
     idle = http_at_idle(server, on_cpu, args.threads)
     replicas = ReplicaProcesses(argv, endpoints, args.threads, server.restart_dead_replicas, rundir)
     front = start_front(server, server.served_model_name or args.model or "tiny", endpoints, idle)
+    # this process runs no engine: the replicas' work counts as load too, and lifts the HTTP process while they run
+    watcher = HttpPriority.watch(front.pid) if idle else None
     # Each replica cuts its own stuck step short after --shutdown-timeout (its StopSignals), counted from when it
     # got the signal, after this process did; so this process waits that long and REPLICA_EXIT_S more for them,
     # and its own watcher is only the last resort, for a main thread that hangs past those waits.
@@ -70,6 +73,8 @@ def serve_replicas(args, server: ServerConfig, argv: list[str]) -> None:
             rolling.step()
             time.sleep(WATCH_S)
     finally:
+        if watcher is not None:
+            watcher.stop()
         if front.poll() is None:
             front.terminate()               # it stops while the replicas do
         unclean = replicas.stop(server.shutdown_timeout + REPLICA_EXIT_S)

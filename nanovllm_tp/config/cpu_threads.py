@@ -11,7 +11,7 @@ thread's speed (BENCHMARKS.md, "CPU threads on a busy machine"). So a rank takes
 
 where the ceiling is the node's cores shared by its ranks, as before, and the cores come from sched_getaffinity.
 "Other processes" is every CPU second /proc/stat counts (user, system, interrupts, steal) but niced time (a niced
-process yields; the server's HTTP process is niced) and the engine's own: this process's, and as much again for
+process yields) and the engine's own: this process's and the server's HTTP process's, and as much again for
 each other rank of the node (they run the same steps). A change needs two periods in a row to agree, and each
 is logged. Without /proc/stat (not Linux) the ceiling holds.
 """
@@ -51,75 +51,104 @@ def busy_jiffies(cpus: set[int]) -> int | None:
     return total
 
 
-def others_busy(seconds: float = 0.1) -> float:
-    """The cores processes other than this one keep busy, over a look of `seconds` (0.0 where /proc/stat cannot
-    be read)."""
-    cpus, tick_s = _cpu_ids(), 1.0 / os.sysconf("SC_CLK_TCK")
-    busy, own = busy_jiffies(cpus), own_seconds()
-    if busy is None:
-        return 0.0
-    start = time.monotonic()
-    time.sleep(seconds)
-    span = time.monotonic() - start
-    return max(0.0, ((busy_jiffies(cpus) - busy) * tick_s - (own_seconds() - own)) / span)
+_ours: set[int] = set()          # other processes whose CPU time is the engine's own (the HTTP process)
+
+
+def count_as_own(pid: int) -> None:
+    """Process pid's CPU time is the engine's own, not competing load (serve's HTTP process)."""
+    _ours.add(pid)
 
 
 def own_seconds() -> float:
+    """This process's CPU seconds, and those of the processes count_as_own named (while they live)."""
     t = os.times()
-    return t.user + t.system
+    total = t.user + t.system
+    for pid in list(_ours):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            _ours.discard(pid)
+    return total
+
+
+@dataclass(slots=True)
+class LoadMeter:
+    """The cores other processes kept busy between two reads: /proc/stat's competing time on these cores, less
+    this process's (with the processes count_as_own names) and, estimated as equal to it, that of the engine's
+    `ranks - 1` other ranks of the node."""
+    cpus: set
+    ranks: int = 1
+    tick_s: float = 0.01
+    at: float = 0.0
+    busy: int = 0
+    own: float = 0.0
+    last: float = 0.0          # the last read's figure
+
+    @classmethod
+    def here(cls, ranks: int = 1) -> "LoadMeter | None":
+        """A meter on this process's cores, its first sample taken; None without /proc/stat."""
+        meter = cls(_cpu_ids(), ranks, 1.0 / os.sysconf("SC_CLK_TCK"))
+        return meter if meter.sample() else None
+
+    def sample(self) -> bool:
+        busy = busy_jiffies(self.cpus)
+        if busy is None:
+            return False
+        self.at, self.busy, self.own = time.monotonic(), busy, own_seconds()
+        return True
+
+    def read(self) -> float:
+        """Other processes' cores in use since the last read (or sample), and the sample becomes the last."""
+        at, busy, own = self.at, self.busy, self.own
+        if not self.sample():
+            return self.last
+        span = max(self.at - at, 1e-3)
+        used = (self.busy - busy) * self.tick_s / span
+        self.last = max(0.0, used - (self.own - own) / span * self.ranks)
+        return self.last
+
+
+def others_busy(seconds: float = 0.1) -> float:
+    """The cores processes other than this one keep busy, over a look of `seconds` (0.0 where /proc/stat cannot
+    be read)."""
+    meter = LoadMeter.here()
+    if meter is None:
+        return 0.0
+    time.sleep(seconds)
+    return meter.read()
 
 
 @dataclass(slots=True)
 class ThreadGovernor:
     """One process's torch thread count, following the other processes' load (see the module docstring)."""
     ceiling: int
-    ranks: int
-    cpus: set
-    tick_s: float
-    at: float = 0.0
-    busy: int = 0
-    own: float = 0.0
+    meter: LoadMeter
     pending: int = 0           # the count the last period wanted, where it differs from the current one
-    foreign: float = 0.0       # the cores other processes used over the last period
     changes: int = 0
 
     @property
-    def threads(self) -> int:
-        return torch.get_num_threads()
+    def foreign(self) -> float:
+        """The cores other processes used over the last period."""
+        return self.meter.last
 
-    def sample(self) -> tuple[float, int, float] | None:
-        busy = busy_jiffies(self.cpus)
-        return None if busy is None else (time.monotonic(), busy, own_seconds())
-
-    def wanted(self, now: float, busy: int, own: float) -> int:
-        """The count the period since the last sample asks for (and the sample becomes the last)."""
-        span = max(now - self.at, 1e-3)
-        used = (busy - self.busy) * self.tick_s / span
-        self.foreign = max(0.0, used - (own - self.own) / span * self.ranks)
-        self.at, self.busy, self.own = now, busy, own
-        free = len(self.cpus) - self.foreign
-        return max(1, min(self.ceiling, int(free / self.ranks + 0.5)))
+    def wanted(self) -> int:
+        """The count the period since the last reading asks for."""
+        free = len(self.meter.cpus) - self.meter.read()
+        return max(1, min(self.ceiling, int(free / self.meter.ranks + 0.5)))
 
     def start(self) -> None:
         """The first choice, before the weights load (the linear kernels are timed at this count): a short look."""
-        first = self.sample()
-        if first is None:
-            torch.set_num_threads(self.ceiling)
-            return
-        self.at, self.busy, self.own = first
         time.sleep(FIRST_SAMPLE_S)
-        self._set(self.wanted(*self.sample()), first=True)
+        self._set(self.wanted(), first=True)
 
     def tick(self) -> None:
         """Between steps: look again once a period has passed; change where two periods in a row agree."""
-        now = time.monotonic()
-        if now - self.at < PERIOD_S:
+        if time.monotonic() - self.meter.at < PERIOD_S:
             return
-        got = self.sample()
-        if got is None:
-            return
-        want = self.wanted(*got)
-        if want == self.threads:
+        want = self.wanted()
+        if want == torch.get_num_threads():
             self.pending = 0
         elif want == self.pending:
             self._set(want)
@@ -135,7 +164,7 @@ class ThreadGovernor:
         if count != self.ceiling or not first:
             self.changes += not first
             log.info("CPU threads %s%d of %d: other processes use %.1f of %d cores", "" if first else
-                     f"{before} -> ", count, self.ceiling, self.foreign, len(self.cpus))
+                     f"{before} -> ", count, self.ceiling, self.foreign, len(self.meter.cpus))
 
 
 _governor: ThreadGovernor | None = None
@@ -160,9 +189,14 @@ def govern(ranks_on_node: int) -> ThreadGovernor | None:
     ranks = auto or ranks_on_node
     cpus = _cpu_ids()
     ceiling = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(cpus) // ranks)
-    if _governor is not None and (_governor.ceiling, _governor.ranks) == (ceiling, ranks):
+    if _governor is not None and (_governor.ceiling, _governor.meter.ranks) == (ceiling, ranks):
         return _governor
-    _governor = ThreadGovernor(ceiling, ranks, cpus, 1.0 / os.sysconf("SC_CLK_TCK"))
+    meter = LoadMeter.here(ranks)
+    if meter is None:                    # no /proc/stat: the ceiling holds
+        _governor = None
+        torch.set_num_threads(ceiling)
+        return None
+    _governor = ThreadGovernor(ceiling, meter)
     _governor.start()
     return _governor
 

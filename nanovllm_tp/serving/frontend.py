@@ -50,16 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 def lower_priority() -> None:
     """This thread, and every thread started after it, at the lowest CPU priority: SCHED_IDLE where there is
     one (Linux: it runs when a core has nothing else to run, and a waking engine thread takes the core back at
-    once), and nice 19 (alone where there is no SCHED_IDLE; beside it, the kernel counts this process's time as
-    niced, which the engine's thread count does not take for competing load: config/cpu_threads.py)."""
+    once), else nice 19. The process that started it moves it back to the normal policy while other processes
+    keep the cores busy (serving/http_priority.py): there SCHED_IDLE would never run."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
-    except (AttributeError, OSError) as exc:
-        logging.getLogger("nanovllm_tp").warning("the HTTP process keeps its priority: %s", exc)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        except (AttributeError, OSError) as exc:
+            logging.getLogger("nanovllm_tp").warning("the HTTP process keeps its priority: %s", exc)
 
 
 def replica_curves(commands: list[str]) -> list:

@@ -4,8 +4,9 @@ vLLM's sampling fields count, each where the file sets it: temperature, top_p, t
 and max_new_tokens, which becomes max_tokens. A request that leaves such a field unset gets the file's value
 (the server's bodies, `LLM.generate` without sampling parameters, `LLM.get_default_sampling_params()`); a value a
 request gives wins. do_sample is not read (as in vLLM): a file's temperature applies whatever do_sample says."""
-import json
 import os
+
+from nanovllm_tp.utils import checks
 
 FILE = "generation_config.json"
 # the file's field -> SamplingParams' field
@@ -49,12 +50,9 @@ def sampling_defaults(config) -> dict:
     if path is None or not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not readable JSON ({exc}); --generation-config vllm does not read it") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a JSON object is needed; --generation-config vllm does not read it")
+        data = checks.json_object(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; --generation-config vllm does not read it") from None
     defaults = {FIELDS[k]: v for k, v in data.items() if k in FIELDS and v is not None}
     from nanovllm_tp.sampling_params import SamplingParams
     try:

@@ -6,11 +6,12 @@ line runs the test suite: this test is part of it.)"""
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from tests.package.test_wheel import copy_checkout
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -30,12 +31,7 @@ def fresh(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     environment whose caches are empty."""
     root = tmp_path_factory.mktemp("fresh")
     clone, venv = root / "clone", root / "venv"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for path in files:
-        if (REPO / path).is_file():
-            (clone / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / path, clone / path)
+    copy_checkout(clone)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     keep = ("HOME", "LANG", "TMPDIR", "SSL_CERT_FILE", "CC")        # and pip's settings: where packages come from
     env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("PIP_")}

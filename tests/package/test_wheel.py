@@ -35,17 +35,22 @@ def source_files() -> set[str]:
     return out
 
 
+def copy_checkout(dest: pathlib.Path) -> None:
+    """The checkout's files as a clone has them (tracked, and new ones not ignored), copied under dest."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for path in files:
+        if (REPO / path).is_file():
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / path, dest / path)
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
     """The wheel of the checkout's files (tracked, and new ones not ignored), built from a copy of them so that
     the build leaves nothing in the checkout."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for path in files:
-        if (REPO / path).is_file():
-            (src / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / path, src / path)
+    copy_checkout(src)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     str(src), "-w", str(out)], check=True, timeout=300)
     found, = out.glob("nanovllm_tp-*.whl")

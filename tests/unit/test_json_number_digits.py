@@ -5,28 +5,14 @@ brings the count back."""
 import numpy as np
 import pytest
 
-from nanovllm_tp.checkpoint.loader import load_tokenizer
 from nanovllm_tp.layers.sampler import mask_bits
 from nanovllm_tp.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm_tp.scheduler import Sequence
-from nanovllm_tp.structured.backend import GrammarBackend
 from nanovllm_tp.structured.number_digits import DigitLimits, NumberDigits, TokenDigits
 
-VOCAB = 2003
-EOS = 2000        # the tiny checkpoint's
+from tests.unit.test_structured import EOS, VOCAB, backend, tokenizer     # noqa: F401 (fixtures)
 NUMBER = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]}
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    b = GrammarBackend(tokenizer, VOCAB, [EOS], timeout=30.0)
-    yield b
-    b.close()
 
 
 def taken(backend, tokenizer, text: str, **spec) -> tuple[str, bool]:

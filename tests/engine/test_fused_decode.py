@@ -125,6 +125,8 @@ def test_fused_layers_are_the_modules_to_the_bit(case, tmp_path, tiny_model_dir,
         pytest.skip("int8 weights need csrc/linear_q.c (AVX-512 VNNI)")
     if case == "gguf-q4_1" and 3 not in cpu_kernels.load().quant_types:
         pytest.skip("Q4_1 weights need csrc/linear_q.c (AVX-512 VNNI)")
+    if knobs.get("dtype") == "bfloat16" and torch.bfloat16 not in cpu_kernels.load().linear_dtypes:
+        pytest.skip("bf16 layers fuse through csrc/linear.c's bf16 kernel (AVX-512 BF16)")
     prompts = mixed_prompts(vocab, lengths=LENGTHS, seed=7)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     results = {}
@@ -310,6 +312,8 @@ def test_lora_steps_run_fused_and_are_the_modules_to_the_bit(case, tmp_path, tin
     pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
     if case.startswith("gguf") and 3 not in cpu_kernels.load().quant_types:
         pytest.skip("Q4_1 weights need csrc/linear_q.c (AVX-512 VNNI)")
+    if LORA_CASES[case].get("dtype") == "bfloat16" and torch.bfloat16 not in cpu_kernels.load().linear_dtypes:
+        pytest.skip("bf16 layers fuse through csrc/linear.c's bf16 kernel (AVX-512 BF16)")
     model, (l1, l2) = lora_model(tmp_path, tiny_model_dir, case)
     loras = [l1, None, l2, l1]
     prompts = mixed_prompts(vocab, lengths=LENGTHS, seed=13)

@@ -20,8 +20,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from nanovllm_tp import envs
 
 log = logging.getLogger("nanovllm_tp")
@@ -49,6 +47,13 @@ def busy_jiffies(cpus: set[int]) -> int | None:
             v = [int(x) for x in rest.split()]
             total += v[0] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
     return total
+
+
+def _torch():
+    """torch, imported on first use: serve's launcher imports this module before it sets GOMP_SPINCOUNT, which
+    must come before torch loads libgomp."""
+    import torch
+    return torch
 
 
 _ours: set[int] = set()          # other processes whose CPU time is the engine's own (the HTTP process)
@@ -148,7 +153,7 @@ class ThreadGovernor:
         if time.monotonic() - self.meter.at < PERIOD_S:
             return
         want = self.wanted()
-        if want == torch.get_num_threads():
+        if want == _torch().get_num_threads():
             self.pending = 0
         elif want == self.pending:
             self._set(want)
@@ -156,11 +161,11 @@ class ThreadGovernor:
             self.pending = want
 
     def _set(self, count: int, first: bool = False) -> None:
-        before = torch.get_num_threads()
+        before = _torch().get_num_threads()
         self.pending = 0
         if count == before and not first:
             return
-        torch.set_num_threads(count)
+        _torch().set_num_threads(count)
         if count != self.ceiling or not first:
             self.changes += not first
             log.info("CPU threads %s%d of %d: other processes use %.1f of %d cores", "" if first else
@@ -194,7 +199,7 @@ def govern(ranks_on_node: int) -> ThreadGovernor | None:
     meter = LoadMeter.here(ranks)
     if meter is None:                    # no /proc/stat: the ceiling holds
         _governor = None
-        torch.set_num_threads(ceiling)
+        _torch().set_num_threads(ceiling)
         return None
     _governor = ThreadGovernor(ceiling, meter)
     _governor.start()
@@ -211,6 +216,6 @@ def report() -> dict:
     """LLM.stats()'s threads: the count now, and the governor's ceiling and last reading where one decides it."""
     g = _governor
     if g is None:
-        return {"threads": torch.get_num_threads(), "auto": False}
-    return {"threads": torch.get_num_threads(), "auto": True, "ceiling": g.ceiling,
+        return {"threads": _torch().get_num_threads(), "auto": False}
+    return {"threads": _torch().get_num_threads(), "auto": True, "ceiling": g.ceiling,
             "other_cores": round(g.foreign, 2), "changes": g.changes}

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+from nanovllm_tp import envs
 from nanovllm_tp.bench import common as bc
 
 NAME = "threads"
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"))
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every (load, setting)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = envs.cores_per_rank(1)
     parser.add_argument("--busy", type=int, default=cores, help="spinning processes of the busy load (default: one "
                                                                 "per core)")
     parser.add_argument("--fixed", type=int, nargs="+", default=list(range(1, cores + 1)),

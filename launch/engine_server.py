@@ -41,7 +41,7 @@ def engine_threads(args, ranks: int | None = None) -> bool:
 def local_ranks(args) -> int:
     """This node's engine ranks: torchrun's local world size, else --tensor-parallel-size x
     --pipeline-parallel-size."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size * args.pipeline_parallel_size))
+    return envs.local_ranks(args.tensor_parallel_size * args.pipeline_parallel_size)
 
 
 def http_at_idle(server: ServerConfig, on_cpu: bool, threads: int | None) -> bool:
@@ -62,10 +62,12 @@ def start_front(server: ServerConfig, name: str, endpoints: list[tuple[str, str]
         env["NANOVLLM_TP_API_KEY"] = server.api_key
     if secret is not None:
         env["NANOVLLM_TP_SECRET"] = secret.decode()
-    return subprocess.Popen(
+    front = subprocess.Popen(
         [sys.executable, "-m", "nanovllm_tp.serving.frontend", "--commands", *(c for c, _ in endpoints),
          "--outputs", *(o for _, o in endpoints), "--name", name, "--config", server.to_json(),
          *(["--idle-priority"] if idle else [])], env=env)
+    cpu_threads.count_as_own(front.pid)    # its CPU time is the server's own, not load the engine makes way for
+    return front
 
 
 def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes | None = None) -> None:
@@ -85,7 +87,6 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
     try:
         if replicas is None:             # its imports overlap the engine's loading
             front = start_front(server, name, [(commands, outputs)], idle)
-            cpu_threads.count_as_own(front.pid)     # its CPU time is not load the engine's threads make way for
             watcher = HttpPriority.watch(front.pid, local_ranks(args)) if idle else None
         llm = build_llm(args)
         # from now on a signal stops the loop between two steps; a step stuck past shutdown_timeout is cut short
@@ -100,7 +101,6 @@ def serve_engine(args, server: ServerConfig, loras, on_cpu: bool, secret: bytes 
         if replicas is not None:
             endpoints = [(commands, outputs), *(tuple(e) for e in torchrun_replicas.others_endpoints())]
             front = start_front(server, name, endpoints, idle, secret)
-            cpu_threads.count_as_own(front.pid)     # its CPU time is not load the engine's threads make way for
             watcher = HttpPriority.watch(front.pid, local_ranks(args)) if idle else None
         loop.run(lambda: not signals.received)
         if signals.received:

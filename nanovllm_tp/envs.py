@@ -33,6 +33,8 @@ VARIABLES = {
     "NANOVLLM_TP_CACHE": "where make_tiny keeps the embedded tiny checkpoint (default ~/.cache/nanovllm_tp)",
     # the CPU kernels' build (layers/cpu_build.py): standard variables
     "CC": "the C compiler that builds the CPU kernels (default cc)",
+    # CPU threads: a standard variable
+    "OMP_NUM_THREADS": "each CPU rank's thread count, fixed (--threads sets it); unset: config/cpu_threads.py",
     "XDG_CACHE_HOME": "the cache root: the built CPU kernels and kernel tables go in $XDG_CACHE_HOME/nanovllm_tp "
                       "(default ~/.cache)",
     # benchmarks
@@ -56,8 +58,17 @@ def flag(name: str) -> bool:
     return get(name, "1") != "0"
 
 
+def usable_cpus() -> set[int]:
+    """The cores this process may run on."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def cores_per_rank(ranks_on_node: int) -> int:
     """This node's usable cores shared by its ranks, at least one each: a CPU rank's thread count where
     OMP_NUM_THREADS does not say otherwise."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // ranks_on_node)
+    return max(1, len(usable_cpus()) // ranks_on_node)
+
+
+def local_ranks(ranks: int) -> int:
+    """This node's ranks: torchrun's LOCAL_WORLD_SIZE where it launched them, else `ranks` (all of them here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))

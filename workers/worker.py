@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from nanovllm_tp import envs
 from nanovllm_tp.config import cpu_threads
 from nanovllm_tp.config.engine_config import EngineConfig
 from nanovllm_tp.config.platform import resolve_attention_backend, resolve_device_and_dtype
@@ -82,7 +83,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     torch.manual_seed(config.seed)
     if device.type == "cpu":      # before the weights load: the linear kernels are timed at this count
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-        cpu_threads.govern(int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+        cpu_threads.govern(envs.local_ranks(ranks))
     runner = ModelRunner(config, device, dtype, backend)
     block_bytes = runner.kv_block_bytes() + extra_block_bytes
     budget = config.kv_cache_memory

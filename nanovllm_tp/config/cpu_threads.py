@@ -26,10 +26,7 @@ log = logging.getLogger("nanovllm_tp")
 
 PERIOD_S = 1.0          # how often a stepping engine looks again
 FIRST_SAMPLE_S = 0.2    # the look before the weights load
-
-
-def _cpu_ids() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")     # /proc's unit of CPU time
 
 
 def busy_jiffies(cpus: set[int]) -> int | None:
@@ -72,7 +69,7 @@ def own_seconds() -> float:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += (int(fields[11]) + int(fields[12])) * TICK_S
         except (OSError, ValueError, IndexError):
             _ours.discard(pid)
     return total
@@ -85,7 +82,6 @@ class LoadMeter:
     `ranks - 1` other ranks of the node."""
     cpus: set
     ranks: int = 1
-    tick_s: float = 0.01
     at: float = 0.0
     busy: int = 0
     own: float = 0.0
@@ -94,7 +90,7 @@ class LoadMeter:
     @classmethod
     def here(cls, ranks: int = 1) -> "LoadMeter | None":
         """A meter on this process's cores, its first sample taken; None without /proc/stat."""
-        meter = cls(_cpu_ids(), ranks, 1.0 / os.sysconf("SC_CLK_TCK"))
+        meter = cls(envs.usable_cpus(), ranks)
         return meter if meter.sample() else None
 
     def sample(self) -> bool:
@@ -110,7 +106,7 @@ class LoadMeter:
         if not self.sample():
             return self.last
         span = max(self.at - at, 1e-3)
-        used = (self.busy - busy) * self.tick_s / span
+        used = (self.busy - busy) * TICK_S / span
         self.last = max(0.0, used - (self.own - own) / span * self.ranks)
         return self.last
 
@@ -187,13 +183,12 @@ def govern(ranks_on_node: int) -> ThreadGovernor | None:
     (one per process: the thread count is the process's) under the ceiling of cores per rank."""
     global _governor
     auto = auto_ranks()
-    omp = os.environ.get("OMP_NUM_THREADS", "")
+    omp = envs.get("OMP_NUM_THREADS", "")
     if omp and auto is None:
         _governor = None                 # fixed: an earlier engine's governor of this process stops too
         return None
     ranks = auto or ranks_on_node
-    cpus = _cpu_ids()
-    ceiling = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(cpus) // ranks)
+    ceiling = int(omp) if omp.isdigit() and int(omp) > 0 else envs.cores_per_rank(ranks)
     if _governor is not None and (_governor.ceiling, _governor.meter.ranks) == (ceiling, ranks):
         return _governor
     meter = LoadMeter.here(ranks)

@@ -109,7 +109,7 @@ def _remove_if_orphaned(directory: str, rank0_pid: int) -> None:
 def multi_node() -> bool:
     """torchrun with ranks on more than one node (known from the environment, before joining anything)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    return world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world > envs.local_ranks(world)
 
 
 def torchrun_secret(info: DistInfo) -> None:

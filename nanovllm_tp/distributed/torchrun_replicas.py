@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from nanovllm_tp import envs
 from nanovllm_tp.distributed import trust
 
 STORE_TIMEOUT = timedelta(seconds=120)
@@ -44,7 +45,7 @@ def place(replicas: int, tp: int) -> Placement:
     """This torchrun rank's replica, from torchrun's environment; ValueError when the launch does not fit."""
     global _placement
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = envs.local_ranks(world)
     if world != replicas * tp:
         raise ValueError(f"--data-parallel-size {replicas} x --tensor-parallel-size {tp} needs {replicas * tp} "
                          f"ranks, and torchrun started {world}: give --nnodes x --nproc-per-node = {replicas * tp}")
@@ -90,7 +91,7 @@ def front_secret() -> bytes | None:
     if secret is not None:
         return secret
     world = int(os.environ["WORLD_SIZE"])
-    trust.require_secret_for(world > int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    trust.require_secret_for(world > envs.local_ranks(world))
     store, me = torchrun_store(), _placement.replica
     if me != 0:
         secret = trust.read_secret_file(store.get(_key("secret_path")).decode())

@@ -14,7 +14,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from nanovllm_tp.config.cpu_threads import LoadMeter, count_as_own
+from nanovllm_tp.config.cpu_threads import LoadMeter
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -55,7 +55,6 @@ class HttpPriority:
         """Start watching (a daemon thread) from an engine process with `ranks` engine ranks on its node (a
         launcher that runs no engine: 1, and the engines' work counts as other processes' load); None where
         there is no SCHED_IDLE or no /proc/stat."""
-        count_as_own(pid)
         meter = LoadMeter.here(ranks)
         if meter is None or not hasattr(os, "SCHED_IDLE"):
             return None

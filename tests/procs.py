@@ -144,7 +144,8 @@ def rank_pid(root: int, rank: int, marker: str) -> int | None:
 
 # What the engine, the server and torchrun.sh leave in /tmp and /dev/shm while they run, each name carrying the pid
 # of the process that made it and removes it; and what they must never leave at all.
-_OWNED = (("/tmp", re.compile(r"nanovllm_tp-(?:serve|torchrun)-(\d+)-")), (SHM_DIR, re.compile(r"nvtp_(\d+)_")))
+_OWNED = (("/tmp", re.compile(r"nanovllm_tp-(?:serve|torchrun)-(\d+)-")), ("/tmp", re.compile(r"nvtp_store_(\d+)_")),
+          (SHM_DIR, re.compile(r"nvtp_(\d+)_")))
 _NEVER = (("/tmp", "torchelastic_"),)
 _UNOWNED = (("/tmp", "nvtp_store_"), ("/tmp", "nvtp_secret_"))     # removed by the engine that made them, at close
 

@@ -21,12 +21,15 @@ import torch.distributed as dist
 
 from nanovllm_tp import envs
 from nanovllm_tp.distributed import torchrun_replicas, trust
+from nanovllm_tp.distributed.channel_common import proc_start_time
 from nanovllm_tp.distributed.parallel_state import set_tp
 
 log = logging.getLogger("nanovllm_tp")
 SPAWN_ENV = "NANOVLLM_TP_SPAWNED"          # set in the environment of workers that rank 0 started
 SPAWN_STORE_ENV = "NANOVLLM_TP_STORE_DIR"  # spawned workers: the private directory holding the FileStore
 SPAWN_SECRET_ENV = "NANOVLLM_TP_SPAWN_SECRET"  # spawned workers: this engine's fresh secret
+SPAWN_OWNER_ENV = "NANOVLLM_TP_SPAWN_OWNER"    # spawned workers: rank 0's pid and start time, "pid:ticks"
+ORPHAN_GRACE_S = 10.0     # how long a spawned worker whose rank 0 died may take to leave on its own
 STORE_TIMEOUT = timedelta(seconds=120)
 _READY_KEY = "spawned_rank_{}_ready"      # set by a spawned worker once it runs (rank 0 watches for it)
 _cpu_group = None
@@ -54,7 +57,7 @@ class SpawnRendezvous:
 
     @classmethod
     def create(cls, world_size: int) -> "SpawnRendezvous":
-        directory = tempfile.mkdtemp(prefix="nvtp_store_")      # mode 0700
+        directory = tempfile.mkdtemp(prefix=f"nvtp_store_{os.getpid()}_")      # mode 0700; the maker's pid
         return cls(directory, file_store(directory, world_size),
                    None if trust.insecure() else trust.new_secret())
 
@@ -75,7 +78,7 @@ class SpawnRendezvous:
             time.sleep(0.02)
 
     def env(self) -> dict:
-        out = {SPAWN_STORE_ENV: self.directory}
+        out = {SPAWN_STORE_ENV: self.directory, SPAWN_OWNER_ENV: f"{os.getpid()}:{proc_start_time(os.getpid())}"}
         if self.secret is not None:
             out[SPAWN_SECRET_ENV] = self.secret.decode()
         return out
@@ -91,19 +94,56 @@ def file_store(directory: str, world_size: int) -> "dist.FileStore":
 
 
 def join_spawned(info: DistInfo) -> None:
-    """A spawned worker takes its store and secret from its environment (and out of it, for its children)."""
+    """A spawned worker takes its store and secret from its environment (and out of it, for its children), and
+    starts watching rank 0 (OwnerWatch)."""
     directory = os.environ.pop(SPAWN_STORE_ENV)
+    pid, _, ticks = os.environ.pop(SPAWN_OWNER_ENV, "0:").partition(":")
+    watch = OwnerWatch(directory, int(pid), int(ticks) if ticks.isdigit() else None)
+    atexit.register(watch.remove_if_orphaned)
+    if watch.orphaned():        # rank 0 died while this process was starting
+        watch.remove_if_orphaned()
+        sys.stderr.write(f"[nanovllm_tp worker rank {info.rank}] rank 0 (pid {pid}) died before this rank "
+                         "started; exiting\n")
+        raise SystemExit(1)
+    watch.start()
     info.store = file_store(directory, info.world_size)
     info.store.set(_READY_KEY.format(info.rank), b"1")
-    atexit.register(_remove_if_orphaned, directory, os.getppid())
     secret = os.environ.pop(SPAWN_SECRET_ENV, None)
     info.secret = None if secret is None else secret.encode()
 
 
-def _remove_if_orphaned(directory: str, rank0_pid: int) -> None:
-    """A worker whose rank 0 died (it was re-parented) removes the store directory rank 0 cannot."""
-    if os.getppid() != rank0_pid:
-        shutil.rmtree(directory, ignore_errors=True)
+@dataclass(slots=True)
+class OwnerWatch:
+    """What a spawned worker owes a rank 0 that died without cleaning up (kill -9): the store directory and
+    rank 0's shared memory (named nvtp_<its pid>_) are removed, at once from a watching thread and again at exit;
+    a worker that has not left ORPHAN_GRACE_S after the death (stuck waiting for rank 0 in the store or a
+    collective while starting) is ended. Rank 0 is known by pid and start time, as the plan reader knows it:
+    its parent pid alone is not enough, a worker may see rank 0 dead before the kernel re-parents it."""
+    directory: str
+    owner: int
+    ticks: int | None         # rank 0's start time
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.owner or (self.ticks is not None and proc_start_time(self.owner) != self.ticks)
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="nvtp-owner-watch", daemon=True).start()
+
+    def remove_if_orphaned(self) -> None:
+        if self.orphaned():
+            from nanovllm_tp.distributed.shm_ring import unlink_by_prefix
+            shutil.rmtree(self.directory, ignore_errors=True)
+            unlink_by_prefix(f"nvtp_{self.owner}_")
+
+    def _watch(self) -> None:
+        while not self.orphaned():
+            time.sleep(0.5)
+        self.remove_if_orphaned()
+        time.sleep(ORPHAN_GRACE_S)
+        self.remove_if_orphaned()
+        sys.stderr.write(f"[nanovllm_tp worker rank {os.environ.get('RANK')}] rank 0 (pid {self.owner}) died and "
+                         f"this rank did not leave within {ORPHAN_GRACE_S:.0f} s; ending it\n")
+        os._exit(1)
 
 
 def multi_node() -> bool:

@@ -38,6 +38,7 @@ def test_int8_runs_on_cpu_only(tiny_model_dir):
 
 
 @smollm2
+@pytest.mark.skipif(not HAS_KERNEL, reason="csrc/linear_q.c needs AVX-512 VNNI")
 @pytest.mark.slow
 def test_int8_perplexity_on_smollm2_stays_within_2_percent_of_bf16(tmp_path):
     """SmolLM2 dense (its Q4_1 file's weights saved as a bf16 checkpoint) on 4 chunks of the corpus, llama.cpp's

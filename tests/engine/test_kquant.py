@@ -294,6 +294,7 @@ def test_without_vnni_the_weights_are_dequantized_with_a_log_line(kquant_gguf, t
     assert result["tokens"] == hf_greedy(ref, [5, 6, 7, 8], 6)
 
 
+@needs_kernels
 @pytest.mark.spawn
 def test_without_gfni_the_high_bits_are_put_back_by_shifts_and_masks(tmp_path):
     """The kernels compiled for a CPU without GFNI (a compiler wrapper adds -mno-gfni: AVX-512 VNNI CPUs before

@@ -256,6 +256,7 @@ def test_a_tp_size_that_splits_a_block_is_refused(quantized_ggufs):
 
 
 @smollm2
+@needs_kernels
 @pytest.mark.slow
 def test_smollm2_runs_quantized_in_the_files_bytes():
     """SmolLM2's Q4_1 file: its linear layers stay Q4_1, its tied embedding and LM head Q8_0 (one packed copy), the

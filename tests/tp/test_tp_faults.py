@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -147,6 +148,28 @@ def test_sigkill_rank0_workers_exit_and_clean_shm(tiny_model_dir, tp3_model_dir,
     assert not segments_of(pids["rank0"])
     text = (tmp_path / "rank0.log").read_text()       # a worker leaves quietly, or says in one line why
     assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("moment", ["start", "joined"])
+def test_rank0_killed_while_its_worker_starts_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch, moment):
+    """Rank 0 killed -9 while its spawned worker starts: before the worker reaches the store (it exits at once,
+    one line), or just after (it would wait for rank 0 in the process group for 120 s): the worker is gone within
+    launch.ORPHAN_GRACE_S and leaves neither the store directory nor rank 0's shared memory behind."""
+    from nanovllm_tp.distributed.launch import ORPHAN_GRACE_S
+    monkeypatch.setenv("PYTHONPATH", os.path.join(TESTS, "tp_scripts", "fault_injection") + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""))
+    cmd, _ = start_rank0(tiny_model_dir, tmp_path)
+    with logged(cmd, tmp_path / "rank0.log", env={"NVTP_TEST_KILL_RANK0_AT": moment}) as proc:
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+        t0 = time.monotonic()
+        assert wait_gone(session_pids(proc.pid), ORPHAN_GRACE_S + GONE_WITHIN) is not None
+        took = time.monotonic() - t0
+    assert took < ORPHAN_GRACE_S + 10, took
+    assert not segments_of(proc.pid)
+    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith(f"nvtp_store_{proc.pid}_")]
+    text = (tmp_path / "rank0.log").read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert ("died before this rank started" if moment == "start" else "did not leave within") in text, text[-3000:]
 
 
 @pytest.mark.slow

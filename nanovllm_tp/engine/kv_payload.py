@@ -98,6 +98,21 @@ class CompletionKV:
                 raise ValueError(f"KV payload field {where}.kv.{name} has {len(self.kv[name])} bytes; "
                                  f"{blocks} blocks of {self.num_cached_tokens} tokens take {want}")
 
+    def cut(self, token_ids: list[int], sent_chars: int, prompt_len: int, layout: KVLayout) -> "CompletionKV":
+        """This completion as it was when it had generated only `token_ids` (a prefix of its own; its caller had
+        seen `sent_chars` characters): the KV of all but the last of those tokens, its blocks the leading ones of
+        each part (a block's values past the cut are stale and are written again by the decode that reaches them).
+        Without KV, or with no token to keep KV for, the cut carries none."""
+        cached = prompt_len + len(token_ids) - 1
+        out = CompletionKV(self.index, list(token_ids), sent_chars)
+        if self.kv is None or cached <= 0:
+            return out
+        out.num_cached_tokens = cached
+        old, new = self.num_blocks(layout.block_size), out.num_blocks(layout.block_size)
+        out.kv = {name: data if new == old else _leading_blocks(data, layout.num_layers, old, new)
+                  for name, data in self.kv.items()}
+        return out
+
     @classmethod
     def from_wire(cls, i: int, d) -> "CompletionKV":
         where = f"completions[{i}]"
@@ -176,6 +191,14 @@ class KVPayload:
                 raise ValueError(f"KV payload field layout.{f.name} is {mine!r}, this engine's is {theirs!r}")
         for i, c in enumerate(self.completions):
             c.check(layout, value_bytes, scaled, len(self.prompt_token_ids), f"completions[{i}]")
+
+
+def _leading_blocks(data, num_layers: int, blocks: int, keep: int) -> bytes:
+    """Of a part's bytes [layers, blocks, ...], the first `keep` blocks of every layer."""
+    view = memoryview(data).cast("B")
+    layer = len(view) // num_layers
+    size = layer // blocks * keep
+    return b"".join(view[i * layer:i * layer + size] for i in range(num_layers))
 
 
 def _is_int(v, lo: int | None) -> bool:

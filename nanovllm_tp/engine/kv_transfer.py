@@ -158,3 +158,45 @@ def import_request(llm, payload, request_id: str | None = None) -> str:
     moves.bytes_in += p.num_bytes
     moves.seconds_in += time.perf_counter() - start
     return rid
+
+
+def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedChoice]) -> list:
+    """What a request resumed from its caller's view (`choices`: each completion's tokens the caller has) takes of
+    the payload an export of it made (`raw`): per choice, its completion's KV cut to the caller's tokens (the
+    export may be ahead of what the caller read), or None (that completion computes again). A payload that does not
+    fit this engine, or that is of another request, is refused whole: ValueError naming the field."""
+    _check_engine(llm, "moving a request's KV")
+    p = KVPayload.decode(raw)
+    layout, value_bytes, scaled = _cache_of(llm)
+    p.check_against(layout, value_bytes, scaled)
+    if p.prompt_token_ids != list(prompt_token_ids):
+        raise ValueError("KV payload field prompt_token_ids: not the prompt of the request it came with")
+    exported = {c.index: c for c in p.completions}
+    out = []
+    for choice in choices:
+        c = exported.get(choice.index)
+        if c is None or c.kv is None or c.token_ids[:len(choice.token_ids)] != list(choice.token_ids):
+            out.append(None)
+            continue
+        out.append(c.cut(choice.token_ids, choice.sent_chars, len(prompt_token_ids), layout))
+    return out
+
+
+def export_all(llm) -> dict[str, bytes]:
+    """Every open generation request of `llm` that can move, exported (export_request): {request id: payload}. The
+    others (an embedding, a LoRA request, an engine that cannot move KV) stay where they are."""
+    out = {}
+    for request_id in list(llm._requests):
+        try:
+            out[request_id] = export_request(llm, request_id)
+        except ValueError:
+            continue
+    return out
+
+
+def note_import(llm, num_bytes: int, seconds: float) -> None:
+    """Count a request added with the KV of a payload (kv_for_resume) as import_request counts its own."""
+    moves = llm.engine.kv_moves
+    moves.requests_in += 1
+    moves.bytes_in += num_bytes
+    moves.seconds_in += seconds

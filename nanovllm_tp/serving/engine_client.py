@@ -132,6 +132,7 @@ class EngineClient:
         self._watcher: asyncio.Task | None = None
         self._last_heard = time.monotonic()
         self._accepted_since_stats = 0
+        self.migrated: dict[str, bytes] = {}      # a restarting replica's open requests with their KV ("migrate")
 
     async def wait_ready(self) -> dict:
         """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
@@ -183,14 +184,16 @@ class EngineClient:
 
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None,
-                     streams: list[RequestStream] | None = None, resume: list | None = None) -> list[RequestStream]:
+                     streams: list[RequestStream] | None = None, resume: list | None = None,
+                     kv: list | None = None) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
         nothing was queued. A batch counts once against max_waiting_requests. `lora`: the adapter's [name, id,
         path], or None. `streams`: the requests' streams already (they ran on another engine, which stopped);
         `resume`: per prompt, the [index, token ids, characters sent] of each completion to go on with (wire.py),
-        for a request whose output was read in part."""
+        for a request whose output was read in part; `kv`: per prompt, the payload its stopped replica exported
+        (engine/kv_transfer.py) or None, which the engine takes the resumed completions' KV from."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
@@ -210,6 +213,8 @@ class EngineClient:
                    "priority": priority, "lora": lora}
             if resume is not None:
                 msg["resume"] = resume
+            if kv is not None:
+                msg["kv"] = kv
             await self._commands.send(wire.pack(msg))
             await accepted
         except BaseException:
@@ -261,6 +266,8 @@ class EngineClient:
                         future.set_result(None) if error is None else \
                             future.set_exception(_ERRORS.get(kind, EngineDead)(error))
                     self._accepted_since_stats += error is None and future is not None
+            elif op == "migrate":     # a restarting replica's open requests, with their KV: before its "dead"
+                self.migrated.update(msg["payloads"])
             elif op == "dead":        # a replica's reason names it: /health lists the replicas that are down
                 self.fail_all(msg["why"] if self.on_gone is None else f"{self.name}: {msg['why']}",
                               msg.get("shutdown", False), msg.get("restart", False))
@@ -296,6 +303,7 @@ class EngineClient:
         if self.rescue is not None and not shutdown:
             taken = self.rescue({rid: s for rid, s in self._open.items()
                                  if not s.done and rid not in self._unaccepted}, why)
+        self.migrated.clear()
         for rid, stream in self._open.items():
             if rid not in taken:
                 stream.fail(exc)

@@ -146,12 +146,29 @@ class EngineLoop:
     def stop(self, why: str, restart: bool = False) -> None:
         """The server is going away: every open request ends with this error (the HTTP process answers 503);
         `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
-        blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing."""
+        blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing. A restarting
+        replica first sends the HTTP process its open requests with their KV ("migrate": engine/kv_transfer.py's
+        payloads), so that the replicas they move to go on decoding them without computing them again."""
+        if restart:
+            self._migrate_out()
         try:
             self._outputs.send(wire.pack({"op": "dead", "why": why, "restart" if restart else "shutdown": True}),
                                zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def _migrate_out(self) -> None:
+        from nanovllm_tp.engine.kv_transfer import export_all
+        try:
+            payloads = export_all(self.llm)
+        except Exception as exc:          # a failed engine: its requests are computed again where they go
+            log.warning("engine loop: the open requests move without their KV (%s)", exc)
+            return
+        if payloads:
+            try:
+                self._outputs.send(wire.pack({"op": "migrate", "payloads": payloads}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def _send_stats(self, dead: bool = False) -> None:
         self._send({"op": "outputs", "outputs": [], "stats": self._stats(dead)})
@@ -239,12 +256,37 @@ class EngineLoop:
             lora, resume = msg.get("lora"), msg.get("resume")
             if resume is not None:
                 resume = [[ResumedChoice.from_wire(row) for row in choices] for choices in resume]
+            start, kv = time.perf_counter(), self._kv_of(msg, resume)
             self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
                                   priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None,
-                                  resume=resume)
+                                  resume=resume, kv=kv)
+            if kv is not None:
+                from nanovllm_tp.engine.kv_transfer import note_import
+                for raw in msg["kv"]:
+                    if raw is not None:
+                        note_import(self.llm, len(raw), (time.perf_counter() - start) / len(msg["kv"]))
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]
+
+    def _kv_of(self, msg: dict, resume: list | None) -> list | None:
+        """The `kv` argument of add_requests for a resumed request that brings the payloads its replica exported
+        (msg["kv"]: per prompt, bytes or None), or None. A payload that does not fit is dropped with a warning:
+        its request computes its tokens again, as one without KV does."""
+        payloads = msg.get("kv")
+        if payloads is None or resume is None or not isinstance(payloads, list) or len(payloads) != len(resume):
+            return None
+        from nanovllm_tp.engine.kv_transfer import kv_for_resume
+        kv = []
+        for rid, prompt, choices, raw in zip(msg["ids"], msg["prompts"], resume, payloads):
+            entries = None
+            if raw is not None:
+                try:
+                    entries = kv_for_resume(self.llm, raw, prompt, choices)
+                except ValueError as exc:
+                    log.warning("engine loop: request %s computes its KV again: %s", rid, exc)
+            kv.append(entries or [None] * len(choices))
+        return kv
 
     def _lora(self, msg: dict, dead: bool) -> list:
         """An adapter the server loads (checked: its directory, against the model) or unloads, by its id."""

@@ -116,6 +116,15 @@ class _RouterCollector:
                                       "their client was, because theirs stopped.", labels=["model_name"])
         resumed.add_metric([self.model_name], self.replicas.num_resumed)
         yield resumed
+        migrated = CounterMetricFamily(PREFIX + "router_requests_migrated", "Of the resumed streams, those that moved "
+                                       "with their KV (a rolling restart's) and were not computed again.",
+                                       labels=["model_name"])
+        migrated.add_metric([self.model_name], self.replicas.num_migrated)
+        yield migrated
+        kv_bytes = CounterMetricFamily(PREFIX + "router_kv_migrated_bytes", "Bytes of the KV payloads those requests "
+                                       "moved with.", labels=["model_name"])
+        kv_bytes.add_metric([self.model_name], self.replicas.kv_bytes_migrated)
+        yield kv_bytes
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
                                labels=["model_name", "dp_rank"])
         for rank, state in enumerate(self.replicas.replica_states()):

@@ -56,6 +56,8 @@ class ReplicaSet:
         self._abandoned: set[str] = set()         # of those, the ones whose client went away meanwhile
         self.num_resubmitted = 0                  # requests run again off a stopped replica (/metrics)
         self.num_resumed = 0                      # streams resumed off a stopped replica (/metrics)
+        self.num_migrated = 0                     # of those, the ones that moved with their KV (/metrics)
+        self.kv_bytes_migrated = 0                # and the bytes of those payloads
         self._sent = [0] * len(self.replicas)   # batches handed to each replica and not yet accepted
         self._loras: list[set[int]] = [set() for _ in self.replicas]     # adapters each replica has run
 
@@ -132,7 +134,7 @@ class ReplicaSet:
         return await self._place(request_ids, prompts, params, priority, lora)
 
     async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None,
-                     moves: int = 0) -> list:
+                     moves: int = 0, kv=None) -> list:
         lora_id = lora[1] if lora else None
         tried = set(avoid)
         deadline = time.monotonic() + REPLICA_WAIT_S
@@ -151,7 +153,7 @@ class ReplicaSet:
             self._sent[replica] += 1
             try:
                 streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,
-                                                              resume)
+                                                              resume, kv)
             except EngineDead:
                 tried.add(replica)
                 continue
@@ -175,13 +177,15 @@ class ReplicaSet:
             placed = self._owner.get(rid)
             if placed is None or placed.moves >= MAX_MOVES:     # a request that stops every replica it runs on
                 continue
-            if not stream.read:
+            payload = self.replicas[placed.replica].migrated.get(rid)      # a restart's export, with its KV
+            if not stream.read and (payload is None or stream.progress is None):
                 key = (placed.replica, id(placed.params), placed.priority, id(placed.lora))
                 batches.setdefault(key, []).append(rid)
             elif (resume := _resume_state(stream, placed.params.n)) is not None:
                 stream.restart()
                 taken.add(rid)
-                asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream], why, [resume]))
+                asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream], why, [resume],
+                                                     None if payload is None else [payload]))
         for ids in batches.values():
             first = self._owner[ids[0]]
             for stream in (streams[rid] for rid in ids):
@@ -192,11 +196,11 @@ class ReplicaSet:
         return taken
 
     async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
-                        resume: list | None = None) -> None:
+                        resume: list | None = None, kv: list | None = None) -> None:
         self._moving.update(ids)
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
-                              avoid=(placed.replica,), resume=resume, moves=placed.moves + 1)
+                              avoid=(placed.replica,), resume=resume, moves=placed.moves + 1, kv=kv)
             gone = self._abandoned.intersection(ids)      # their clients left while they moved
             self._moving.difference_update(ids)
             self._abandoned.difference_update(ids)
@@ -205,8 +209,11 @@ class ReplicaSet:
                 self.num_resubmitted += len(ids)
             else:
                 self.num_resumed += len(ids)
+            if kv is not None:
+                self.num_migrated += len(ids)
+                self.kv_bytes_migrated += sum(len(raw) for raw in kv)
             log.warning("%d request(s) of replica %d %s on another replica", len(ids), placed.replica,
-                        "run again" if resume is None else "resumed")
+                        "run again" if resume is None else "resumed" if kv is None else "moved with their KV")
         except Exception as exc:                 # no live replica (or it refused): they end as the others did
             self._moving.difference_update(ids)
             self._abandoned.difference_update(ids)

@@ -106,6 +106,49 @@ def test_each_kv_format_moves_bit_for_bit(pair):
     assert sorted(parts) == (["k", "k_scale", "v", "v_scale"] if kv == "int8" else ["k", "v"])
 
 
+@pytest.mark.parametrize("seen", [0, 2, 4, 9])
+def test_a_caller_behind_the_export_resumes_from_what_it_saw(pair, seen):
+    """A server's rolling restart: the replica exports its requests after more tokens than the client read (the
+    rest was on its way). kv_for_resume cuts each completion's KV to the caller's tokens (back across a block
+    boundary: the prompt is 45 tokens, blocks of 16, the export holds 12) and the other engine goes on from there
+    with the KV, computing no token again: the tokens equal an unmigrated run's, bf16 and int8 KV."""
+    from nanovllm_tp.engine.kv_transfer import kv_for_resume
+    first, second, kv = pair
+    want = alone(first, PROMPT, GREEDY)[0]
+    rid = f"behind-{kv}-{seen}"
+    first.add_request(PROMPT, GREEDY, request_id=rid)
+    assert steps(first, rid, 12)[0] == want[:12]
+    payload = export_request(first, rid)
+    choices = [ResumedChoice(0, want[:seen], 0)]
+    entries = kv_for_resume(second, payload, PROMPT, choices)
+    assert entries[0].num_cached_tokens == len(PROMPT) + seen - 1
+    computed, blocks_in = second.stats()["num_computed_tokens"], second.stats()["kv_transfer"]["blocks_in"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    second.add_requests([PROMPT], params, [rid], resume=[choices], kv=[entries])
+    after = finish(second, rid)
+    assert want[:seen] + after[0] == want
+    stats = second.stats()
+    assert stats["num_computed_tokens"] - computed == len(want) - seen         # one token per decode step, no prefill
+    written = stats["kv_transfer"]["blocks_in"] - blocks_in     # the prompt's full blocks may be cached here
+    assert written <= -(-(len(PROMPT) + seen - 1) // BS)
+    assert stats["kv_cache_usage"] == 0.0
+
+
+def test_a_payload_of_another_request_or_a_caller_ahead_of_it_brings_no_kv(fp32_pair):
+    """kv_for_resume refuses a payload of another prompt by name; a completion whose caller saw tokens the export
+    does not hold (or other tokens) gets no KV and computes them again."""
+    from nanovllm_tp.engine.kv_transfer import kv_for_resume
+    first, second = fp32_pair
+    first.add_request(PROMPT, GREEDY, request_id="ahead")
+    got = steps(first, "ahead", 3)[0]
+    payload = export_request(first, "ahead")
+    with pytest.raises(ValueError, match="prompt_token_ids: not the prompt"):
+        kv_for_resume(second, payload, PROMPT[:-1], [ResumedChoice(0, got, 0)])
+    assert kv_for_resume(second, payload, PROMPT, [ResumedChoice(0, got + [5], 0)]) == [None]
+    assert kv_for_resume(second, payload, PROMPT, [ResumedChoice(0, [got[0] + 1], 0)]) == [None]
+    assert kv_for_resume(second, payload, PROMPT, [ResumedChoice(1, got, 0)]) == [None]
+
+
 @pytest.mark.parametrize("n, k", [(1, 4), (2, 1), (2, 6)], ids=["n1", "n2-after-prefill", "n2"])
 def test_a_seeded_sampled_request_goes_on_with_the_same_draws(fp32_pair, n, k):
     """temperature 0.8 with a seed: the noise is a function of the seed and the token index, so the moved request

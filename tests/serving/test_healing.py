@@ -284,7 +284,7 @@ def test_a_stream_survives_the_death_of_its_replica(tiny_model_dir, invariant_ll
 def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_model_dir, invariant_llm, tmp_path):
     """-dp 2 --batch-invariant under 8 streams: SIGHUP to the server restarts replica 0, then replica 1 (new
     processes, one at a time); every request completes, each answer equal to the undisturbed engine's, and the
-    streams running on a restarting replica are resumed on the other."""
+    streams running on a restarting replica move to the other with their KV."""
     from nanovllm_tp import SamplingParams
     from nanovllm_tp.bench import chaos
     want = {p: o.outputs[0].text for p, o in zip(chaos.PROMPTS, invariant_llm.generate(
@@ -318,6 +318,10 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
     assert all(r["equal"] for r in results)
     moved = sum(float(v) for v in re.findall(r'router_requests_(?:resumed|resubmitted)_total\{[^}]*\} (\S+)', resumed))
     assert moved >= 1
+    # the streams of a restarting replica move with their KV (not computed again), and equal the undisturbed run's
+    migrated = float(re.search(r'router_requests_migrated_total\{[^}]*\} (\S+)', resumed).group(1))
+    assert migrated >= 1 and float(re.search(r'router_kv_migrated_bytes_total\{[^}]*\} (\S+)', resumed).group(1)) > 0
+    assert "moved with their KV" in text and "computes its KV again" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
 
 

@@ -41,6 +41,7 @@ from nanovllm_tp.config.engine_config import add_engine_args
 from nanovllm_tp.launch.engine_server import engine_threads, serve_engine, serve_plans
 from nanovllm_tp.launch.generate import local_model, refuse_bad_engine_args
 from nanovllm_tp.launch.help_format import HelpFormatter
+from nanovllm_tp.serving.replica_roles import replica_roles
 from nanovllm_tp.serving.server_config import add_server_args, lora_modules, server_config
 from nanovllm_tp.utils.proctitle import PREFIX, rank_title, set_title
 
@@ -105,6 +106,7 @@ def main(argv=None) -> None:
         if server.data_parallel_size > 1 and args.pipeline_parallel_size > 1:
             raise ValueError("--data-parallel-size with --pipeline-parallel-size is not implemented yet: run "
                              "pipeline-parallel replicas as separate servers")
+        replica_roles(server.replica_roles, server.data_parallel_size)
         loras = lora_modules(server)
         if (loras or server.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

@@ -18,7 +18,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                    "reasoning_parser",
                                    "trust_request_chat_template")),
     ("parallelism", ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
-                     "data_parallel_size", "router", "restart_dead_replicas")),
+                     "data_parallel_size", "router", "replica_roles", "restart_dead_replicas")),
     ("memory and batching", ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "gpu_memory_utilization",
                              "kv_cache_dtype", "kvcache_block_size", "enable_prefix_caching", "scheduling_policy",
                              "stream_interval", "seed")),

@@ -200,3 +200,11 @@ def note_import(llm, num_bytes: int, seconds: float) -> None:
     moves.requests_in += 1
     moves.bytes_in += num_bytes
     moves.seconds_in += seconds
+
+
+def has_first_tokens(llm, request_id: str) -> bool:
+    """Whether every completion of the open request `request_id` has generated a token (a prefill replica hands it
+    over from then on: serving/replica_roles.py)."""
+    state = llm._requests.get(request_id)
+    return state is not None and hasattr(state, "completions") and all(
+        c.seq.num_completion_tokens > 0 for c in state.completions)

@@ -133,6 +133,7 @@ class EngineClient:
         self._last_heard = time.monotonic()
         self._accepted_since_stats = 0
         self.migrated: dict[str, bytes] = {}      # a restarting replica's open requests with their KV ("migrate")
+        self.on_handoff = None    # callback(request id, stream, payload): a prefill replica handed a request over
 
     async def wait_ready(self) -> dict:
         """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
@@ -185,7 +186,7 @@ class EngineClient:
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None,
                      streams: list[RequestStream] | None = None, resume: list | None = None,
-                     kv: list | None = None) -> list[RequestStream]:
+                     kv: list | None = None, handoff: bool = False) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
@@ -193,7 +194,8 @@ class EngineClient:
         path], or None. `streams`: the requests' streams already (they ran on another engine, which stopped);
         `resume`: per prompt, the [index, token ids, characters sent] of each completion to go on with (wire.py),
         for a request whose output was read in part; `kv`: per prompt, the payload its stopped replica exported
-        (engine/kv_transfer.py) or None, which the engine takes the resumed completions' KV from."""
+        (engine/kv_transfer.py) or None, which the engine takes the resumed completions' KV from; `handoff`: a
+        prefill replica's request, which leaves after its first tokens (on_handoff)."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
@@ -215,6 +217,8 @@ class EngineClient:
                 msg["resume"] = resume
             if kv is not None:
                 msg["kv"] = kv
+            if handoff:
+                msg["handoff"] = True
             await self._commands.send(wire.pack(msg))
             await accepted
         except BaseException:
@@ -268,6 +272,12 @@ class EngineClient:
                     self._accepted_since_stats += error is None and future is not None
             elif op == "migrate":     # a restarting replica's open requests, with their KV: before its "dead"
                 self.migrated.update(msg["payloads"])
+            elif op == "handoff":     # requests that left this (prefill) replica with their KV, after their outputs
+                for rid, payload in msg["payloads"].items():
+                    self._prompts.pop(rid, None)
+                    stream = self._open.pop(rid, None)
+                    if stream is not None and self.on_handoff is not None:
+                        self.on_handoff(rid, stream, payload)
             elif op == "dead":        # a replica's reason names it: /health lists the replicas that are down
                 self.fail_all(msg["why"] if self.on_gone is None else f"{self.name}: {msg['why']}",
                               msg.get("shutdown", False), msg.get("restart", False))

@@ -88,6 +88,7 @@ class EngineLoop:
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
+        self._handoff: set[str] = set()         # a prefill replica's requests that leave after their first token
         self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
                        "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters],
                        "tokenizer": llm.config.tokenizer, "sampling_defaults": llm.sampling_defaults}
@@ -133,6 +134,8 @@ class EngineLoop:
                 dead = True
                 continue
             self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs], "stats": self._stats()})
+            if self._handoff:
+                self._hand_off(outs)
 
     def _engine_failed(self, exc: Exception) -> bool:
         """The engine stopped (a dead rank, a bug): the HTTP side is told, and fails every open request. Returns
@@ -169,6 +172,28 @@ class EngineLoop:
                 self._outputs.send(wire.pack({"op": "migrate", "payloads": payloads}), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def _hand_off(self, outs) -> None:
+        """A prefill replica's streams that have their first tokens leave with their KV ("handoff": the HTTP process
+        resumes each on a decode replica), after the outputs that carried those tokens. One that cannot move (a LoRA
+        request, an engine that cannot move KV) decodes here."""
+        from nanovllm_tp.engine.kv_transfer import export_request, has_first_tokens
+        payloads = {}
+        for out in outs:
+            rid = out.request_id
+            if rid not in self._handoff:
+                continue
+            if out.finished:
+                self._handoff.discard(rid)
+            elif has_first_tokens(self.llm, rid):
+                self._handoff.discard(rid)
+                try:
+                    payloads[rid] = export_request(self.llm, rid)
+                except ValueError as exc:
+                    log.warning("engine loop: request %s decodes on this prefill replica: %s", rid, exc)
+        if payloads:
+            self._prompt_sent.difference_update(payloads)
+            self._send({"op": "handoff", "payloads": payloads})
 
     def _send_stats(self, dead: bool = False) -> None:
         self._send({"op": "outputs", "outputs": [], "stats": self._stats(dead)})
@@ -223,6 +248,7 @@ class EngineLoop:
                     if waiting is not None:
                         waiting[2].give_up()      # and its compile too, if nobody else waits for it
                 self.llm.abort_request(msg["ids"])
+                self._handoff.difference_update(msg["ids"])
                 changed = True
             elif msg["op"] == "add":
                 item = self._add(msg, dead)
@@ -260,6 +286,8 @@ class EngineLoop:
             self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
                                   priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None,
                                   resume=resume, kv=kv)
+            if msg.get("handoff"):
+                self._handoff.update(msg["ids"])
             if kv is not None:
                 from nanovllm_tp.engine.kv_transfer import note_import
                 for raw in msg["kv"]:

@@ -27,6 +27,7 @@ from nanovllm_tp.distributed import trust
 from nanovllm_tp.serving.app import ServedModel, build_app
 from nanovllm_tp.serving.engine_client import EngineClient
 from nanovllm_tp.serving.replica_link import client_keys, is_remote
+from nanovllm_tp.serving.replica_roles import replica_roles
 from nanovllm_tp.serving.replica_set import ReplicaSet
 from nanovllm_tp.serving.server_config import ServerConfig
 from nanovllm_tp.serving.stats_log import StatsLogger
@@ -92,7 +93,8 @@ def main(argv=None) -> None:
         engine = EngineClient(args.commands[0], args.outputs[0], config.max_waiting_requests)
     else:
         engine = ReplicaSet(list(zip(args.commands, args.outputs)), config.max_waiting_requests, config.router,
-                            curve=replica_curves(args.commands))
+                            curve=replica_curves(args.commands),
+                            roles=replica_roles(config.replica_roles, len(args.commands)))
     state = {"server": None}
 
     def orphaned() -> bool:

@@ -125,6 +125,15 @@ class _RouterCollector:
                                        "moved with.", labels=["model_name"])
         kv_bytes.add_metric([self.model_name], self.replicas.kv_bytes_migrated)
         yield kv_bytes
+        handed = CounterMetricFamily(PREFIX + "router_requests_handed_off", "Streams a prefill replica handed to a "
+                                     "decode replica with their KV after their first tokens (--replica-roles).",
+                                     labels=["model_name"])
+        handed.add_metric([self.model_name], self.replicas.num_handed_off)
+        yield handed
+        handoff_bytes = CounterMetricFamily(PREFIX + "router_kv_handoff_bytes", "Bytes of the KV payloads those "
+                                            "streams moved with.", labels=["model_name"])
+        handoff_bytes.add_metric([self.model_name], self.replicas.kv_bytes_handed_off)
+        yield handoff_bytes
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
                                labels=["model_name", "dp_rank"])
         for rank, state in enumerate(self.replicas.replica_states()):

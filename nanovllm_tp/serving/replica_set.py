@@ -19,8 +19,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from nanovllm_tp.sampling_params import SamplingParams
+from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
+from nanovllm_tp.serving.replica_roles import DECODES, PREFILLS
 from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
 
 log = logging.getLogger("nanovllm_tp")
@@ -42,15 +43,21 @@ class Placed:
 
 class ReplicaSet:
     def __init__(self, endpoints: list[tuple[str, str]], max_waiting_requests: int, policy: str,
-                 block_size: int = 16, curve: list | None = None):
+                 block_size: int = 16, curve: list | None = None, roles: list[str] | None = None):
         """`endpoints`: (commands, outputs) of each replica's engine loop, in replica order; `curve`: each
-        replica's CURVE keys for EngineClient (None where its sockets are local)."""
+        replica's CURVE keys for EngineClient (None where its sockets are local); `roles`: each replica's role
+        (replica_roles.py; default: every one mixed)."""
         self.max_waiting = max_waiting_requests
         curve = curve or [None] * len(endpoints)
         self.replicas = [EngineClient(c, o, max_waiting_requests, name=f"replica {i}",
                                       on_gone=lambda i=i: self.replica_died(i), rescue=self._rescue, curve=curve[i])
                          for i, (c, o) in enumerate(endpoints)]
         self.router = make_router(policy, len(self.replicas), block_size)
+        self.roles = roles or ["mixed"] * len(self.replicas)
+        for client in self.replicas:
+            client.on_handoff = self._handoff
+        self.num_handed_off = 0                   # streams a prefill replica handed to a decode replica (/metrics)
+        self.kv_bytes_handed_off = 0              # and the bytes of their payloads
         self._owner: dict[str, Placed] = {}      # open request id -> where it runs
         self._moving: set[str] = set()            # requests on their way to another replica (_resubmit)
         self._abandoned: set[str] = set()         # of those, the ones whose client went away meanwhile
@@ -134,7 +141,9 @@ class ReplicaSet:
         return await self._place(request_ids, prompts, params, priority, lora)
 
     async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None,
-                     moves: int = 0, kv=None) -> list:
+                     moves: int = 0, kv=None, roles=PREFILLS) -> list:
+        """Submit to the replica the router picks among those of `roles` (any live one while none of those is up).
+        A streamed request placed on a prefill replica leaves it after its first tokens (_handoff)."""
         lora_id = lora[1] if lora else None
         tried = set(avoid)
         deadline = time.monotonic() + REPLICA_WAIT_S
@@ -142,6 +151,9 @@ class ReplicaSet:
             loads = self._loads(lora_id)
             for i in tried:
                 loads[i].alive = False
+            if any(load.alive and self.roles[i] in roles for i, load in enumerate(loads)):
+                for i, load in enumerate(loads):
+                    load.alive = load.alive and self.roles[i] in roles
             try:
                 replica = self.router.route(prompts[0], loads, lora_id)
             except NoReplica:       # every replica down: the server is starting one again (or exits), so wait
@@ -152,8 +164,10 @@ class ReplicaSet:
                 continue
             self._sent[replica] += 1
             try:
+                handoff = (self.roles[replica] == "prefill" and params.output_kind == RequestOutputKind.DELTA
+                           and any(c.dead is None and self.roles[i] in DECODES for i, c in enumerate(self.replicas)))
                 streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,
-                                                              resume, kv)
+                                                              resume, kv, handoff)
             except EngineDead:
                 tried.add(replica)
                 continue
@@ -196,15 +210,22 @@ class ReplicaSet:
         return taken
 
     async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
-                        resume: list | None = None, kv: list | None = None) -> None:
+                        resume: list | None = None, kv: list | None = None, handoff: bool = False) -> None:
+        """Place requests of a replica that stopped (or, `handoff`, that a prefill replica handed over: onto a
+        decode replica) elsewhere; the ones no replica takes fail with `why`."""
         self._moving.update(ids)
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
-                              avoid=(placed.replica,), resume=resume, moves=placed.moves + 1, kv=kv)
+                              avoid=() if handoff else (placed.replica,), resume=resume,
+                              moves=placed.moves + (not handoff), kv=kv, roles=DECODES if handoff else PREFILLS)
             gone = self._abandoned.intersection(ids)      # their clients left while they moved
             self._moving.difference_update(ids)
             self._abandoned.difference_update(ids)
             self.abort(gone)
+            if handoff:
+                self.num_handed_off += len(ids)
+                self.kv_bytes_handed_off += sum(len(raw) for raw in kv)
+                return
             if resume is None:
                 self.num_resubmitted += len(ids)
             else:
@@ -220,6 +241,21 @@ class ReplicaSet:
             for rid, stream in zip(ids, streams):
                 self._owner.pop(rid, None)
                 stream.fail(EngineDead(why if isinstance(exc, EngineDead) else f"{why}; {exc}"))
+
+    def _handoff(self, rid: str, stream: RequestStream, payload: bytes) -> None:
+        """A prefill replica handed request `rid` over with its KV, after the outputs of its first tokens: it goes
+        on on a decode replica from every token its stream was given (read or not), the stream the same."""
+        placed = self._owner.get(rid)
+        resume = None if placed is None else _delivered_state(stream, placed.params.n)
+        if resume is None:        # its client left, or nothing is left to decode: it ends here
+            if placed is not None:
+                self._owner.pop(rid, None)
+                stream.fail(EngineDead(f"replica {placed.replica} handed over a request it could not resume"))
+            return
+        self._moving.add(rid)         # an abort from now on finds it on its way
+        asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream],
+                                             f"replica {placed.replica} handed the request over", [resume],
+                                             [payload], handoff=True))
 
     async def lora(self, op: str, lora: list) -> None:
         """Every live replica loads (checks) or unloads the adapter; the first refusal propagates."""
@@ -252,6 +288,26 @@ class ReplicaSet:
         self._loras[replica].clear()
         for rid in [r for r, placed in self._owner.items() if placed.replica == replica]:
             del self._owner[rid]
+
+
+def _delivered_state(stream: RequestStream, n: int) -> list | None:
+    """The wire's resume entry of a stream from every token it was given, read or not (a prefill replica's hand-off:
+    what is unread stays in the stream and reaches the client), or None when it cannot be resumed."""
+    if stream.progress is None:
+        return None
+    given = {i: [list(ids), chars, finished] for i, (ids, chars, finished) in stream.progress.items()}
+    if stream.pending is not None:
+        for c in stream.pending.outputs:
+            row = given.setdefault(c.index, [[], 0, False])
+            row[0] += c.token_ids
+            row[1] += len(c.text)
+            row[2] = row[2] or c.finish_reason is not None
+    rows = [[i, ids, chars] for i, (ids, chars, finished) in sorted(given.items()) if not finished]
+    rows += [[i, [], 0] for i in range(n) if i not in given]
+    if not rows:
+        return None
+    stream.extra_tokens = sum(len(ids) for ids, _, finished in given.values() if finished)
+    return sorted(rows)
 
 
 def _resume_state(stream: RequestStream, n: int) -> list | None:

@@ -91,6 +91,10 @@ class ServerConfig:
                                             "likely to hold its prompt's first blocks, unless far busier than the "
                                             "least loaded or than an idle one), least-load, round-robin",
                        choices=tuple(POLICIES))
+    replica_roles: str | None = knob(None, help="one role per replica, comma-separated: prefill (computes new "
+                                                "requests' prompts and first tokens, then hands each stream's KV to a "
+                                                "decode replica), decode, or mixed (both: the default); e.g. "
+                                                "prefill,decode", metavar="ROLES")
     restart_dead_replicas: bool = knob(True, help="start a replica again when its process dies (the others serve "
                                                   "meanwhile)")
     # liveness and shutdown

@@ -1,0 +1,117 @@
+"""Disaggregated prefill and decode (`serve -dp 2 --replica-roles prefill,decode`) against a real server on
+127.0.0.1: each streamed request is prefilled on replica 0, then moves with its KV to replica 1, which decodes the
+rest; every answer is the undisturbed engine's under --batch-invariant (greedy with logprobs, seeded n = 2, a stop
+string, and the same prompt again, which finds its prefix held on the decode side); a non-streamed request is
+answered by the prefill replica whole."""
+import json
+import os
+import re
+import signal
+
+import httpx
+import pytest
+
+from nanovllm_tp import SamplingParams
+from tests.serving.test_data_parallel import wait_all_ready
+from tests.serving.test_healing import invariant_llm, sigterm_exits_0, titled  # noqa: F401  (a fixture)
+from tests.serving.test_serve import start_server
+
+pytestmark = [pytest.mark.spawn, pytest.mark.slow]
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+def streamed(port: int, body: dict) -> tuple[dict, dict, list]:
+    """Each choice's text and token logprobs from a streamed /v1/completions, and the events."""
+    texts, logprobs, events = {}, {}, []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            for ch in [] if data == "[DONE]" else events[-1]["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                if ch.get("logprobs"):
+                    logprobs.setdefault(ch["index"], []).extend(ch["logprobs"]["token_logprobs"])
+    assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
+    return texts, logprobs, events
+
+
+def counter(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf'nanovllm_tp:{name}_total\{{[^}}]*{labels}[^}}]*\}} (\S+)', text)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_model_dir, invariant_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1)
+    want_greedy = invariant_llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0]
+    stop = want_greedy.text[30:34]
+    cases = [   # (body, SamplingParams of the same request offline)
+        ({"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "logprobs": 1}, greedy),
+        ({"prompt": PROMPT + " more", "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 40, "ignore_eos": True},
+         SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)),
+        ({"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+         SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[stop])),
+    ]
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--replica-roles", "prefill,decode",
+                             "--batch-invariant", "--max-model-len", "1024")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        for body, params in cases:
+            want = invariant_llm.generate([body["prompt"]], params, use_tqdm=False)[0]
+            texts, logprobs, events = streamed(port, {"model": "tiny", **body,
+                                                      "stream_options": {"include_usage": True}})
+            assert texts == {c.index: c.text for c in want.outputs}, body
+            assert events[-2]["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in want.outputs)
+            if params.logprobs is not None:
+                got, ref = logprobs[0], [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs,
+                                                                       want.outputs[0].token_ids)]
+                assert len(got) == len(ref) and max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert counter(metrics, "router_requests_handed_off") == len(cases)
+        assert counter(metrics, "router_kv_handoff_bytes") > 0
+        assert counter(metrics, "router_requests_routed", 'dp_rank="1"') == len(cases)     # only hand-offs
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_greedy.text
+        assert r.json()["usage"]["completion_tokens"] == 60
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert counter(metrics, "router_requests_handed_off") == len(cases)     # served whole where it was prefilled
+        sigterm_exits_0(proc)
+
+
+def test_a_decode_replica_killed_mid_stream_loses_nothing(tiny_model_dir, invariant_llm):
+    """kill -9 of the decode replica while it streams a handed-off request: the stream goes on (computed again on
+    the prefill replica, the only one up) with no error and no repeated text, equal to the undisturbed run; once
+    the decode replica is back, new streams are handed to it again."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    want = invariant_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--replica-roles", "prefill,decode",
+                             "--batch-invariant", "--max-model-len", "1024")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        text, chunks, killed = "", 0, None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                text += "".join(ch["text"] for ch in event["choices"])
+                chunks += 1
+                if chunks == 20 and killed is None:
+                    killed = titled(proc.pid, "nanovllm_tp::dp1::tp0")
+                    os.kill(killed, signal.SIGKILL)
+        assert killed is not None and text == want
+        wait_all_ready(port, proc)
+        before = counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "router_requests_handed_off")
+        texts, _, _ = streamed(port, {**body, "max_tokens": 30})
+        assert texts[0] == want[:len(texts[0])] and texts[0]
+        after = counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "router_requests_handed_off")
+        assert after == before + 1
+        sigterm_exits_0(proc)

@@ -4,6 +4,8 @@
     python -m nanovllm_tp.bench.serve --base-url URL --api-key K --model NAME --request-rate 1 4 inf
     python -m nanovllm_tp.bench.serve --launch --compare-offline --concurrency 64 --repeats 3
     python -m nanovllm_tp.bench.serve --launch --compare-offline --request-rate 1 --repeats 3
+    python -m nanovllm_tp.bench.serve --launch --compare-offline --api chat --dataset text --concurrency 1 \
+        --num-requests 16 --output-len 128 128 --repeats 3          # one user chatting: TPOT against offline
     python -m nanovllm_tp.bench.serve --launch --data-parallel-size 2 --router prefix-aware round-robin \
         --dataset shared-prefix --num-prefixes 8 --prefix-len 600 --num-requests 128 --concurrency 16
 
@@ -19,7 +21,9 @@ engine flags given here (and --data-parallel-size D replicas; with several --rou
 each, run in turn on the same prompts), waits for /health and stops it with SIGTERM at the end. --compare-offline (with --launch)
 also runs every load point through the offline engine in this process (bench_latency.run_point: add_request/step,
 same workload, same flags), interleaved with the server runs over --repeats; medians are reported with the
-server/offline ratio.
+server/offline ratios of output tok/s and of TPOT p50. `--api chat` streams /v1/chat/completions (one user message
+per prompt, through the chat template) instead of /v1/completions; offline generation runs the same texts as raw
+prompts (their decode steps, which TPOT times, are the same).
 
 TTFT = first streamed text - send time; ITL = gaps between streamed chunks; TPOT = (last - first) /
 (output tokens - 1); output tokens from the usage of the final chunk.
@@ -62,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(e.g. \"--http-priority normal\")")
     bc.add_workload_args(parser, num_requests=64)
     parser.add_argument("--dataset", choices=["random", "text", "shared-prefix"], default="random")
+    parser.add_argument("--api", choices=["completions", "chat"], default="completions",
+                        help="chat: each prompt as one user message to /v1/chat/completions, streamed as the "
+                             "openai client streams a chat (needs --dataset text)")
     parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct prefixes")
     parser.add_argument("--prefix-len", type=int, default=600, help="shared-prefix: tokens in each prefix")
     load = parser.add_argument_group("load")
@@ -111,10 +118,12 @@ def prefix_counters(args) -> tuple[float, float]:
 # =============================================================================================== client
 
 async def one_request(session, args, prompt, max_tokens: int, arrived: float, start: float) -> dict:
-    body = {"model": args.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    chat = args.api == "chat"
+    body = {"model": args.model_name, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
     times, tokens, error = [], None, None
-    async with session.post(f"{args.base_url}/completions", json=body) as resp:
+    async with session.post(f"{args.base_url}/{'chat/completions' if chat else 'completions'}", json=body) as resp:
         if resp.status != 200:
             error = f"{resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
         else:
@@ -125,7 +134,8 @@ async def one_request(session, args, prompt, max_tokens: int, arrived: float, st
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices") and (chunk["choices"][0].get("delta", {}).get("content") if chat else
+                                             chunk["choices"][0].get("text")):
                     times.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
@@ -235,7 +245,10 @@ def table(result: dict) -> str:
     for p in result["figures"]["points"]:
         s, o = p["server"], p.get("offline")
         ms = [None if s[m][q] is None else s[m][q] * 1e3 for m in ("ttft", "tpot", "itl") for q in QUANTILES]
-        extra = [o["output_tok_s"], s["output_tok_s"] / o["output_tok_s"], o["ttft"]["p50"] * 1e3] if o else []
+        extra = [o["output_tok_s"], s["output_tok_s"] / o["output_tok_s"], o["ttft"]["p50"] * 1e3,
+                 None if o["tpot"]["p50"] is None else o["tpot"]["p50"] * 1e3,
+                 None if not (o["tpot"]["p50"] and s["tpot"]["p50"]) else s["tpot"]["p50"] / o["tpot"]["p50"]] \
+            if o else []
         hit = [] if not hit_rates else [None if s["prefix_hit_rate"] is None else 100 * s["prefix_hit_rate"]]
         cost = [] if not routed else [p.get("router_us"), None if p.get("router_us") is None or not s["tpot"]["p50"]
                                       else p["router_us"] / 1e4 / s["tpot"]["p50"]]
@@ -244,7 +257,8 @@ def table(result: dict) -> str:
         [f"{m} {q}" for m in ("TTFT", "TPOT", "ITL") for q in QUANTILES] + \
         (["router us/req", "router % of TPOT p50"] if routed else [])
     if result["figures"]["points"] and result["figures"]["points"][0].get("offline"):
-        headers += ["offline tok/s", "server/offline", "offline TTFT p50"]
+        headers += ["offline tok/s", "server/offline", "offline TTFT p50", "offline TPOT p50",
+                    "TPOT p50 server/offline"]
     w = result["workload"]
     title = (f"bench_serve: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']}, "
              f"output {w['output_len_min']}..{w['output_len_max']}, medians of {result['config']['repeats']}; ms")
@@ -264,6 +278,8 @@ def main(argv=None) -> dict:
     points = load_points(args)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if args.api == "chat" and args.dataset != "text":
+        raise SystemExit("--api chat sends text: give --dataset text")
     if not args.launch and (not args.base_url or args.compare_offline):
         raise SystemExit("give --base-url, or --launch (needed by --compare-offline)")
     bc.apply_threads(args)
@@ -296,7 +312,8 @@ def main(argv=None) -> dict:
                                             args.seed, vocab)
             warm = {"mode": "closed", "request_rate": None, "concurrency": 4}
             warm_workload = bc.make_workload(4, (8, 32), (8, 8), args.seed + 1, vocab)
-            asyncio.run(run_server_point(args, warm_workload, warm_workload.prompts(), warm))
+            warm_prompts = text_prompts(warm_workload, 0) if args.api == "chat" else warm_workload.prompts()
+            asyncio.run(run_server_point(args, warm_workload, warm_prompts, warm))
             if args.compare_offline and llm is None:           # built while the server idles
                 from nanovllm_tp.bench.engine import warm_up_engine
                 from nanovllm_tp.launch.generate import build_llm
@@ -345,6 +362,8 @@ def main(argv=None) -> dict:
             p["offline_runs"] = offline_runs[k]
             p["server_over_offline_tok_s"] = p["server"]["output_tok_s"] / p["offline"]["output_tok_s"]
             p["ttft_p50_minus_offline_s"] = p["server"]["ttft"]["p50"] - p["offline"]["ttft"]["p50"]
+            so, oo = p["server"]["tpot"]["p50"], p["offline"]["tpot"]["p50"]
+            p["tpot_p50_server_over_offline"] = so / oo if so and oo else None
         figures.append(p)
     config = bc.config_dict(args)
     config.pop("api_key", None)

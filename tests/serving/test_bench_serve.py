@@ -32,8 +32,23 @@ def test_bench_serve_launch_with_offline_comparison(tiny_model_dir, tmp_path, ca
         assert set(bench_serve.QUANTILES) <= server[m].keys()
     assert 0 < server["ttft"]["p50"] <= server["e2e"]["p50"]
     assert server["output_tok_s"] > 0 and server["request_throughput"] > 0 and offline["output_tok_s"] > 0
-    assert point["server_over_offline_tok_s"] > 0
+    assert point["server_over_offline_tok_s"] > 0 and point["tpot_p50_server_over_offline"] > 0
     assert result["out"] == str(out)
+
+
+@pytest.mark.spawn
+def test_bench_serve_streams_chats_one_at_a_time(tiny_model_dir, tmp_path, capsys):
+    """--api chat: each text prompt as a user message to /v1/chat/completions; TPOT from the streamed deltas."""
+    out = tmp_path / "chat.json"
+    bench_serve.main(["--launch", "--api", "chat", "--dataset", "text", "--model", tiny_model_dir,
+                      "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "5", "5",
+                      "--kv-cache-memory", str(32 << 20), "--concurrency", "1", "--out", str(out), "--quiet"])
+    (point,) = json.loads(out.read_text())["figures"]["points"]
+    run = point["server_runs"][0]
+    assert run["errors"] == 0 and point["server"]["lengths_ok"]
+    assert all(r["tpot"] > 0 and r["ttft"] > 0 for r in run["requests"])
+    with pytest.raises(SystemExit, match="--dataset text"):
+        bench_serve.main(["--launch", "--api", "chat", "--model", tiny_model_dir, "--num-requests", "1"])
 
 
 def test_bench_serve_needs_a_url_or_launch():

@@ -20,7 +20,8 @@ from nanovllm_tp.layers import cpu_features
 
 _CSRC = importlib.resources.files("nanovllm_tp.layers") / "csrc"
 SOURCES = [_CSRC / name for name in ("cpu_kernels.c", "kv_store.c", "sampler.c", "linear.c", "linear_q.c",
-                                     "lora.c", "decode_attn.c", "decode_attn_simd.c", "decoder.c")]
+                                     "lora.c", "decode_attn.c", "decode_attn_simd.c", "decoder.c",
+                                     "read_rate.c")]
 # included by the sources: copied beside them and part of the build's key
 HEADERS = [_CSRC / name for name in ("simd.h", "dtypes.h", "decode_attn.h", "layer_kernels.h", "lora.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]

@@ -51,6 +51,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
     "modify_rows": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]),
     "decoder_run": (_int, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]),
     "lora_apply": (_int, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _int]),
+    "read_stream": (ctypes.c_uint64, [_ptr, _i64, _int, _int, _i64]),
 }
 DTYPES = (torch.float32, torch.bfloat16)   # the C functions' bf16 argument says which: 1 for bf16
 KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}    # paged_decode's kv: quantized caches
@@ -97,6 +98,12 @@ class CpuKernels(SamplerKernels):
         run(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n,
             x.shape[1])
         return out
+
+    def read_stream(self, buf: torch.Tensor, threads: int, streams: int, ahead: int) -> int:
+        """One read of a contiguous buffer by `threads` threads, each its share as `streams` streams, prefetching
+        `ahead` bytes in front (0: none); returns the XOR of its words (csrc/read_rate.c; bench/bandwidth.py
+        times it)."""
+        return self._read_stream(buf.data_ptr(), buf.numel() * buf.element_size(), threads, streams, ahead)
 
     def pack_quant_weight(self, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         """raw: a weight's rows as blocks of 32 of `qtype` ([n, k / 32 * block bytes] uint8: GGUF's, or

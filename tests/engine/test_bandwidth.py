@@ -3,21 +3,38 @@ the figure is sane, and the share comes from the model's byte count (weights as 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
 from nanovllm_tp.bench import bandwidth, throughput as bench
+from nanovllm_tp.layers import cpu_kernels
 from tests.helpers import GGUF, smollm2
 
 
 def test_read_bandwidth_is_sane_and_reads_past_the_cache():
     figure = bandwidth.read_bandwidth(1)
     assert 0.1 < figure["gb_s"] < 1000 and figure["threads"] == 1 and figure["reads"] == bandwidth.READS
+    if cpu_kernels.load() is not None:          # the C read, at its best stream count and prefetch
+        assert figure["how"].startswith("csrc/read_rate.c") and (figure["streams"], figure["ahead"]) in bandwidth.CONFIGS
     llc = bandwidth.last_level_cache_bytes()
     assert llc is None or llc > 0
     assert figure["buffer_bytes"] >= min(bandwidth.MAX_BYTES, bandwidth.CACHE_MULTIPLE * (llc or 0))
     assert bandwidth.read_bandwidth(1) is figure                 # once per thread count in a process
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("threads, streams, ahead", [(1, 1, 0), (2, 4, 4096), (2, 8, 0), (3, 16, 64)])
+def test_read_stream_reads_every_word(threads, streams, ahead):
+    """The read rate's stream reads each word of every thread's share once (their XOR is the buffer's), however
+    the shares are split into streams."""
+    words = threads * streams * 32 * 5              # 256-byte steps: every part whole
+    buf = torch.randint(-2**62, 2**62, (words,), dtype=torch.int64)
+    expected = int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
+    assert cpu_kernels.load().read_stream(buf, threads, streams, ahead) == expected
+    buf[7] ^= 1 << 40
+    assert cpu_kernels.load().read_stream(buf, threads, streams, ahead) == expected ^ (1 << 40)
 
 
 def test_weight_bytes_are_the_checkpoints_tensors(tiny_model_dir):

@@ -51,6 +51,7 @@ BENCHES = {
     "step": ("nanovllm_tp.bench.step", "one step's cost and the plan broadcast"),
     "limits": ("nanovllm_tp.bench.limits", "what hostile clients cost the server"),
     "chaos": ("nanovllm_tp.bench.chaos", "ranks of data-parallel replicas killed under load"),
+    "disagg": ("nanovllm_tp.bench.disagg", "disaggregated prefill/decode against colocated replicas; the KV transfer"),
     "threads": ("nanovllm_tp.bench.threads", "the default CPU thread count against fixed ones, quiet and busy"),
 }
 
@@ -60,6 +61,7 @@ BENCHES = {
 BENCH_NEEDS = {
     "serve": ("aiohttp", "httpx"),
     "chaos": ("httpx",),
+    "disagg": ("httpx",),
     "limits": ("httpx",),
     "json": ("jsonschema",),
     "struct-validity": ("openai", "jsonschema"),

@@ -24,12 +24,31 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first src, first dst, length) of each stretch where both lists go up by one together: a request's blocks
+    are mostly consecutive in a pool, so each stretch is one slice copy (an index_copy_ or index_select over the
+    blocks one by one moves the same bytes several times slower)."""
+    out = []
+    for s, d in zip(src, dst):
+        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
 def read_blocks(runner, block_ids: list[int]) -> dict[str, memoryview]:
     """Every part of the cache over `block_ids`, in that order, as bytes (little-endian, as the host): a view of
     one gathered copy each, which msgpack packs as it is."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=runner.k_cache.device)
-    return {name: memoryview(_as_bytes(t).index_select(1, index).cpu().numpy()).cast("B")
-            for name, t in _tensors(runner).items()}
+    stretches = runs(block_ids, list(range(len(block_ids))))
+    out = {}
+    for name, t in _tensors(runner).items():
+        cache = _as_bytes(t)
+        gathered = torch.empty((cache.shape[0], len(block_ids), *cache.shape[2:]), dtype=torch.uint8)
+        for block, row, n in stretches:
+            gathered[:, row:row + n].copy_(cache[:, block:block + n])
+        out[name] = memoryview(gathered.numpy()).cast("B")
+    return out
 
 
 def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: list[int]) -> None:
@@ -37,14 +56,12 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
     this cache's blocks `block_ids`. The parts' sizes were checked against this cache (engine/kv_payload.py)."""
     if not rows:
         return
-    device = runner.k_cache.device
-    dst = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    stretches = runs(rows, block_ids)
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
         with warnings.catch_warnings():      # the payload's bytes are read-only; they are only read from here
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             data = torch.from_numpy(np.frombuffer(parts[name], np.uint8))
         data = data.view(cache.shape[0], -1, *cache.shape[2:])
-        if rows != list(range(data.shape[1])):      # blocks the prefix cache held are not written
-            data = data.index_select(1, torch.tensor(rows, dtype=torch.int64))
-        cache.index_copy_(1, dst, data.to(device))
+        for row, block, n in stretches:
+            cache[:, block:block + n].copy_(data[:, row:row + n])

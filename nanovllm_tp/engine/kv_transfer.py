@@ -194,11 +194,12 @@ def export_all(llm) -> dict[str, bytes]:
     return out
 
 
-def note_import(llm, num_bytes: int, seconds: float) -> None:
-    """Count a request added with the KV of a payload (kv_for_resume) as import_request counts its own."""
+def note_import(llm, entries: list, seconds: float) -> None:
+    """Count a request added with kv_for_resume's `entries` as import_request counts its own (the KV bytes that
+    came with it, the blocks its adoption wrote are counted there)."""
     moves = llm.engine.kv_moves
     moves.requests_in += 1
-    moves.bytes_in += num_bytes
+    moves.bytes_in += sum(len(b) for e in entries if e is not None and e.kv for b in e.kv.values())
     moves.seconds_in += seconds
 
 

@@ -273,6 +273,7 @@ class EngineClient:
             elif op == "migrate":     # a restarting replica's open requests, with their KV: before its "dead"
                 self.migrated.update(msg["payloads"])
             elif op == "handoff":     # requests that left this (prefill) replica with their KV, after their outputs
+                self.stats = msg["stats"]
                 for rid, payload in msg["payloads"].items():
                     self._prompts.pop(rid, None)
                     stream = self._open.pop(rid, None)

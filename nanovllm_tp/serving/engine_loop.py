@@ -51,7 +51,8 @@ def scheduler_stats(llm) -> dict:
             "kv_usage": s["kv_cache_usage"], "kv_blocks": s["num_kv_blocks"], "preemptions": s["num_preemptions"],
             "draft_tokens": s["num_draft_tokens"], "accepted_tokens": s["num_accepted_tokens"],
             "accepted_per_pos": s["num_accepted_tokens_per_pos"],
-            "prefix_queries": s["prefix_cache_query_tokens"], "prefix_hits": s["prefix_cache_hit_tokens"]}
+            "prefix_queries": s["prefix_cache_query_tokens"], "prefix_hits": s["prefix_cache_hit_tokens"],
+            **{f"kv_{key}": s["kv_transfer"][key] for key in wire.KV_MOVED}}
 
 
 class EngineLoop:
@@ -193,7 +194,7 @@ class EngineLoop:
                     log.warning("engine loop: request %s decodes on this prefill replica: %s", rid, exc)
         if payloads:
             self._prompt_sent.difference_update(payloads)
-            self._send({"op": "handoff", "payloads": payloads})
+            self._send({"op": "handoff", "payloads": payloads, "stats": self._stats()})
 
     def _send_stats(self, dead: bool = False) -> None:
         self._send({"op": "outputs", "outputs": [], "stats": self._stats(dead)})
@@ -290,9 +291,9 @@ class EngineLoop:
                 self._handoff.update(msg["ids"])
             if kv is not None:
                 from nanovllm_tp.engine.kv_transfer import note_import
-                for raw in msg["kv"]:
-                    if raw is not None:
-                        note_import(self.llm, len(raw), (time.perf_counter() - start) / len(msg["kv"]))
+                for entries in kv:
+                    if any(e is not None for e in entries):
+                        note_import(self.llm, entries, (time.perf_counter() - start) / len(kv))
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]

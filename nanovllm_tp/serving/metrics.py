@@ -81,7 +81,12 @@ class _SchedulerCollector:
                                 "accepted_tokens"),
                                ("prefix_cache_queries", "Tokens looked up in the prefix cache.", "prefix_queries"),
                                ("prefix_cache_hits", "Tokens found in the prefix cache (their prefill skipped).",
-                                "prefix_hits")):
+                                "prefix_hits"),
+                               ("kv_transfer_blocks_in", "KV blocks written from other engines (moved requests).",
+                                "kv_blocks_in"),
+                               ("kv_transfer_blocks_out", "KV blocks sent to other engines.", "kv_blocks_out"),
+                               ("kv_transfer_bytes_in", "Bytes of the KV payloads imported.", "kv_bytes_in"),
+                               ("kv_transfer_bytes_out", "Bytes of the KV payloads exported.", "kv_bytes_out")):
             yield family(CounterMetricFamily, name, doc, key)
         c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
                                 "their place in the draft (speculative decoding).", labels=[*names, "position"])

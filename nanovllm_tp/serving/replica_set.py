@@ -163,18 +163,23 @@ class ReplicaSet:
                 await asyncio.sleep(WAIT_POLL_S)
                 continue
             self._sent[replica] += 1
+            # where they run is known before the replica's answer: its outputs, even its hand-off, may come first
+            for rid, prompt in zip(request_ids, prompts):
+                self._owner[rid] = Placed(replica, prompt, params, priority, lora, moves)
             try:
                 handoff = (self.roles[replica] == "prefill" and params.output_kind == RequestOutputKind.DELTA
                            and any(c.dead is None and self.roles[i] in DECODES for i, c in enumerate(self.replicas)))
                 streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,
                                                               resume, kv, handoff)
-            except EngineDead:
+            except BaseException as exc:
+                for rid in request_ids:
+                    self._owner.pop(rid, None)
+                if not isinstance(exc, EngineDead):
+                    raise
                 tried.add(replica)
                 continue
             finally:
                 self._sent[replica] -= 1
-            for rid, prompt in zip(request_ids, prompts):
-                self._owner[rid] = Placed(replica, prompt, params, priority, lora, moves)
             if lora_id is not None:
                 self._loras[replica].add(lora_id)
             return streams

@@ -44,8 +44,10 @@ _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
 # The "stats" map of an "outputs" message (serving/engine_loop.py scheduler_stats): the scheduler's queues and KV
 # usage now, its capacity (max_seqs running at once, kv_blocks in the pool) and lifetime counters. These values
 # stand until an engine's first report, and for a stopped one.
+KV_MOVED = ("blocks_in", "blocks_out", "bytes_in", "bytes_out")    # an engine's KV transfer counts (kv_transfer.py)
 NO_STATS = {"running": 0, "waiting": 0, "max_seqs": 0, "kv_usage": 0.0, "kv_blocks": 0, "preemptions": 0,
-            "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0}
+            "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [], "prefix_queries": 0, "prefix_hits": 0,
+            **{f"kv_{key}": 0 for key in KV_MOVED}}
 
 
 def pack(msg: dict) -> bytes:

@@ -276,3 +276,10 @@ def test_a_request_moves_between_engines_that_speculate(tiny_model_dir):
     finally:
         first.close()
         second.close()
+
+
+def test_blocks_are_copied_by_stretches_of_consecutive_ids():
+    from nanovllm_tp.workers.kv_blocks import runs
+    assert runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 5]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert runs([0, 1, 2], [7, 8, 3]) == [(0, 7, 2), (2, 3, 1)]
+    assert runs([], []) == []

@@ -74,6 +74,14 @@ def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_mode
         assert counter(metrics, "router_requests_handed_off") == len(cases)
         assert counter(metrics, "router_kv_handoff_bytes") > 0
         assert counter(metrics, "router_requests_routed", 'dp_rank="1"') == len(cases)     # only hand-offs
+        # each replica's own counts: blocks out of the prefill replica, into the decode replica (the third request's
+        # prompt blocks were held there already: fewer written than sent)
+        sent, written = (counter(metrics, "kv_transfer_blocks_out", 'dp_rank="0"'),
+                         counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"'))
+        assert 0 < written < sent and counter(metrics, "kv_transfer_blocks_in", 'dp_rank="0"') == 0
+        assert 0 < counter(metrics, "kv_transfer_bytes_out", 'dp_rank="0"') < counter(metrics, "router_kv_handoff_bytes")
+        assert counter(metrics, "kv_transfer_bytes_in", 'dp_rank="1"') == counter(metrics, "kv_transfer_bytes_out",
+                                                                                   'dp_rank="0"')
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
                        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_greedy.text

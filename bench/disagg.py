@@ -1,0 +1,248 @@
+"""Disaggregated prefill and decode against colocated replicas, one server at a time, interleaved: `serve -dp 2`
+(both replicas mixed) and `serve -dp 2 --replica-roles prefill,decode`, each replica on --threads threads.
+
+    nanovllm-tp bench disagg --model FILE.gguf --rates 0.05 0.1 0.2 --streams 8 --duration 60
+
+The workload at each rate: --streams clients each stream one short-prompt completion of --stream-tokens after
+another (the steady decode streams), while long prompts (--long-prompt LO HI tokens, uniform) arrive as a Poisson
+process at the rate (requests per second), each streaming --long-tokens. Prompts are token ids drawn from the
+vocabulary (seeded: the same workload for both layouts). Per point: the decode streams' TPOT (the seconds between a
+stream's first and last chunk over its tokens after the first; p50, p99), the long prompts' TTFT (p50, p99), and
+goodput: the requests per second that finished within both targets (TTFT <= --ttft-slo, TPOT <= --tpot-slo:
+DistServe's measure), counting every request that finished in the window. Requests still running at the end of
+--duration are waited for and counted.
+
+`--transfer` instead measures the KV transfer itself, offline (engine/kv_transfer.py): a --transfer-tokens request
+exported from one engine and imported into another, against a plain copy of the same bytes (numpy), best of
+--repeats, per KV dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+
+from nanovllm_tp.config.engine_config import add_engine_args, engine_argv, engine_kwargs
+from nanovllm_tp.launch import serve_process
+
+LAYOUTS = {"colocated": [], "disaggregated": ["--replica-roles", "prefill,decode"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanovllm-tp bench disagg", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2], help="long prompts per second")
+    g.add_argument("--streams", type=int, default=8, help="steady decode streams")
+    g.add_argument("--stream-prompt", type=int, default=32, help="a decode stream's prompt tokens")
+    g.add_argument("--stream-tokens", type=int, default=256, help="a decode stream's output tokens")
+    g.add_argument("--long-prompt", type=int, nargs=2, default=[2000, 4000], metavar=("LO", "HI"))
+    g.add_argument("--long-tokens", type=int, default=16, help="a long prompt's output tokens")
+    g.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    g.add_argument("--ttft-slo", type=float, default=10.0, help="goodput's TTFT target, seconds")
+    g.add_argument("--tpot-slo", type=float, default=0.1, help="goodput's TPOT target, seconds")
+    g.add_argument("--threads", type=int, default=1, help="CPU threads per replica")
+    g.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and arrivals")
+    t = p.add_argument_group("--transfer: the KV transfer offline")
+    t.add_argument("--transfer", action="store_true", help="measure export + import against a copy instead")
+    t.add_argument("--transfer-tokens", type=int, default=1000)
+    t.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8"], help="kv_cache_dtype values to measure")
+    t.add_argument("--repeats", type=int, default=5)
+    from nanovllm_tp.bench.common import add_output_args
+    add_output_args(p)
+    return p
+
+
+class Point:
+    """One layout at one rate: the clients, and what each request saw."""
+
+    def __init__(self, base: str, args, rate: float, vocab: int):
+        self.base, self.args, self.rate, self.vocab = base, args, rate, vocab
+        self.stop = threading.Event()
+        self.records: list[dict] = []
+        self.lock = threading.Lock()
+
+    def _prompt(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(100, self.vocab) for _ in range(n)]
+
+    def _one(self, kind: str, prompt: list[int], max_tokens: int) -> None:
+        import httpx
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.monotonic()
+        first = last = None
+        tokens, ok = 0, False
+        try:
+            with httpx.stream("POST", f"{self.base}/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        ok = True
+                        break
+                    event = json.loads(data)
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    if any(ch.get("text") for ch in event.get("choices", [])):
+                        last = time.monotonic()
+                        first = first or last
+        except Exception:
+            ok = False
+        with self.lock:
+            self.records.append({"kind": kind, "sent": sent, "first": first, "last": last, "tokens": tokens,
+                                 "ok": ok and first is not None})
+
+    def _streams(self, i: int) -> None:
+        rng = random.Random(self.args.workload_seed * 1000 + i)
+        while not self.stop.is_set():
+            self._one("stream", self._prompt(rng, self.args.stream_prompt), self.args.stream_tokens)
+
+    def run(self) -> list[dict]:
+        a = self.args
+        rng = random.Random(a.seed)
+        clients = [threading.Thread(target=self._streams, args=(i,)) for i in range(a.streams)]
+        for c in clients:
+            c.start()
+        longs, start = [], time.monotonic()
+        due = start + rng.expovariate(self.rate)
+        while due < start + a.duration:
+            time.sleep(max(0.0, due - time.monotonic()))
+            t = threading.Thread(target=self._one, args=("long", self._prompt(rng, rng.randint(*a.long_prompt)),
+                                                         a.long_tokens))
+            t.start()
+            longs.append(t)
+            due += rng.expovariate(self.rate)
+        time.sleep(max(0.0, start + a.duration - time.monotonic()))
+        self.stop.set()
+        for t in clients + longs:
+            t.join()
+        self.elapsed = time.monotonic() - start
+        return self.records
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(records: list[dict], args, elapsed: float) -> dict:
+    def tpot(r):
+        return (r["last"] - r["first"]) / (r["tokens"] - 1) if r["tokens"] > 1 else 0.0
+    done = [r for r in records if r["ok"]]
+    streams = [r for r in done if r["kind"] == "stream"]
+    longs = [r for r in done if r["kind"] == "long"]
+    good = [r for r in done if r["first"] - r["sent"] <= args.ttft_slo and tpot(r) <= args.tpot_slo]
+    return {"requests": len(records), "failed": len(records) - len(done),
+            "tpot_p50_ms": _ms(_pct([tpot(r) for r in streams], 0.5)),
+            "tpot_p99_ms": _ms(_pct([tpot(r) for r in streams], 0.99)),
+            "ttft_p50_s": _pct([r["first"] - r["sent"] for r in longs], 0.5),
+            "ttft_p99_s": _pct([r["first"] - r["sent"] for r in longs], 0.99),
+            "long_done": len(longs), "goodput_rps": len(good) / elapsed}
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1000
+
+
+def serve_point(args, layout: str, rate: float, vocab: int) -> dict:
+    argv = [*engine_argv(args), "--served-model-name", "m", "--data-parallel-size", "2", "--threads",
+            str(args.threads), *LAYOUTS[layout]]
+    proc, base = serve_process.start(argv)
+    try:
+        point = Point(base, args, rate, vocab)
+        records = point.run()
+    finally:
+        serve_process.stop(proc)
+    return {"layout": layout, "rate": rate, **summarize(records, args, point.elapsed)}
+
+
+def transfer(args) -> list[dict]:
+    """export + import of one request's KV against a numpy copy of the payload's bytes, per KV dtype."""
+    import numpy as np
+
+    from nanovllm_tp import LLM, SamplingParams
+    from nanovllm_tp.engine.kv_transfer import export_request, import_request
+    out = []
+    for kv_dtype in args.kv_dtypes:
+        knobs = {**engine_kwargs(args), "kv_cache_dtype": kv_dtype}
+        first, second = LLM(**knobs), LLM(**knobs)
+        try:
+            rng = random.Random(args.workload_seed)
+            vocab = first.config.model_config.vocab_size
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            exports, imports, copies, size = [], [], [], 0
+            for i in range(args.repeats):      # a new prompt each time: no prefix cache hit on either side
+                rid = f"t{i}"
+                prompt = [rng.randrange(100, vocab) for _ in range(args.transfer_tokens)]
+                first.add_request(prompt, params, request_id=rid)
+                first.step()
+                first.step()
+                t0 = time.perf_counter()
+                payload = export_request(first, rid)
+                t1 = time.perf_counter()
+                import_request(second, payload)
+                t2 = time.perf_counter()
+                second.abort_request([rid])
+                src = np.frombuffer(payload, np.uint8)
+                t3 = time.perf_counter()
+                np.copyto(np.empty_like(src), src)
+                copies.append(time.perf_counter() - t3)
+                exports.append(t1 - t0)
+                imports.append(t2 - t1)
+                size = len(payload)
+            best = {k: min(v) for k, v in (("export", exports), ("import", imports), ("copy", copies))}
+            out.append({"kv_dtype": first.stats()["kv_cache_dtype"], "bytes": size, **{f"{k}_ms": v * 1000
+                                                                                        for k, v in best.items()},
+                        "transfer_gb_s": size / (best["export"] + best["import"]) / 1e9,
+                        "copy_gb_s": size / best["copy"] / 1e9})
+        finally:
+            first.close()
+            second.close()
+    return out
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    from nanovllm_tp.bench import common as bc
+    env = bc.environment()
+    if args.transfer:
+        rows = transfer(args)
+        lines = ["| KV dtype | payload MB | export ms | import ms | copy ms | transfer GB/s | copy GB/s | share |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['kv_dtype']} | {r['bytes'] / 1e6:.1f} | {r['export_ms']:.1f} | {r['import_ms']:.1f} | "
+                         f"{r['copy_ms']:.1f} | {r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} | "
+                         f"{r['transfer_gb_s'] / r['copy_gb_s']:.0%} |")
+        return bc.finish(args, "disagg-transfer", env, "\n".join(lines), rows=rows)
+    vocab = bc.model_vocab_size(args.model)
+    points = []
+    for i, rate in enumerate(args.rates):
+        order = args.layouts if i % 2 == 0 else list(reversed(args.layouts))
+        for layout in order:
+            point = serve_point(args, layout, rate, vocab)
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    lines = [f"| rate (long/s) | layout | decode TPOT p50 / p99 ms | long TTFT p50 / p99 s | goodput req/s "
+             f"(TTFT <= {args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1000:g} ms) | requests (failed) |",
+             "|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["rate"], p["layout"])):
+        lines.append(f"| {p['rate']:g} | {p['layout']} | {_f(p['tpot_p50_ms'])} / {_f(p['tpot_p99_ms'])} | "
+                     f"{_f(p['ttft_p50_s'], 2)} / {_f(p['ttft_p99_s'], 2)} | {p['goodput_rps']:.3f} | "
+                     f"{p['requests']} ({p['failed']}) |")
+    return bc.finish(args, "disagg", env, "\n".join(lines), points=points)
+
+
+def _f(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -90,6 +90,7 @@ class EngineLoop:
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
         self._handoff: set[str] = set()         # a prefill replica's requests that leave after their first token
+        self._handoff_refusals: set[str] = set()     # why a request could not leave, each said once
         self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
                        "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters],
                        "tokenizer": llm.config.tokenizer, "sampling_defaults": llm.sampling_defaults}
@@ -190,8 +191,11 @@ class EngineLoop:
                 self._handoff.discard(rid)
                 try:
                     payloads[rid] = export_request(self.llm, rid)
-                except ValueError as exc:
-                    log.warning("engine loop: request %s decodes on this prefill replica: %s", rid, exc)
+                except ValueError as exc:       # each reason once: with TP > 1 it is every request's
+                    reason = str(exc).replace(repr(rid), "")
+                    if reason not in self._handoff_refusals:
+                        self._handoff_refusals.add(reason)
+                        log.warning("engine loop: request %s decodes on this prefill replica: %s", rid, exc)
         if payloads:
             self._prompt_sent.difference_update(payloads)
             self._send({"op": "handoff", "payloads": payloads, "stats": self._stats()})

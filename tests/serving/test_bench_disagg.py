@@ -18,7 +18,8 @@ def test_both_layouts_run_the_same_workload_and_report_it(tiny_model_dir, tmp_pa
     assert sorted(points) == ["colocated", "disaggregated"]
     for p in points.values():
         assert p["requests"] > 2 and p["failed"] == 0 and p["long_done"] >= 1
-        assert p["tpot_p50_ms"] > 0 and p["ttft_p50_s"] > 0 and p["goodput_rps"] > 0
+        assert p["tpot_p50_ms"] > 0 and p["ttft_p50_s"] > 0 and p["goodput_rps"]["100"] > 0
+        assert len(p["records"]) == p["requests"]
     assert json.loads(out.read_text())["points"] == result["points"]
     assert "| 1 | disaggregated |" in capsys.readouterr().out
 

@@ -12,12 +12,14 @@ import httpx
 import pytest
 
 from nanovllm_tp import SamplingParams
+from nanovllm_tp.sampling_params import StructuredOutputsParams
 from tests.serving.test_data_parallel import wait_all_ready
 from tests.serving.test_healing import invariant_llm, sigterm_exits_0, titled  # noqa: F401  (a fixture)
 from tests.serving.test_serve import start_server
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 
 
 def streamed(port: int, body: dict) -> tuple[dict, dict, list]:
@@ -55,6 +57,8 @@ def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_mode
          SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)),
         ({"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stop": [stop]},
          SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[stop])),
+        ({"prompt": "Hello, my name is", "max_tokens": 200, "temperature": 0, "structured_outputs": {"json": SCHEMA}},
+         SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=SCHEMA))),
     ]
     port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--replica-roles", "prefill,decode",
                              "--batch-invariant", "--max-model-len", "1024")
@@ -65,6 +69,8 @@ def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_mode
             texts, logprobs, events = streamed(port, {"model": "tiny", **body,
                                                       "stream_options": {"include_usage": True}})
             assert texts == {c.index: c.text for c in want.outputs}, body
+            if "structured_outputs" in body:      # the grammar went on where the prefill replica left it
+                assert isinstance(json.loads(texts[0])["n"], int)
             assert events[-2]["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in want.outputs)
             if params.logprobs is not None:
                 got, ref = logprobs[0], [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs,

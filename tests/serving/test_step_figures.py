@@ -5,7 +5,7 @@ from nanovllm_tp.serving.engine_loop import scheduler_stats
 
 KEYS = ("num_running", "num_waiting", "kv_cache_usage", "num_kv_blocks", "num_preemptions", "num_draft_tokens",
         "num_accepted_tokens", "num_accepted_tokens_per_pos", "prefix_cache_hit_tokens",
-        "prefix_cache_query_tokens")
+        "prefix_cache_query_tokens", "kv_transfer")
 
 
 def test_counters_are_stats_figures_while_requests_run(tiny_llm):

@@ -3,6 +3,13 @@ in one run.
 
     python -m nanovllm_tp.bench.kernels --model DIR --dtype bfloat16 --repeats 3
     python -m nanovllm_tp.bench.kernels --model DIR --dtype bfloat16 --fresh --modes auto c onednn
+    python -m nanovllm_tp.bench.kernels --one-row Q4_K Q6_K Q4_0 Q8_0 Q5_K --threads 2
+
+--one-row TYPE... measures no engine: one row (a decode step's matmul) through csrc/linear_q.c for each GGUF type
+given, and through csrc/linear.c's bf16 kernel, over random weights of the Llama-3.2-1B shapes (3072 x 2048,
+2048 x 2048, 16384 x 2048, 2048 x 8192, repeated to ONE_ROW_BYTES, ten times the last-level cache: read from
+memory as in a step), GB/s of the weights as held, best and median of --repeats passes, beside the machine's read
+rate (bench/bandwidth.py) and its share of it. A kernel above the read rate means the read rate is measured low.
 
 One engine per --modes entry (the packed_linear knob), built in this process with the other engine flags as
 given; --fresh first deletes this CPU's cached table for the dtype, so that the auto engine measures it at load
@@ -24,6 +31,8 @@ from nanovllm_tp.bench.engine import run_engine, summarize_runs, warm_up_engine
 from nanovllm_tp.config.engine_config import add_engine_args, engine_kwargs
 
 NAME = "bench_kernels"
+ONE_ROW_SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))     # Llama-3.2-1B's (n, k)
+ONE_ROW_BYTES = 320 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fresh", action="store_true", help="measure the kernel table anew (delete the cached one)")
     parser.add_argument("--one-prompt-len", type=int, default=128)
     parser.add_argument("--one-tokens", type=int, default=128)
+    parser.add_argument("--one-row", nargs="+", metavar="TYPE", help="only the one-row GB/s of these GGUF types "
+                        "(Q4_K, Q6_K, ...) and of bf16, against the read rate; no engine")
     bc.add_output_args(parser)
     return parser
 
@@ -50,11 +61,107 @@ def kernel_rows(report: dict | None) -> tuple[list[str], list[list]]:
     return ["shape", "bucket", "winner", *(f"{c} us" for c in names)], rows
 
 
+def random_raw_blocks(n: int, k: int, qtype: int, rng):
+    """n rows of random valid GGUF blocks of qtype as the file stores them ([n, bytes] uint8): random quants, fp16
+    scales (and mins) of a sane size."""
+    import numpy as np
+    import torch
+
+    from nanovllm_tp.layers.quant import BLOCK_BYTES, BLOCK_SIZE
+    raw = rng.integers(0, 256, (n * (k // BLOCK_SIZE[qtype]), BLOCK_BYTES[qtype]), dtype=np.uint8)
+
+    def half(lo, hi):
+        return rng.uniform(lo, hi, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == 14:                     # Q6_K: d last
+        raw[:, -2:] = half(-0.004, 0.004)
+    else:
+        raw[:, 0:2] = half(-0.01, 0.01)
+        if qtype in (3, 7, 12, 13):     # a min (dmin) beside d
+            raw[:, 2:4] = half(-0.003, 0.01)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def one_row_rates(types: list[str], threads: int, repeats: int) -> dict:
+    """{kind: {"gb_s": best, "median_gb_s", "bytes"}} for each GGUF type and "bf16": one row through the layer's
+    C kernel over ONE_ROW_BYTES of 1B-shaped weights, called back to back as a step calls them."""
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from nanovllm_tp.layers import cpu_kernels
+    from nanovllm_tp.layers.quant import GGUF_TYPES, QuantBlocks, QuantWeight, pack_blocks
+    kernels = cpu_kernels.load()
+    codes = {name: code for code, name in GGUF_TYPES.items()}
+    rng, out = np.random.default_rng(0), {}
+    for kind in [*types, "bf16"]:
+        if kind != "bf16" and (kind not in codes or kernels is None or codes[kind] not in kernels.quant_types):
+            continue
+        if kind == "bf16" and (kernels is None or torch.bfloat16 not in kernels.linear_dtypes):
+            continue
+        weights, total = [], 0
+        while total < ONE_ROW_BYTES:
+            for n, k in ONE_ROW_SHAPES:
+                if kind == "bf16":
+                    packed = kernels.pack_linear_weight((torch.randn(n, k) * 0.02).to(torch.bfloat16))
+                else:
+                    packed = pack_blocks(QuantBlocks(random_raw_blocks(n, k, codes[kind], rng), codes[kind], k))
+                    assert isinstance(packed, QuantWeight)
+                weights.append((packed, n, k))
+                total += (packed if kind == "bf16" else packed.data).untyped_storage().nbytes()
+        xs = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in {k for _, k in ONE_ROW_SHAPES}}
+
+        def step():
+            for packed, n, k in weights:
+                if kind == "bf16":
+                    kernels.linear(xs[k], packed, n)
+                else:
+                    kernels.linear_quant(xs[k], packed.data, packed.qtype, n)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            step()
+            rates = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                rates.append(total / (time.perf_counter() - t0) / 1e9)
+        finally:
+            torch.set_num_threads(before)
+        out[kind] = {"gb_s": max(rates), "median_gb_s": statistics.median(rates), "bytes": total}
+        del weights
+    return out
+
+
+def one_row_main(args) -> dict:
+    from nanovllm_tp.bench.bandwidth import read_bandwidth
+    import torch
+    from nanovllm_tp.layers.quant import GGUF_TYPES
+    unknown = sorted(set(args.one_row) - set(GGUF_TYPES.values()))
+    if unknown:
+        raise SystemExit(f"--one-row takes GGUF types ({', '.join(sorted(GGUF_TYPES.values()))}), got {unknown}")
+    env = bc.environment()
+    threads = torch.get_num_threads()
+    rates = one_row_rates(args.one_row, threads, args.repeats)
+    read = read_bandwidth(threads)
+    rows = [[kind, f"{r['gb_s']:.1f}", f"{r['median_gb_s']:.1f}", f"{r['gb_s'] / read['gb_s']:.0%}"]
+            for kind, r in rates.items()]
+    title = (f"{NAME} one row: {threads} threads, {ONE_ROW_BYTES >> 20} MiB of Llama-3.2-1B-shaped weights a pass, "
+             f"best / median of {args.repeats}; read rate {read['gb_s']:.1f} GB/s ({read['how']})")
+    table = bc.format_table(["weights", "best GB/s", "median GB/s", "share of read rate"], rows, title)
+    over = [kind for kind, r in rates.items() if r["gb_s"] > read["gb_s"]]
+    if over:
+        table += f"\n{', '.join(over)} read faster than the read rate: the read rate is measured low"
+    return bc.finish(args, NAME, env, table, one_row=rates, read_rate=read)
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     bc.apply_threads(args)
+    if args.one_row:
+        return one_row_main(args)
     args.model = bc.resolve_model(args)
     vocab = bc.model_vocab_size(args.model)
     batch = bc.make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed, vocab)

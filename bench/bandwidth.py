@@ -73,8 +73,8 @@ def read_bandwidth(threads: int) -> dict:
     buffer = torch.ones(nbytes // 4, dtype=torch.float32)
     try:
         if kernels is not None:
-            timed = {(streams, ahead): _best_seconds(lambda: kernels.read_stream(buffer, threads, streams, ahead), READS)
-                     for streams, ahead in CONFIGS}
+            timed = {(streams, ahead): _best_seconds(
+                lambda: kernels.read_stream(buffer, threads, streams, ahead), READS) for streams, ahead in CONFIGS}
             (streams, ahead), best = min(timed.items(), key=lambda item: item[1])
             how = (f"csrc/read_rate.c over max({MIN_BYTES >> 20} MiB, {CACHE_MULTIPLE} x the last-level cache), "
                    f"{'/'.join(str(c) for c in sorted({c[0] for c in CONFIGS}))} streams a thread, prefetch 0 or "

@@ -17,7 +17,8 @@ def test_read_bandwidth_is_sane_and_reads_past_the_cache():
     figure = bandwidth.read_bandwidth(1)
     assert 0.1 < figure["gb_s"] < 1000 and figure["threads"] == 1 and figure["reads"] == bandwidth.READS
     if cpu_kernels.load() is not None:          # the C read, at its best stream count and prefetch
-        assert figure["how"].startswith("csrc/read_rate.c") and (figure["streams"], figure["ahead"]) in bandwidth.CONFIGS
+        assert figure["how"].startswith("csrc/read_rate.c")
+        assert (figure["streams"], figure["ahead"]) in bandwidth.CONFIGS
     llc = bandwidth.last_level_cache_bytes()
     assert llc is None or llc > 0
     assert figure["buffer_bytes"] >= min(bandwidth.MAX_BYTES, bandwidth.CACHE_MULTIPLE * (llc or 0))

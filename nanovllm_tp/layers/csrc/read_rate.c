@@ -1,9 +1,9 @@
 /* The machine's read rate, for bench/bandwidth.py: every thread streams its own contiguous share of a buffer many
  * times the last-level cache, 256 bytes a step into four independent vector accumulators (no arithmetic chain to
- * wait on); the Python side times calls over a few stream counts and prefetch distances and keeps the best. A torch sum (the earlier measure) reads
- * through its reduction and its own thread split: on an AMD EPYC with two threads it read 32-35 GB/s while the
- * engine's bf16 decode moved ~51 GB/s, which no measure of the limit may allow. GCC's vector extension: the
- * compiler's widest vectors for -march=native, no intrinsics, so it builds on any CPU.
+ * wait on); the Python side times calls over a few stream counts and prefetch distances and keeps the best. A
+ * torch sum (the earlier measure) reads through its reduction and its own thread split: on an AMD EPYC with two
+ * threads it read 30-32 GB/s where this reads 34-36. GCC's vector extension: the compiler's widest vectors for
+ * -march=native, no intrinsics, so it builds on any CPU.
  */
 #include <stdint.h>
 #include <string.h>

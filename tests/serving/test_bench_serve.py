@@ -41,12 +41,13 @@ def test_bench_serve_streams_chats_one_at_a_time(tiny_model_dir, tmp_path, capsy
     """--api chat: each text prompt as a user message to /v1/chat/completions; TPOT from the streamed deltas."""
     out = tmp_path / "chat.json"
     bench_serve.main(["--launch", "--api", "chat", "--dataset", "text", "--model", tiny_model_dir,
-                      "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "5", "5",
+                      "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "16", "16",
                       "--kv-cache-memory", str(32 << 20), "--concurrency", "1", "--out", str(out), "--quiet"])
     (point,) = json.loads(out.read_text())["figures"]["points"]
     run = point["server_runs"][0]
     assert run["errors"] == 0 and point["server"]["lengths_ok"]
-    assert all(r["tpot"] > 0 and r["ttft"] > 0 for r in run["requests"])
+    # a loaded machine may hand a stream's tokens over in fewer chunks (merged deltas): TPOT 0 for one is possible
+    assert all(r["tpot"] >= 0 and r["ttft"] > 0 for r in run["requests"]) and any(r["tpot"] > 0 for r in run["requests"])
     with pytest.raises(SystemExit, match="--dataset text"):
         bench_serve.main(["--launch", "--api", "chat", "--model", tiny_model_dir, "--num-requests", "1"])
 

@@ -18,7 +18,6 @@ named after one of its pids).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -28,6 +27,7 @@ import statistics
 import threading
 import time
 
+from nanovllm_tp.bench.common import sse_events
 from nanovllm_tp.config.engine_config import add_engine_args, engine_argv
 from nanovllm_tp.distributed.channel_common import proc_start_time
 from nanovllm_tp.launch import serve_process
@@ -89,14 +89,10 @@ class Streams:
             with httpx.stream("POST", f"{self.base}/completions", json=body, timeout=600) as r:
                 if r.status_code != 200:
                     why = f"HTTP {r.status_code}: {r.read()[:200]!r}"
-                for line in r.iter_lines() if why is None else ():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    if data == "[DONE]":
+                for event in sse_events(r.iter_lines()) if why is None else ():
+                    if event == "[DONE]":
                         done = True
                         continue
-                    event = json.loads(data)
                     if "error" in event:
                         why = f"error event: {event['error'].get('message')}"
                         continue

@@ -124,3 +124,13 @@ def quiet_transformers() -> None:
     logger = logging.getLogger("ContinuousBatchingLogger")
     if not any(type(f).__name__ == "_NoPsutil" for f in logger.filters):
         logger.addFilter(_NoPsutil())
+
+
+def sse_events(lines):
+    """The events of a server-sent stream's lines (an OpenAI streamed response): each `data:` line's JSON, and the
+    string "[DONE]" for the last."""
+    import json
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)

@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 
+from nanovllm_tp.bench.common import sse_events
 from nanovllm_tp.config.engine_config import add_engine_args, engine_argv, engine_kwargs
 from nanovllm_tp.launch import serve_process
 
@@ -80,14 +81,10 @@ class Point:
         tokens, ok = 0, False
         try:
             with httpx.stream("POST", f"{self.base}/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    if data == "[DONE]":
+                for event in sse_events(r.iter_lines()):
+                    if event == "[DONE]":
                         ok = True
                         break
-                    event = json.loads(data)
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
                     if any(ch.get("text") for ch in event.get("choices", [])):

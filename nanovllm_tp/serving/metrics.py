@@ -112,33 +112,22 @@ class _RouterCollector:
                                    "likely held their prompt's first blocks.", labels=["model_name", "policy"])
         hits.add_metric([self.model_name, counters["policy"]], counters["prefix_hits"])
         yield hits
-        moved = CounterMetricFamily(PREFIX + "router_requests_resubmitted", "Requests run again on another replica "
-                                    "because theirs stopped before any of their output was read.",
-                                    labels=["model_name"])
-        moved.add_metric([self.model_name], self.replicas.num_resubmitted)
-        yield moved
-        resumed = CounterMetricFamily(PREFIX + "router_requests_resumed", "Streams resumed on another replica, where "
-                                      "their client was, because theirs stopped.", labels=["model_name"])
-        resumed.add_metric([self.model_name], self.replicas.num_resumed)
-        yield resumed
-        migrated = CounterMetricFamily(PREFIX + "router_requests_migrated", "Of the resumed streams, those that moved "
-                                       "with their KV (a rolling restart's) and were not computed again.",
-                                       labels=["model_name"])
-        migrated.add_metric([self.model_name], self.replicas.num_migrated)
-        yield migrated
-        kv_bytes = CounterMetricFamily(PREFIX + "router_kv_migrated_bytes", "Bytes of the KV payloads those requests "
-                                       "moved with.", labels=["model_name"])
-        kv_bytes.add_metric([self.model_name], self.replicas.kv_bytes_migrated)
-        yield kv_bytes
-        handed = CounterMetricFamily(PREFIX + "router_requests_handed_off", "Streams a prefill replica handed to a "
-                                     "decode replica with their KV after their first tokens (--replica-roles).",
-                                     labels=["model_name"])
-        handed.add_metric([self.model_name], self.replicas.num_handed_off)
-        yield handed
-        handoff_bytes = CounterMetricFamily(PREFIX + "router_kv_handoff_bytes", "Bytes of the KV payloads those "
-                                            "streams moved with.", labels=["model_name"])
-        handoff_bytes.add_metric([self.model_name], self.replicas.kv_bytes_handed_off)
-        yield handoff_bytes
+        for name, doc, value in (
+                ("router_requests_resubmitted", "Requests run again on another replica because theirs stopped "
+                 "before any of their output was read.", self.replicas.num_resubmitted),
+                ("router_requests_resumed", "Streams resumed on another replica, where their client was, because "
+                 "theirs stopped.", self.replicas.num_resumed),
+                ("router_requests_migrated", "Of the resumed streams, those that moved with their KV (a rolling "
+                 "restart's) and were not computed again.", self.replicas.num_migrated),
+                ("router_kv_migrated_bytes", "Bytes of the KV payloads those requests moved with.",
+                 self.replicas.kv_bytes_migrated),
+                ("router_requests_handed_off", "Streams a prefill replica handed to a decode replica with their KV "
+                 "after their first tokens (--replica-roles).", self.replicas.num_handed_off),
+                ("router_kv_handoff_bytes", "Bytes of the KV payloads those streams moved with.",
+                 self.replicas.kv_bytes_handed_off)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, 0 while it is down or starting.",
                                labels=["model_name", "dp_rank"])
         for rank, state in enumerate(self.replicas.replica_states()):

@@ -154,7 +154,8 @@ def test_environment_variables_are_defaults_that_an_argument_overrides(tiny_mode
 def test_every_variable_the_package_names_is_declared_in_envs():
     """No NANOVLLM_TP_* variable is read without a line in envs.py (the spawn hand-over of distributed/launch.py
     and the replica index a data-parallel server hands its ranks are the launch protocol, not settings)."""
-    protocol = {"NANOVLLM_TP_SPAWNED", "NANOVLLM_TP_STORE_DIR", "NANOVLLM_TP_SPAWN_SECRET", "NANOVLLM_TP_REPLICA"}
+    protocol = {"NANOVLLM_TP_SPAWNED", "NANOVLLM_TP_STORE_DIR", "NANOVLLM_TP_SPAWN_SECRET", "NANOVLLM_TP_SPAWN_OWNER",
+                "NANOVLLM_TP_REPLICA"}
     found = {}
     for folder in ("nanovllm_tp", "scheduler", "workers", "launch", "bench"):
         for path in (REPO / folder).rglob("*.py"):

@@ -139,9 +139,7 @@ def import_request(llm, payload, request_id: str | None = None) -> str:
     naming the field; the engine untouched). Returns its request id; step() goes on with it."""
     from nanovllm_tp.serving.wire import params_from_wire
     start = time.perf_counter()
-    _check_engine(llm, "moving a request's KV")
-    p = KVPayload.decode(payload)
-    p.check_against(*_cache_of(llm))
+    p, _ = _payload_for(llm, payload)
     try:
         params = params_from_wire(dict(p.params))
     except TypeError as exc:
@@ -149,15 +147,21 @@ def import_request(llm, payload, request_id: str | None = None) -> str:
     if "pooling" in p.params:
         raise ValueError("KV payload field params: an embedding request does not move")
     params.output_kind = RequestOutputKind.DELTA     # it goes on where its caller stopped, as a resumed request
-    moves = llm.engine.kv_moves
     rid, = llm.add_requests([p.prompt_token_ids], params, [p.request_id if request_id is None else request_id],
                             priority=p.priority,
                             resume=[[ResumedChoice(c.index, c.token_ids, c.sent_chars) for c in p.completions]],
                             kv=[p.completions])
-    moves.requests_in += 1
-    moves.bytes_in += p.num_bytes
-    moves.seconds_in += time.perf_counter() - start
+    note_import(llm, p.completions, time.perf_counter() - start)
     return rid
+
+
+def _payload_for(llm, raw) -> tuple[KVPayload, KVLayout]:
+    """The payload `raw` decoded and checked against `llm`'s cache (ValueError naming the field), and that layout."""
+    _check_engine(llm, "moving a request's KV")
+    p = KVPayload.decode(raw)
+    layout, value_bytes, scaled = _cache_of(llm)
+    p.check_against(layout, value_bytes, scaled)
+    return p, layout
 
 
 def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedChoice]) -> list:
@@ -165,10 +169,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
     the payload an export of it made (`raw`): per choice, its completion's KV cut to the caller's tokens (the
     export may be ahead of what the caller read), or None (that completion computes again). A payload that does not
     fit this engine, or that is of another request, is refused whole: ValueError naming the field."""
-    _check_engine(llm, "moving a request's KV")
-    p = KVPayload.decode(raw)
-    layout, value_bytes, scaled = _cache_of(llm)
-    p.check_against(layout, value_bytes, scaled)
+    p, layout = _payload_for(llm, raw)
     if p.prompt_token_ids != list(prompt_token_ids):
         raise ValueError("KV payload field prompt_token_ids: not the prompt of the request it came with")
     exported = {c.index: c for c in p.completions}
@@ -195,8 +196,8 @@ def export_all(llm) -> dict[str, bytes]:
 
 
 def note_import(llm, entries: list, seconds: float) -> None:
-    """Count a request added with kv_for_resume's `entries` as import_request counts its own (the KV bytes that
-    came with it, the blocks its adoption wrote are counted there)."""
+    """Count a request imported with these completions' KV (CompletionKV entries, None for one without): the KV
+    bytes that came with it (the blocks its adoption wrote are counted there)."""
     moves = llm.engine.kv_moves
     moves.requests_in += 1
     moves.bytes_in += sum(len(b) for e in entries if e is not None and e.kv for b in e.kv.values())

@@ -78,11 +78,7 @@ class RequestStream:
             raise self.error
         self.read = self.read or out is not None
         if out is not None and self.progress is not None:
-            for c in out.outputs:
-                taken = self.progress.setdefault(c.index, [[], 0, False])
-                taken[0] += c.token_ids
-                taken[1] += len(c.text)
-                taken[2] = taken[2] or c.finish_reason is not None
+            add_progress(self.progress, out)
         return out
 
     def restart(self) -> None:
@@ -98,6 +94,15 @@ class RequestStream:
             self.ready.clear()
             await self.ready.wait()
         return self.take()
+
+
+def add_progress(progress: dict[int, list], out: RequestOutput) -> None:
+    """Count a delta output into a stream's progress: per completion index, [token ids, characters, finished]."""
+    for c in out.outputs:
+        taken = progress.setdefault(c.index, [[], 0, False])
+        taken[0] += c.token_ids
+        taken[1] += len(c.text)
+        taken[2] = taken[2] or c.finish_reason is not None
 
 
 class EngineClient:

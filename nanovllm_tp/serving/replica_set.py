@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from nanovllm_tp.sampling_params import RequestOutputKind, SamplingParams
-from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream
+from nanovllm_tp.serving.engine_client import EngineClient, EngineDead, Overloaded, RequestStream, add_progress
 from nanovllm_tp.serving.replica_roles import DECODES, PREFILLS
 from nanovllm_tp.serving.router import NoReplica, ReplicaLoad, make_router
 
@@ -251,7 +251,7 @@ class ReplicaSet:
         """A prefill replica handed request `rid` over with its KV, after the outputs of its first tokens: it goes
         on on a decode replica from every token its stream was given (read or not), the stream the same."""
         placed = self._owner.get(rid)
-        resume = None if placed is None else _delivered_state(stream, placed.params.n)
+        resume = None if placed is None else _resume_state(stream, placed.params.n, unread=True)
         if resume is None:        # its client left, or nothing is left to decode: it ends here
             if placed is not None:
                 self._owner.pop(rid, None)
@@ -295,34 +295,20 @@ class ReplicaSet:
             del self._owner[rid]
 
 
-def _delivered_state(stream: RequestStream, n: int) -> list | None:
-    """The wire's resume entry of a stream from every token it was given, read or not (a prefill replica's hand-off:
-    what is unread stays in the stream and reaches the client), or None when it cannot be resumed."""
-    if stream.progress is None:
-        return None
-    given = {i: [list(ids), chars, finished] for i, (ids, chars, finished) in stream.progress.items()}
-    if stream.pending is not None:
-        for c in stream.pending.outputs:
-            row = given.setdefault(c.index, [[], 0, False])
-            row[0] += c.token_ids
-            row[1] += len(c.text)
-            row[2] = row[2] or c.finish_reason is not None
-    rows = [[i, ids, chars] for i, (ids, chars, finished) in sorted(given.items()) if not finished]
-    rows += [[i, [], 0] for i in range(n) if i not in given]
-    if not rows:
-        return None
-    stream.extra_tokens = sum(len(ids) for ids, _, finished in given.values() if finished)
-    return sorted(rows)
-
-
-def _resume_state(stream: RequestStream, n: int) -> list | None:
+def _resume_state(stream: RequestStream, n: int, unread: bool = False) -> list | None:
     """The wire's resume entry of a stream read in part: [index, token ids, characters] of each completion not
-    finished yet (none read yet: from nothing), or None when it cannot be resumed (not a tracked delta stream)."""
+    finished yet (none read yet: from nothing), or None when it cannot be resumed (not a tracked delta stream).
+    `unread`: from every token the stream was given, its unread output too (a prefill replica's hand-off: what is
+    unread stays in the stream and reaches the client)."""
     if stream.progress is None:
         return None
+    progress = stream.progress
+    if unread and stream.pending is not None:
+        progress = {i: [list(ids), chars, finished] for i, (ids, chars, finished) in progress.items()}
+        add_progress(progress, stream.pending)
     rows, done_tokens = [], 0
     for index in range(n):
-        ids, chars, finished = stream.progress.get(index, ([], 0, False))
+        ids, chars, finished = progress.get(index, ([], 0, False))
         if finished:
             done_tokens += len(ids)
         else:

@@ -122,8 +122,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """What this engine runs on and lifetime counters of what it has done (LLM.stats documents the keys)."""
-        if self.runner is None:
-            raise RuntimeError("the engine is closed")
+        counters = self.counters()
         graphs, sched = self.runner.graphs, self.scheduler
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "tensor_parallel_size": self.config.tensor_parallel_size,
@@ -131,20 +130,26 @@ class LLMEngine:
                 "pipeline_micro_batches": self.micro_batches,
                 "max_steps_in_flight": getattr(sched, "max_in_flight", int(sched.step_id > 0)),
                 "attention_backend": self.runner.backend.name, "kv_block_size": self.config.kvcache_block_size,
-                "num_kv_blocks": self.runner.num_kv_blocks, "kv_cache_dtype": self.runner.kv_cache_format(),
-                "quantization": self.runner.quantization,
+                "kv_cache_dtype": self.runner.kv_cache_format(), "quantization": self.runner.quantization,
                 "linear": linear_paths(self.runner.model),
                 "linear_kernels": kernel_choice.report(self.runner.model),
                 "cpu_threads": cpu_threads.report() if self.device.type == "cpu" else None,
                 "cuda_graph_batch_sizes": None if graphs is None else sorted(graphs.graphs),
-                "num_steps": sched.step_id, "num_preemptions": sched.num_preemptions,
-                "num_computed_tokens": sched.num_computed_tokens, "kv_transfer": self.kv_moves.as_dict(),
-                "num_draft_tokens": sched.num_draft_tokens, "num_accepted_tokens": sched.num_accepted_tokens,
+                "num_steps": sched.step_id, "num_computed_tokens": sched.num_computed_tokens, **counters}
+
+    def counters(self) -> dict:
+        """The scheduler's figures of stats() alone (LLM.counters documents the keys): cheap enough for every step,
+        where stats() also walks the model's modules."""
+        if self.runner is None:
+            raise RuntimeError("the engine is closed")
+        sched, blocks = self.scheduler, self.scheduler.block_manager
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "kv_cache_usage": blocks.usage(), "num_kv_blocks": self.runner.num_kv_blocks,
+                "num_preemptions": sched.num_preemptions, "num_draft_tokens": sched.num_draft_tokens,
+                "num_accepted_tokens": sched.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
-                "prefix_cache_hit_tokens": sched.block_manager.num_prefix_hit_tokens,
-                "prefix_cache_query_tokens": sched.block_manager.num_prefix_query_tokens,
-                "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_cache_usage": sched.block_manager.usage()}
+                "prefix_cache_hit_tokens": blocks.num_prefix_hit_tokens,
+                "prefix_cache_query_tokens": blocks.num_prefix_query_tokens, "kv_transfer": self.kv_moves.as_dict()}
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step: (sequences that got a token or an embedding, tokens computed, whether it was a prefill)."""

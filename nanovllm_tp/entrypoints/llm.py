@@ -258,21 +258,10 @@ class LLM:
     def counters(self) -> dict:
         """The scheduler's figures of stats() alone, under the same keys: num_running, num_waiting,
         kv_cache_usage, num_kv_blocks, num_preemptions, num_draft_tokens, num_accepted_tokens,
-        num_accepted_tokens_per_pos, prefix_cache_hit_tokens, prefix_cache_query_tokens, kv_transfer. Cheap enough for every
-        step (a server reports them per step); stats() also walks the model's modules (linear, linear_kernels),
-        which costs about a millisecond. RuntimeError once closed."""
-        engine = self.engine
-        if engine.runner is None:
-            raise RuntimeError("the engine is closed")
-        sched = engine.scheduler
-        blocks = sched.block_manager
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_cache_usage": blocks.usage(), "num_kv_blocks": engine.runner.num_kv_blocks,
-                "num_preemptions": sched.num_preemptions, "num_draft_tokens": sched.num_draft_tokens,
-                "num_accepted_tokens": sched.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": sched.num_accepted_per_position.tolist(),
-                "prefix_cache_hit_tokens": blocks.num_prefix_hit_tokens,
-                "prefix_cache_query_tokens": blocks.num_prefix_query_tokens, "kv_transfer": engine.kv_moves.as_dict()}
+        num_accepted_tokens_per_pos, prefix_cache_hit_tokens, prefix_cache_query_tokens, kv_transfer. Cheap enough
+        for every step (a server reports them per step); stats() also walks the model's modules (linear,
+        linear_kernels), which costs about a millisecond. RuntimeError once closed."""
+        return self.engine.counters()
 
     def close(self) -> None:
         self.grammars.close()

@@ -124,29 +124,22 @@ class Point:
         return self.records
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
 def summarize(records: list[dict], args, elapsed: float) -> dict:
-    def tpot(r):
-        return (r["last"] - r["first"]) / (r["tokens"] - 1) if r["tokens"] > 1 else 0.0
-    done = [r for r in records if r["ok"]]
-    streams = [r for r in done if r["kind"] == "stream"]
-    longs = [r for r in done if r["kind"] == "long"]
-    goodput = {f"{slo * 1000:g}": sum(r["first"] - r["sent"] <= args.ttft_slo and tpot(r) <= slo for r in done) / elapsed
+    """A point's figures from what each request saw (its TTFT and TPOT, seconds, kept in "records")."""
+    from nanovllm_tp.bench.report import percentile
+    rows = [{"kind": r["kind"], "ok": r["ok"], "tokens": r["tokens"],
+             "ttft": r["first"] - r["sent"] if r["ok"] else None,
+             "tpot": ((r["last"] - r["first"]) / (r["tokens"] - 1) if r["tokens"] > 1 else 0.0) if r["ok"] else None}
+            for r in records]
+    done = [r for r in rows if r["ok"]]
+    tpots = [r["tpot"] for r in done if r["kind"] == "stream"]
+    ttfts = [r["ttft"] for r in done if r["kind"] == "long"]
+    goodput = {f"{slo * 1000:g}": sum(r["ttft"] <= args.ttft_slo and r["tpot"] <= slo for r in done) / elapsed
                for slo in args.tpot_slo}
-    return {"requests": len(records), "failed": len(records) - len(done),
-            "tpot_p50_ms": _ms(_pct([tpot(r) for r in streams], 0.5)),
-            "tpot_p99_ms": _ms(_pct([tpot(r) for r in streams], 0.99)),
-            "ttft_p50_s": _pct([r["first"] - r["sent"] for r in longs], 0.5),
-            "ttft_p99_s": _pct([r["first"] - r["sent"] for r in longs], 0.99),
-            "long_done": len(longs), "goodput_rps": goodput,
-            "records": [{k: r[k] for k in ("kind", "ok", "tokens")} | {"ttft": r["first"] - r["sent"] if r["ok"] else None,
-                         "tpot": tpot(r) if r["ok"] else None} for r in records]}
+    return {"requests": len(rows), "failed": len(rows) - len(done),
+            "tpot_p50_ms": _ms(percentile(tpots, 50)), "tpot_p99_ms": _ms(percentile(tpots, 99)),
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "long_done": len(ttfts), "goodput_rps": goodput, "records": rows}
 
 
 def _ms(s: float | None) -> float | None:
@@ -236,9 +229,10 @@ def main(argv=None) -> dict:
              + " | ".join(f"goodput req/s (TTFT <= {args.ttft_slo:g} s, TPOT <= {slo} ms)" for slo in slos)
              + " | requests (failed) |", "|---|---|---|---|" + "---|" * len(slos) + "---|"]
     for p in sorted(points, key=lambda p: (p["rate"], p["layout"])):
+        goodput = " | ".join(f"{p['goodput_rps'][slo]:.3f}" for slo in slos)
         lines.append(f"| {p['rate']:g} | {p['layout']} | {_f(p['tpot_p50_ms'])} / {_f(p['tpot_p99_ms'])} | "
-                     f"{_f(p['ttft_p50_s'], 2)} / {_f(p['ttft_p99_s'], 2)} | "
-                     + " | ".join(f"{p['goodput_rps'][slo]:.3f}" for slo in slos) + f" | {p['requests']} ({p['failed']}) |")
+                     f"{_f(p['ttft_p50_s'], 2)} / {_f(p['ttft_p99_s'], 2)} | {goodput} | "
+                     f"{p['requests']} ({p['failed']}) |")
     return bc.finish(args, "disagg", env, "\n".join(lines), points=points)
 
 

@@ -156,9 +156,12 @@ class EngineLoop:
         payloads), so that the replicas they move to go on decoding them without computing them again."""
         if restart:
             self._migrate_out()
+        self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
+
+    def _send_now(self, msg: dict) -> None:
+        """Send without waiting: while stopping, an HTTP process that is gone or not reading gets nothing."""
         try:
-            self._outputs.send(wire.pack({"op": "dead", "why": why, "restart" if restart else "shutdown": True}),
-                               zmq.NOBLOCK)
+            self._outputs.send(wire.pack(msg), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -170,10 +173,7 @@ class EngineLoop:
             log.warning("engine loop: the open requests move without their KV (%s)", exc)
             return
         if payloads:
-            try:
-                self._outputs.send(wire.pack({"op": "migrate", "payloads": payloads}), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._send_now({"op": "migrate", "payloads": payloads})
 
     def _hand_off(self, outs) -> None:
         """A prefill replica's streams that have their first tokens leave with their KV ("handoff": the HTTP process

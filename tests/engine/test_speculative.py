@@ -328,7 +328,8 @@ def test_seeded_sampling_under_batch_invariant_is_plain_decoding_token_for_token
     head = [rng.randrange(100, 1000) for _ in range(20)]
     prompts = [head * 3, head * 5 + [rng.randrange(100, 1000) for _ in range(30)]]          # 60 and 130 tokens
     params = SamplingParams(temperature=0.8, seed=1234, max_tokens=64, ignore_eos=True, logprobs=1)
-    knobs = dict(batch_invariant=True, dtype=dtype, **SMALL)
+    # packed_linear="auto": batch_invariant settles its own linear kernel, whatever default --packed-linear sets
+    knobs = dict(batch_invariant=True, packed_linear="auto", dtype=dtype, **SMALL)
     outs = {}
     for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
         with LLM(tiny_model_dir, **knobs, **extra) as llm:

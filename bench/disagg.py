@@ -13,8 +13,9 @@ DistServe's measure), counting every request that finished in the window. Reques
 --duration are waited for and counted.
 
 `--transfer` instead measures the KV transfer itself, offline (engine/kv_transfer.py): a --transfer-tokens request
-exported from one engine and imported into another, against a plain copy of the same bytes (numpy), best of
---repeats, per KV dtype.
+exported from one engine and imported into another, its KV as bytes in the payload and by reference (copied from
+pool to pool, workers/kv_pool.py), against the fastest plain copy of as many bytes between buffers already in
+memory; medians of --repeats, per KV dtype.
 """
 from __future__ import annotations
 
@@ -159,8 +160,11 @@ def serve_point(args, layout: str, rate: float, vocab: int) -> dict:
 
 
 def transfer(args) -> list[dict]:
-    """export + import of one request's KV against a numpy copy of the payload's bytes, per KV dtype."""
+    """Per KV dtype and way (`bytes`: the KV packed into the payload; `pool`: by reference, copied from pool to
+    pool), the medians of export and import of one request's KV, against the fastest plain copy of as many bytes
+    between two buffers already in memory (numpy's one thread, or torch's copy on the engine's threads)."""
     import numpy as np
+    import torch
 
     from nanovllm_tp import LLM, SamplingParams
     from nanovllm_tp.engine.kv_transfer import export_request, import_request
@@ -172,31 +176,41 @@ def transfer(args) -> list[dict]:
             rng = random.Random(args.workload_seed)
             vocab = first.config.model_config.vocab_size
             params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-            exports, imports, copies, size = [], [], [], 0
-            for i in range(args.repeats):      # a new prompt each time: no prefix cache hit on either side
-                rid = f"t{i}"
-                prompt = [rng.randrange(100, vocab) for _ in range(args.transfer_tokens)]
-                first.add_request(prompt, params, request_id=rid)
-                first.step()
-                first.step()
-                t0 = time.perf_counter()
-                payload = export_request(first, rid)
-                t1 = time.perf_counter()
-                import_request(second, payload)
-                t2 = time.perf_counter()
-                second.abort_request([rid])
-                src = np.frombuffer(payload, np.uint8)
-                t3 = time.perf_counter()
-                np.copyto(np.empty_like(src), src)
-                copies.append(time.perf_counter() - t3)
-                exports.append(t1 - t0)
-                imports.append(t2 - t1)
-                size = len(payload)
-            best = {k: min(v) for k, v in (("export", exports), ("import", imports), ("copy", copies))}
-            out.append({"kv_dtype": first.stats()["kv_cache_dtype"], "bytes": size, **{f"{k}_ms": v * 1000
-                                                                                        for k, v in best.items()},
-                        "transfer_gb_s": size / (best["export"] + best["import"]) / 1e9,
-                        "copy_gb_s": size / best["copy"] / 1e9})
+            for way in ("bytes", "pool"):
+                exports, imports, size = [], [], 0
+                for i in range(args.repeats + 1):    # a new prompt each time: no prefix cache hit on either side
+                    rid = f"{way}{i}"
+                    prompt = [rng.randrange(100, vocab) for _ in range(args.transfer_tokens)]
+                    first.add_request(prompt, params, request_id=rid)
+                    first.step()
+                    first.step()
+                    moved = first.stats()["kv_transfer"]["bytes_out"]
+                    t0 = time.perf_counter()
+                    payload = export_request(first, rid, by_reference=way == "pool")
+                    t1 = time.perf_counter()
+                    import_request(second, payload)
+                    t2 = time.perf_counter()
+                    second.abort_request([rid])
+                    size = first.stats()["kv_transfer"]["bytes_out"] - moved
+                    if i:                    # the first maps the other pool once
+                        exports.append(t1 - t0)
+                        imports.append(t2 - t1)
+                if second.stats()["kv_transfer"]["completions_recomputed"]:
+                    raise RuntimeError("an imported request computed again: the transfer was not measured")
+                src, dst = np.random.default_rng(0).integers(0, 255, size, np.uint8), np.ones(size, np.uint8)
+                copies = []
+                for _ in range(args.repeats):
+                    t3 = time.perf_counter()
+                    np.copyto(dst, src)
+                    t4 = time.perf_counter()
+                    torch.from_numpy(dst).copy_(torch.from_numpy(src))
+                    copies.append(min(t4 - t3, time.perf_counter() - t4))
+                med = {k: statistics.median(v) for k, v in (("export", exports), ("import", imports),
+                                                             ("copy", copies))}
+                out.append({"kv_dtype": first.stats()["kv_cache_dtype"], "way": way, "bytes": size,
+                            "payload_bytes": len(payload), **{f"{k}_ms": v * 1000 for k, v in med.items()},
+                            "transfer_gb_s": size / (med["export"] + med["import"]) / 1e9,
+                            "copy_gb_s": size / med["copy"] / 1e9})
         finally:
             first.close()
             second.close()
@@ -209,12 +223,12 @@ def main(argv=None) -> dict:
     env = bc.environment()
     if args.transfer:
         rows = transfer(args)
-        lines = ["| KV dtype | payload MB | export ms | import ms | copy ms | transfer GB/s | copy GB/s | share |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["| KV dtype | way | KV MB | payload MB | export ms | import ms | copy ms | transfer GB/s | "
+                 "copy GB/s | share of a copy |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['kv_dtype']} | {r['bytes'] / 1e6:.1f} | {r['export_ms']:.1f} | {r['import_ms']:.1f} | "
-                         f"{r['copy_ms']:.1f} | {r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} | "
-                         f"{r['transfer_gb_s'] / r['copy_gb_s']:.0%} |")
+            lines.append(f"| {r['kv_dtype']} | {r['way']} | {r['bytes'] / 1e6:.1f} | {r['payload_bytes'] / 1e6:.3f} | "
+                         f"{r['export_ms']:.2f} | {r['import_ms']:.2f} | {r['copy_ms']:.2f} | "
+                         f"{r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} | {r['transfer_gb_s'] / r['copy_gb_s']:.0%} |")
         return bc.finish(args, "disagg-transfer", env, "\n".join(lines), rows=rows)
     vocab = bc.model_vocab_size(args.model)
     points = []

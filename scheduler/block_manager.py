@@ -87,6 +87,9 @@ class BlockManager:
         self.free_reused_ids: OrderedDict[int, None] = OrderedDict()
         self.num_prefix_hit_tokens = 0   # lifetime count, for tests and stats
         self.num_prefix_query_tokens = 0   # tokens whose KV was looked up in the cache (vLLM's queries)
+        # Each block's version, where the KV pool is shared (workers/kv_pool.py): another engine copying a block
+        # checks that it was not taken for other tokens meanwhile. A sequence of ints, or None.
+        self.stamps = None
 
     @property
     def num_blocks(self) -> int:
@@ -186,6 +189,8 @@ class BlockManager:
                 del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = None, ()
         block.version += 1
+        if self.stamps is not None:
+            self.stamps[block_id] = block.version
         block.ref_count = 1
         return block_id
 

@@ -110,8 +110,9 @@ class Scheduler(Admission, Preemption, StepResults):
         last token computed there. It takes blocks for those tokens (the prefix cache's where this pool holds the
         leading ones), `write(positions, block_ids)` fills the others (positions in its block table, which are
         the payload's), its full blocks enter the prefix cache as if computed here, and it decodes its next token
-        in the next step. False, with nothing taken, when the pool is short (or it runs a LoRA adapter): the
-        caller then queues it to compute its tokens again, as after a preemption."""
+        in the next step. False, with nothing taken, when the pool is short (or it runs a LoRA adapter), or when
+        `write` returns False (the KV could not be read after all): the caller then queues it to compute its
+        tokens again, as after a preemption."""
         if self.scheduled:
             raise RuntimeError("adopt() between schedule() and postprocess()")
         bm = self.block_manager
@@ -121,10 +122,13 @@ class Scheduler(Admission, Preemption, StepResults):
         if positions is None:
             return False
         try:
-            write(positions, [seq.block_table[i] for i in positions])
+            unread = write(positions, [seq.block_table[i] for i in positions]) is False
         except BaseException:
             bm.deallocate(seq)
             raise
+        if unread:
+            bm.deallocate(seq)
+            return False
         if bm.enable_prefix_caching:
             for i in range(seq.num_cached_tokens // self.block_size):
                 bm.hash_block(seq, i)

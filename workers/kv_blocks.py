@@ -6,10 +6,16 @@ cache an fp32 scale per token and KV head beside each ([layers, blocks, block_si
 the same arrays over its blocks only, in its block-table order, as raw bytes of the cache's own dtype (bf16, int8
 and fp8 moved bit for bit, as bytes: torch indexes them as uint8).
 """
+import os
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from nanovllm_tp.workers.kv_pool import SharedKVPool
+
+_MAX_PEERS = 4      # other engines' pools kept mapped (a mapping keeps a stopped engine's pool in memory)
 
 def _tensors(runner) -> dict[str, torch.Tensor]:
     """The runner's cache arrays by part name (the scales only for a quantized cache)."""
@@ -65,3 +71,54 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
         data = data.view(cache.shape[0], -1, *cache.shape[2:])
         for row, block, n in stretches:
             cache[:, block:block + n].copy_(data[:, row:row + n])
+
+
+def copy_from_peer(runner, pool: dict, blocks: list[int], versions: list[int], rows: list[int],
+                   block_ids: list[int]) -> int | None:
+    """Copy the blocks `rows` of a request whose KV sits in another engine's shared pool (`pool`: its pid, fd and
+    token; `blocks`: the request's block ids there, `versions` theirs when it left) into this cache's blocks
+    `block_ids`, pool to pool. Returns the bytes copied, or None when they cannot be used: that pool is gone or
+    unlike this one, a block id is outside it, or a block was taken for other tokens there before the copy ended
+    (its version moved)."""
+    peer = _peer(pool)
+    if peer is None:
+        return None
+    mine = _tensors(runner)
+    if peer.header["kv_dtype"] != runner.kv_cache_format() or sorted(peer.parts) != sorted(mine) or any(
+            peer.parts[name].shape[:1] + peer.parts[name].shape[2:] != t.shape[:1] + t.shape[2:]
+            for name, t in mine.items()):
+        return None
+    if any(blocks[r] >= peer.num_blocks for r in rows):
+        return None
+    src = [blocks[r] for r in rows]
+    copied = 0
+    for name, t in mine.items():
+        theirs, cache = _as_bytes(peer.parts[name]), _as_bytes(t)
+        for first, block, n in runs(src, block_ids):
+            cache[:, block:block + n].copy_(theirs[:, first:first + n])
+            copied += theirs[:, first:first + n].numel()
+    stamps = peer.stamps
+    if any(stamps[blocks[r]] != versions[r] for r in rows):
+        return None
+    return copied
+
+
+def _peer(ref: dict) -> SharedKVPool | None:
+    """Another engine's pool, mapped once and kept (at most _MAX_PEERS, those of stopped engines dropped); None when
+    it cannot be opened."""
+    for token in [t for t, p in _PEERS.items() if not os.path.exists(f"/proc/{p.pid}")]:
+        _PEERS.pop(token).close()
+    peer = _PEERS.get(ref["token"])
+    if peer is None:
+        try:
+            peer = SharedKVPool.open_peer(ref)
+        except ValueError:
+            return None
+        _PEERS[ref["token"]] = peer
+        while len(_PEERS) > _MAX_PEERS:
+            _PEERS.popitem(last=False)[1].close()
+    _PEERS.move_to_end(ref["token"])
+    return peer
+
+
+_PEERS: OrderedDict[str, SharedKVPool] = OrderedDict()

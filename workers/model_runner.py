@@ -26,6 +26,7 @@ from nanovllm_tp.models.blocks import DecoderModel
 from nanovllm_tp.models.fused_decode import FusedDecode
 from nanovllm_tp.scheduler.plan import StepPlan
 from nanovllm_tp.workers.kv_cache import allocate_kv_cache, kv_block_bytes
+from nanovllm_tp.workers.kv_pool import SharedKVPool
 
 log = logging.getLogger("nanovllm_tp")
 
@@ -69,6 +70,7 @@ class ModelRunner:
             body.fused = FusedDecode.of(body)     # decode steps' layers in one C call where they can run there
         self.num_kv_blocks = 0
         self.kv_scales = None
+        self.kv_pool: SharedKVPool | None = None    # the cache's memory file where kv_shared_pool shares it
         self.graphs = None    # a CUDAGraphRunner once decode graphs are captured
         self._hidden = None   # rank 0: the last step's final hidden states, when it had embedding rows
         self.rank0 = tp_rank() == 0 and pipeline.is_first_stage()    # the engine's rank 0, which samples
@@ -95,18 +97,39 @@ class ModelRunner:
         """num_blocks usable blocks plus one null block that padded rows write into."""
         self.num_kv_blocks = num_blocks
         layer = self.attention_layers[0]
-        self.k_cache, self.v_cache, self.kv_scales = allocate_kv_cache(
-            len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim,
-            self.dtype, self.device, self.config.kv_cache_dtype)
+        shape = (len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_pool = self._shared_pool(shape)
+        if self.kv_pool is not None:
+            parts = self.kv_pool.parts
+            self.k_cache, self.v_cache = parts["k"], parts["v"]
+            self.kv_scales = (parts["k_scale"], parts["v_scale"]) if "k_scale" in parts else None
+        else:
+            self.k_cache, self.v_cache, self.kv_scales = allocate_kv_cache(
+                *shape, self.dtype, self.device, self.config.kv_cache_dtype)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
             attn.kv_scales = None if self.kv_scales is None else (self.kv_scales[0][i], self.kv_scales[1][i])
+
+    def _shared_pool(self, shape: tuple[int, ...]) -> SharedKVPool | None:
+        """The kv_shared_pool knob's pool (workers/kv_pool.py): a CPU engine of one rank; None elsewhere, or where
+        the memory file cannot be made (logged: the cache is then private memory)."""
+        if not self.config.kv_shared_pool or self.device.type != "cpu" or tp_size() > 1 or pipeline.pp_size() > 1:
+            return None
+        try:
+            return SharedKVPool.create(shape, self.kv_cache_format(), self.config.kv_cache_dtype != "auto")
+        except OSError as exc:
+            log.warning("kv_shared_pool: the KV cache stays in private memory (%s); a hand-off then carries its KV "
+                        "as bytes", exc)
+            return None
 
     def drop_kv_cache(self) -> None:
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.tensor([])
             attn.kv_scales = None
         self.k_cache = self.v_cache = self.kv_scales = None
+        if self.kv_pool is not None:
+            self.kv_pool.close()
+            self.kv_pool = None
         self.num_kv_blocks = 0
 
     @property

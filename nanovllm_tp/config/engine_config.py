@@ -82,6 +82,10 @@ class EngineConfig:
                                choices=("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"))
     kv_cache_memory: int | None = knob(None, help="KV cache bytes per rank (CPU default 1 GiB; on CUDA it "
                                                   "overrides gpu_memory_utilization)", minimum=1)
+    kv_shared_pool: bool = knob(True, help="CPU, one rank: keep the KV cache in a memory file other engines of "
+                                           "this host and user map, so that a request's KV moves to another engine "
+                                           "(a disaggregated hand-off) by one copy from pool to pool, not as bytes "
+                                           "through the server (off: private memory)")
     gpu_memory_utilization: float = knob(0.9, help="fraction of GPU memory the engine may use (weights, "
                                                    "activations, KV cache)", minimum=0.0, open_minimum=True,
                                          maximum=1.0)

@@ -6,10 +6,15 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
      "request_id", "prompt_token_ids", "priority",
      "params": the request's SamplingParams as the server's wire sends them (serving/wire.py), its seed the
                request's own (drawn by the first engine where the caller set none),
+     "pool": None, or {"pid", "fd", "token"}: the exporter's shared KV pool (workers/kv_pool.py), which the
+             completions' "blocks" are in,
      "completions": [{"index", "token_ids" (generated so far), "sent_chars" (characters of its text the caller
                       has seen), "num_cached_tokens" (tokens whose KV travels: 0, or all but the last token),
-                      "kv": None, or {"k", "v"[, "k_scale", "v_scale"]}: bytes of [layers, blocks, block_size,
-                      kv_heads, head_dim] (scales without head_dim, fp32) over the completion's blocks}]}
+                      and where it travels, one of
+                      "kv": {"k", "v"[, "k_scale", "v_scale"]}: bytes of [layers, blocks, block_size, kv_heads,
+                            head_dim] (scales without head_dim, fp32) over the completion's blocks, or
+                      "blocks" and "versions": the completion's block ids in the exporter's pool and their versions
+                            when it left (a hand-off on one host: the importer copies them from pool to pool)}]}
 
 `KVPayload.decode` checks the shape of every field; `check_against` checks the payload against the importing
 engine's own layout (every layout field equal, each completion's token counts against its block count, each part's
@@ -22,7 +27,7 @@ from dataclasses import dataclass, fields
 import msgpack
 
 FORMAT = "nanovllm-tp kv transfer"
-VERSION = 1
+VERSION = 2
 VALUE_PARTS = ("k", "v")
 SCALE_PARTS = ("k_scale", "v_scale")
 SCALE_BYTES = 4          # an 8-bit cache's fp32 scale per token and KV head
@@ -70,23 +75,37 @@ class CompletionKV:
     sent_chars: int
     num_cached_tokens: int = 0          # 0: no KV travels (the importer computes it again)
     kv: dict[str, bytes] | None = None  # part name -> bytes (VALUE_PARTS, and SCALE_PARTS for an 8-bit cache)
+    blocks: list[int] | None = None     # or its blocks in the exporter's shared pool (`pool`), and their versions
+    versions: list[int] | None = None
+    pool: dict | None = None            # the payload's "pool", where blocks are given
+
+    @property
+    def has_kv(self) -> bool:
+        return self.kv is not None or self.blocks is not None
 
     def num_blocks(self, block_size: int) -> int:
         return -(-self.num_cached_tokens // block_size)
 
     def to_wire(self) -> dict:
         return {"index": self.index, "token_ids": self.token_ids, "sent_chars": self.sent_chars,
-                "num_cached_tokens": self.num_cached_tokens, "kv": self.kv}
+                "num_cached_tokens": self.num_cached_tokens, "kv": self.kv, "blocks": self.blocks,
+                "versions": self.versions}
 
     def check(self, layout: KVLayout, value_bytes: int, scaled: bool, prompt_len: int, where: str) -> None:
         """Its KV fits a cache of `layout` (values of `value_bytes` each; `scaled`: with fp32 scales) after a
         prompt of `prompt_len` tokens: the KV of all but its last token, each part's bytes those of its blocks."""
-        if self.kv is None:
+        if not self.has_kv:
             return
         total = prompt_len + len(self.token_ids)
         if self.num_cached_tokens != total - 1:
             raise ValueError(f"KV payload field {where}.num_cached_tokens is {self.num_cached_tokens}: a decoding "
                              f"completion of {total} tokens has the KV of {total - 1}")
+        if self.blocks is not None:
+            blocks = self.num_blocks(layout.block_size)
+            if len(self.blocks) != blocks or len(self.versions) != blocks:
+                raise ValueError(f"KV payload field {where}.blocks lists {len(self.blocks)} blocks and "
+                                 f"{len(self.versions)} versions; {self.num_cached_tokens} tokens take {blocks}")
+            return
         parts = VALUE_PARTS + (SCALE_PARTS if scaled else ())
         if sorted(self.kv) != sorted(parts):
             raise ValueError(f"KV payload field {where}.kv holds {sorted(self.kv)}, this engine's cache "
@@ -105,10 +124,13 @@ class CompletionKV:
         Without KV, or with no token to keep KV for, the cut carries none."""
         cached = prompt_len + len(token_ids) - 1
         out = CompletionKV(self.index, list(token_ids), sent_chars)
-        if self.kv is None or cached <= 0:
+        if not self.has_kv or cached <= 0:
             return out
         out.num_cached_tokens = cached
         old, new = self.num_blocks(layout.block_size), out.num_blocks(layout.block_size)
+        if self.blocks is not None:
+            out.blocks, out.versions, out.pool = self.blocks[:new], self.versions[:new], self.pool
+            return out
         out.kv = {name: data if new == old else _leading_blocks(data, layout.num_layers, old, new)
                   for name, data in self.kv.items()}
         return out
@@ -122,14 +144,20 @@ class CompletionKV:
             if not _is_int(d.get(name), 0):
                 raise ValueError(f"KV payload field {where}.{name} must be an integer >= 0, got {d.get(name)!r}")
         _token_list(f"{where}.token_ids", d.get("token_ids"), empty=True)
-        kv = d.get("kv")
+        kv, blocks, versions = d.get("kv"), d.get("blocks"), d.get("versions")
         if kv is not None and (not isinstance(kv, dict) or not all(
                 isinstance(k, str) and isinstance(v, bytes) for k, v in kv.items())):
             raise ValueError(f"KV payload field {where}.kv must be None or a map of part names to bytes")
-        if (kv is None) != (d["num_cached_tokens"] == 0):
+        for name, ids in (("blocks", blocks), ("versions", versions)):
+            if ids is not None and not (isinstance(ids, list) and all(_is_int(i, 0) for i in ids)):
+                raise ValueError(f"KV payload field {where}.{name} must be None or a list of integers >= 0")
+        if (blocks is None) != (versions is None) or (kv is not None and blocks is not None):
+            raise ValueError(f"KV payload field {where}: its KV travels as kv, or as blocks with their versions")
+        if (kv is None and blocks is None) != (d["num_cached_tokens"] == 0):
             raise ValueError(f"KV payload field {where}.kv: KV travels exactly when num_cached_tokens > 0 (here "
-                             f"{d['num_cached_tokens']}, and kv is {'absent' if kv is None else 'present'})")
-        return cls(d["index"], d["token_ids"], d["sent_chars"], d["num_cached_tokens"], kv)
+                             f"{d['num_cached_tokens']}, and its KV is "
+                             f"{'absent' if kv is None and blocks is None else 'present'})")
+        return cls(d["index"], d["token_ids"], d["sent_chars"], d["num_cached_tokens"], kv, blocks, versions)
 
 
 @dataclass(slots=True)
@@ -140,12 +168,14 @@ class KVPayload:
     params: dict                     # SamplingParams on the wire (serving/wire.py params_to_wire)
     priority: int
     completions: list[CompletionKV]
+    pool: dict | None = None         # {"pid", "fd", "token"} where completions give their blocks in it
 
     def encode(self) -> bytes:
         return msgpack.packb({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
                               "layout": self.layout.to_wire(), "request_id": self.request_id,
                               "prompt_token_ids": self.prompt_token_ids, "params": self.params,
-                              "priority": self.priority, "completions": [c.to_wire() for c in self.completions]},
+                              "priority": self.priority, "pool": self.pool,
+                              "completions": [c.to_wire() for c in self.completions]},
                              use_bin_type=True)
 
     @property
@@ -179,8 +209,14 @@ class KVPayload:
         rows = d.get("completions")
         if not isinstance(rows, list) or not rows:
             raise ValueError("KV payload field completions must be a non-empty list")
-        return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"],
-                   [CompletionKV.from_wire(i, row) for i, row in enumerate(rows)])
+        completions = [CompletionKV.from_wire(i, row) for i, row in enumerate(rows)]
+        pool = _pool(d.get("pool"))
+        for c in completions:
+            if c.blocks is not None and pool is None:
+                raise ValueError(f"KV payload field pool: completion {c.index} gives its blocks, and no pool holds "
+                                 "them")
+            c.pool = pool
+        return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"], completions, pool)
 
     def check_against(self, layout: KVLayout, value_bytes: int, scaled: bool) -> None:
         """This payload fits an engine of `layout` whose cache stores values of `value_bytes` each (`scaled`: with
@@ -201,10 +237,23 @@ def _leading_blocks(data, num_layers: int, blocks: int, keep: int) -> bytes:
     return b"".join(view[i * layer:i * layer + size] for i in range(num_layers))
 
 
+def _pool(d) -> dict | None:
+    """The payload's "pool" field checked: None, or {"pid", "fd", "token"} (a positive pid, an fd, a hex token)."""
+    if d is None:
+        return None
+    if not (isinstance(d, dict) and set(d) == {"pid", "fd", "token"} and _is_int(d["pid"], 1)
+            and _is_int(d["fd"], 0) and isinstance(d["token"], str) and len(d["token"]) == 32
+            and all(ch in "0123456789abcdef" for ch in d["token"])):
+        raise ValueError("KV payload field pool must be None or {pid, fd, token}: a process id, a file descriptor "
+                         "and the pool's 32 hex digits")
+    return {"pid": d["pid"], "fd": d["fd"], "token": d["token"]}
+
+
 def _is_int(v, lo: int | None) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
 
 
 def _token_list(name: str, v, empty: bool) -> None:
-    if not isinstance(v, list) or (not v and not empty) or not all(_is_int(t, 0) for t in v):
+    # type() rather than isinstance: a bool is no token id (and a prompt's thousands of ids are checked fast)
+    if not isinstance(v, list) or (not v and not empty) or not all(type(t) is int for t in v) or (v and min(v) < 0):
         raise ValueError(f"KV payload field {name} must be a {'' if empty else 'non-empty '}list of token ids")

@@ -13,6 +13,11 @@ sampler's noise counter). The request's seed travels (the one the first engine d
 so a sampled completion goes on with the draws it would have made: the noise is a function of the seed and the
 token index (layers/sampling_noise.py). A grammar replays the tokens so far; penalties recount them.
 
+On one host the KV need not travel at all: an engine whose pool is shared (workers/kv_pool.py) exports by
+reference, the payload naming the request's blocks and their versions, and the importer copies them from pool to
+pool; a block taken for other tokens before the copy ends is noticed by its version, and that completion computes
+again.
+
 Not yet: tensor_parallel_size > 1 and pipeline_parallel_size > 1 (rank 0 holds only its part of the KV), a draft
 model's KV, LoRA requests, cumulative logprobs (logprobs go on from the move, as for a resumed request). These are
 refused by name.
@@ -89,13 +94,16 @@ def _check_engine(llm, what: str) -> None:
         raise RuntimeError(f"{what} between a step's schedule and its results")
 
 
-def export_request(llm, request_id: str) -> bytes:
+def export_request(llm, request_id: str, by_reference: bool = False) -> bytes:
     """Take request `request_id` out of `llm` (it leaves without a further output, its blocks freed): its state and
-    the KV of its running completions, as the bytes `import_request` reads."""
-    return take_request(llm, request_id).encode()
+    the KV of its running completions, as the bytes `import_request` reads. `by_reference`, where `llm`'s pool is
+    shared (the kv_shared_pool knob): the KV stays in the pool and the payload names its blocks, which an engine
+    on this host copies from pool to pool while this one lives and has not taken them for other tokens (freed
+    blocks are taken again least recently freed first); elsewhere the KV travels as bytes."""
+    return take_request(llm, request_id, by_reference).encode()
 
 
-def take_request(llm, request_id: str) -> KVPayload:
+def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
     """export_request's payload, before encoding."""
     from nanovllm_tp.serving.wire import params_to_wire
     start = time.perf_counter()
@@ -111,8 +119,9 @@ def take_request(llm, request_id: str) -> KVPayload:
         raise ValueError(f"request {request_id!r} runs LoRA adapter {first.lora.lora_name!r}: a LoRA request does not "
                          "move with its KV yet")
     engine, bs = llm.engine, llm.config.kvcache_block_size
+    pool = engine.runner.kv_pool if by_reference else None
     pending = {dst: src for src, dst in engine.scheduler._copies}   # n > 1: a sibling's block copy not yet run
-    moves, out = engine.kv_moves, []
+    moves, out, referenced = engine.kv_moves, [], 0
     for c in completions:
         seq = c.seq
         row = CompletionKV(seq.index, seq.completion_token_ids, c.sent_chars)
@@ -120,15 +129,20 @@ def take_request(llm, request_id: str) -> KVPayload:
                 and not seq.num_window_freed:
             row.num_cached_tokens = seq.num_cached_tokens
             blocks = [pending.get(b, b) for b in seq.block_table[:row.num_blocks(bs)]]
-            row.kv = engine.read_kv(blocks)
+            if pool is not None:
+                row.blocks, row.versions = blocks, [engine.scheduler.block_manager.blocks[b].version for b in blocks]
+                referenced += len(blocks)
+            else:
+                row.kv = engine.read_kv(blocks)
             moves.blocks_out += len(blocks)
         out.append(row)
     params = params_to_wire(state.params)
     params["seed"] = (first.seed - first.index * _SEED_MIX) % (1 << 63)     # the request's, as the first engine drew it
-    payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out)
+    payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out,
+                        pool.ref() if referenced else None)
     llm._detach(request_id)
     moves.requests_out += 1
-    moves.bytes_out += payload.num_bytes
+    moves.bytes_out += payload.num_bytes + referenced * engine.runner.kv_block_bytes()
     moves.seconds_out += time.perf_counter() - start
     return payload
 
@@ -176,7 +190,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
     out = []
     for choice in choices:
         c = exported.get(choice.index)
-        if c is None or c.kv is None or c.token_ids[:len(choice.token_ids)] != list(choice.token_ids):
+        if c is None or not c.has_kv or c.token_ids[:len(choice.token_ids)] != list(choice.token_ids):
             out.append(None)
             continue
         out.append(c.cut(choice.token_ids, choice.sent_chars, len(prompt_token_ids), layout))
@@ -199,7 +213,7 @@ def note_import(llm, entries: list, seconds: float) -> None:
     """Count a request imported with these completions' KV (CompletionKV entries, None for one without): the KV
     bytes that came with it (the blocks its adoption wrote are counted there)."""
     moves = llm.engine.kv_moves
-    moves.requests_in += 1
+    moves.requests_in += 1      # (the bytes of blocks copied from a shared pool are counted as they are copied)
     moves.bytes_in += sum(len(b) for e in entries if e is not None and e.kv for b in e.kv.values())
     moves.seconds_in += seconds
 

@@ -62,6 +62,8 @@ class LLMEngine:
                               if config.pipeline_parallel_size > 1 else 1)
         self.scheduler = (MicroBatchScheduler(scheduler_config, self.micro_batches) if self.micro_batches > 1 else
                           Scheduler(scheduler_config, self.draft))
+        if self.runner.kv_pool is not None:      # another engine reading a block checks its version here
+            self.scheduler.block_manager.stamps = self.runner.kv_pool.stamps
         from nanovllm_tp.layers.sampler import Sampler
         self.sampler = Sampler(config.model_config.eos_token_ids)
         from nanovllm_tp.engine.kv_transfer import KVMoves
@@ -97,16 +99,26 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def adopt(self, seq: Sequence, parts: dict[str, bytes]) -> bool:
-        """A decoding sequence with the KV of all but its last token from another engine, checked against this one
-        (engine/kv_transfer.py): into the pool and running (Scheduler.adopt); False when the pool is short."""
-        from nanovllm_tp.workers.kv_blocks import write_blocks
+    def adopt(self, seq: Sequence, entry) -> bool:
+        """A decoding sequence with the KV of all but its last token from another engine (`entry`: its
+        CompletionKV, checked against this engine: engine/kv_transfer.py), as bytes or as blocks in the other
+        engine's shared pool: into the pool and running (Scheduler.adopt). False when the pool is short, or the
+        other engine's blocks cannot be read after all (its pool is gone, or it took a block for other tokens
+        before the copy ended): the caller queues the sequence to compute again."""
+        from nanovllm_tp.workers.kv_blocks import copy_from_peer, write_blocks
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
 
-        def write(rows: list[int], block_ids: list[int]) -> None:
-            write_blocks(self.runner, parts, rows, block_ids)
+        def write(rows: list[int], block_ids: list[int]) -> bool:
+            if entry.kv is not None:
+                write_blocks(self.runner, entry.kv, rows, block_ids)
+            else:
+                copied = copy_from_peer(self.runner, entry.pool, entry.blocks, entry.versions, rows, block_ids)
+                if copied is None:
+                    return False
+                self.kv_moves.bytes_in += copied
             self.kv_moves.blocks_in += len(block_ids)
+            return True
         return self.scheduler.adopt(seq, write)
 
     def read_kv(self, block_ids: list[int]) -> dict[str, bytes]:

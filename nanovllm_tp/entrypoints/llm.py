@@ -206,7 +206,7 @@ class LLM:
             seq.prompt_logprobs = None
             if seq.logprobs is not None:
                 seq.logprobs = [None] * seq.num_completion_tokens     # never sent again (delta outputs)
-            if entry is not None and entry.kv is not None and self.engine.adopt(seq, entry.kv):
+            if entry is not None and entry.has_kv and self.engine.adopt(seq, entry):
                 continue
             if kv is not None:
                 self.engine.kv_moves.completions_recomputed += 1

@@ -191,7 +191,7 @@ class EngineClient:
     async def submit(self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams,
                      priority: int = 0, lora: list | None = None,
                      streams: list[RequestStream] | None = None, resume: list | None = None,
-                     kv: list | None = None, handoff: bool = False) -> list[RequestStream]:
+                     kv: list | None = None, handoff: str | None = None) -> list[RequestStream]:
         """Hand the engine one request per prompt (token ids), all with the same parameters, all or none; returns
         their streams (sharing one `ready` event, set when any has news) once the engine accepted them.
         Validation's ValueError / TypeError propagate (then none was queued); EngineDead and Overloaded say why
@@ -200,7 +200,8 @@ class EngineClient:
         `resume`: per prompt, the [index, token ids, characters sent] of each completion to go on with (wire.py),
         for a request whose output was read in part; `kv`: per prompt, the payload its stopped replica exported
         (engine/kv_transfer.py) or None, which the engine takes the resumed completions' KV from; `handoff`: a
-        prefill replica's request, which leaves after its first tokens (on_handoff)."""
+        prefill replica's request, which leaves after its first tokens (on_handoff), its KV by reference to the
+        replica's shared pool ("pool": every replica on this host) or as bytes ("bytes")."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.num_waiting() >= self.max_waiting:
@@ -223,7 +224,7 @@ class EngineClient:
             if kv is not None:
                 msg["kv"] = kv
             if handoff:
-                msg["handoff"] = True
+                msg["handoff"] = handoff
             await self._commands.send(wire.pack(msg))
             await accepted
         except BaseException:

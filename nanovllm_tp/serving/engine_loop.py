@@ -89,7 +89,9 @@ class EngineLoop:
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
         self._compiling: dict[str, tuple] = {}  # first id -> (add message, params, Pending): waiting for a grammar
-        self._handoff: set[str] = set()         # a prefill replica's requests that leave after their first token
+        # a prefill replica's requests that leave after their first token -> whether their KV stays in this
+        # replica's shared pool for the decode replica to copy (every replica on this host), or travels as bytes
+        self._handoff: dict[str, bool] = {}
         self._handoff_refusals: set[str] = set()     # why a request could not leave, each said once
         self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
                        "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters],
@@ -186,11 +188,11 @@ class EngineLoop:
             if rid not in self._handoff:
                 continue
             if out.finished:
-                self._handoff.discard(rid)
+                del self._handoff[rid]
             elif has_first_tokens(self.llm, rid):
-                self._handoff.discard(rid)
+                by_reference = self._handoff.pop(rid)
                 try:
-                    payloads[rid] = export_request(self.llm, rid)
+                    payloads[rid] = export_request(self.llm, rid, by_reference)
                 except ValueError as exc:       # each reason once: with TP > 1 it is every request's
                     reason = str(exc).replace(repr(rid), "")
                     if reason not in self._handoff_refusals:
@@ -253,7 +255,8 @@ class EngineLoop:
                     if waiting is not None:
                         waiting[2].give_up()      # and its compile too, if nobody else waits for it
                 self.llm.abort_request(msg["ids"])
-                self._handoff.difference_update(msg["ids"])
+                for rid in msg["ids"]:
+                    self._handoff.pop(rid, None)
                 changed = True
             elif msg["op"] == "add":
                 item = self._add(msg, dead)
@@ -292,7 +295,7 @@ class EngineLoop:
                                   priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None,
                                   resume=resume, kv=kv)
             if msg.get("handoff"):
-                self._handoff.update(msg["ids"])
+                self._handoff.update(dict.fromkeys(msg["ids"], msg["handoff"] == "pool"))
             if kv is not None:
                 from nanovllm_tp.engine.kv_transfer import note_import
                 for entries in kv:

@@ -123,7 +123,9 @@ class _RouterCollector:
                  self.replicas.kv_bytes_migrated),
                 ("router_requests_handed_off", "Streams a prefill replica handed to a decode replica with their KV "
                  "after their first tokens (--replica-roles).", self.replicas.num_handed_off),
-                ("router_kv_handoff_bytes", "Bytes of the KV payloads those streams moved with.",
+                ("router_kv_handoff_bytes", "Bytes of the payloads those streams moved with through the HTTP "
+                 "process: their state, and their KV where it is not copied from pool to pool (kv_shared_pool; the "
+                 "replicas count the KV bytes as kv_transfer_bytes).",
                  self.replicas.kv_bytes_handed_off)):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -54,6 +54,9 @@ class ReplicaSet:
                          for i, (c, o) in enumerate(endpoints)]
         self.router = make_router(policy, len(self.replicas), block_size)
         self.roles = roles or ["mixed"] * len(self.replicas)
+        # a hand-off's KV stays in the prefill replica's shared pool for the decode replica to copy where every
+        # replica runs on this host (local sockets); across nodes it travels as bytes
+        self._handoff_kv = "pool" if all(c is None for c in curve) else "bytes"
         for client in self.replicas:
             client.on_handoff = self._handoff
         self.num_handed_off = 0                   # streams a prefill replica handed to a decode replica (/metrics)
@@ -167,8 +170,9 @@ class ReplicaSet:
             for rid, prompt in zip(request_ids, prompts):
                 self._owner[rid] = Placed(replica, prompt, params, priority, lora, moves)
             try:
-                handoff = (self.roles[replica] == "prefill" and params.output_kind == RequestOutputKind.DELTA
-                           and any(c.dead is None and self.roles[i] in DECODES for i, c in enumerate(self.replicas)))
+                handoff = self._handoff_kv if (
+                    self.roles[replica] == "prefill" and params.output_kind == RequestOutputKind.DELTA
+                    and any(c.dead is None and self.roles[i] in DECODES for i, c in enumerate(self.replicas))) else None
                 streams = await self.replicas[replica].submit(request_ids, prompts, params, priority, lora, streams,
                                                               resume, kv, handoff)
             except BaseException as exc:

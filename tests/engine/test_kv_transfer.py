@@ -222,7 +222,7 @@ def _set(path: str, value):
     (_set("completions.0.num_cached_tokens", 10), "completions[0].num_cached_tokens"),
     (lambda d: d["completions"][0]["kv"].update(k=d["completions"][0]["kv"]["k"][:-4]), "completions[0].kv.k"),
     (lambda d: d["completions"][0]["kv"].pop("v"), "completions[0].kv"),
-    (_set("version", 2), "version"),
+    (_set("version", 1), "version"),
     (_set("params.tempreature", 0.5), "params"),
     (lambda d: d.update(prompt_token_ids=[]), "prompt_token_ids"),
     ("truncated", "msgpack"),

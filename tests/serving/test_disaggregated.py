@@ -85,9 +85,11 @@ def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_mode
         sent, written = (counter(metrics, "kv_transfer_blocks_out", 'dp_rank="0"'),
                          counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"'))
         assert 0 < written < sent and counter(metrics, "kv_transfer_blocks_in", 'dp_rank="0"') == 0
-        assert 0 < counter(metrics, "kv_transfer_bytes_out", 'dp_rank="0"') < counter(metrics, "router_kv_handoff_bytes")
-        assert counter(metrics, "kv_transfer_bytes_in", 'dp_rank="1"') == counter(metrics, "kv_transfer_bytes_out",
-                                                                                   'dp_rank="0"')
+        # the KV went from pool to pool (kv_shared_pool): the payloads through the HTTP process are each request's
+        # state, a few kB, and the decode replica copied the blocks it did not hold
+        sent_bytes = counter(metrics, "kv_transfer_bytes_out", 'dp_rank="0"')
+        assert counter(metrics, "router_kv_handoff_bytes") < 4096 * len(cases) < sent_bytes
+        assert sent_bytes * written / sent == counter(metrics, "kv_transfer_bytes_in", 'dp_rank="1"')
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
                        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_greedy.text

@@ -1,0 +1,151 @@
+"""A CPU engine's KV pool in shared memory, which another engine on the same host maps to copy a request's blocks
+from pool to pool (engine/kv_transfer.py's hand-off by reference: no bytes through Python objects or sockets).
+
+The pool is one anonymous memory file (memfd: no name in /dev/shm, so nothing outlives the process on any exit
+path, and no tmpfs size limit applies). Another process of the same user opens it as /proc/<pid>/fd/<fd>. It holds
+
+    [0, HEADER)  b"NVTPKVP1", a 4-byte little-endian length, then a msgpack map: the pool's random token, its shape
+                 [layers, blocks, block_size, kv_heads, head_dim], kv_dtype, and each array's [offset, bytes]
+    stamps       one uint64 per block: the block's version (scheduler/block_manager.py bumps it each time the block
+                 is taken for other tokens)
+    k, v         [layers, blocks, block_size, kv_heads, head_dim] each, in the cache's storage dtype
+    k_scale, v_scale   an 8-bit cache's fp32 scales [layers, blocks, block_size, kv_heads]
+
+A reader copies the blocks it was told of, then reads their stamps: a stamp that moved since the export means the
+exporter took the block for other tokens while it was being read, and the copy is thrown away (the request then
+computes its tokens again). The token, in the payload and in the header, makes sure the file opened is that pool.
+"""
+import mmap
+import os
+import secrets
+import struct
+import warnings
+
+import msgpack
+import numpy as np
+import torch
+
+MAGIC = b"NVTPKVP1"
+HEADER = 4096
+_ALIGN = 4096
+_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class SharedKVPool:
+    """The pool's arrays over one memory file: `create` makes this engine's (zeroed), `open_peer` maps another
+    engine's read-only. `parts`: part name -> tensor (k, v, and the scales of an 8-bit cache); `stamps`: the
+    blocks' versions as a uint64 memoryview."""
+
+    def __init__(self, fd: int, buf: mmap.mmap, header: dict, owner: bool, pid: int):
+        self.fd, self.buf, self.header, self.owner, self.pid = fd, buf, header, owner, pid
+        self.token: str = header["token"]
+        self.num_blocks: int = header["shape"][1]
+        with warnings.catch_warnings():      # a peer's mapping is read-only; it is only read from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.parts = {name: self._tensor(name) for name in header["arrays"] if name != "stamps"}
+        off, size = header["arrays"]["stamps"]
+        self.stamps = memoryview(buf)[off:off + size].cast("Q")
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        off, size = self.header["arrays"][name]
+        shape = self.header["shape"] if name in ("k", "v") else self.header["shape"][:-1]
+        dtype = _STORAGE[self.header["kv_dtype"]] if name in ("k", "v") else torch.float32
+        return torch.frombuffer(self.buf, dtype=torch.uint8, count=size, offset=off).view(dtype).view(*shape)
+
+    @classmethod
+    def create(cls, shape: tuple[int, ...], kv_dtype: str, scaled: bool) -> "SharedKVPool":
+        """This engine's pool of `shape` [layers, blocks, block_size, kv_heads, head_dim] in storage `kv_dtype`
+        (`scaled`: with fp32 scales), zeroed. OSError when the memory file cannot be made or filled."""
+        value_bytes = torch.empty((), dtype=_STORAGE[kv_dtype]).element_size()
+        values = int(np.prod(shape)) * value_bytes
+        scales = int(np.prod(shape[:-1])) * 4
+        arrays, off = {}, HEADER
+        for name, size in (("stamps", shape[1] * 8), ("k", values), ("v", values),
+                           *((("k_scale", scales), ("v_scale", scales)) if scaled else ())):
+            arrays[name] = [off, size]
+            off = _align(off + size)
+        header = {"token": secrets.token_hex(16), "shape": list(shape), "kv_dtype": kv_dtype, "arrays": arrays}
+        fd = os.memfd_create("nanovllm-tp-kv-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, off)
+            os.posix_fallocate(fd, 0, off)     # ENOSPC here, not SIGBUS at a page's first write
+            buf = mmap.mmap(fd, off, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)    # no page fault at first use
+        except BaseException:
+            os.close(fd)
+            raise
+        meta = msgpack.packb(header)
+        buf[:len(MAGIC) + 4 + len(meta)] = MAGIC + struct.pack("<I", len(meta)) + meta
+        return cls(fd, buf, header, owner=True, pid=os.getpid())
+
+    def ref(self) -> dict:
+        """What a payload carries for another engine to open this pool."""
+        return {"pid": self.pid, "fd": self.fd, "token": self.token}
+
+    @classmethod
+    def open_peer(cls, ref: dict) -> "SharedKVPool":
+        """Another engine's pool on this host from its `ref` (pid, fd, token), mapped read-only. ValueError when it
+        cannot be opened (its engine is gone) or is not that pool."""
+        pid, fd, token = ref["pid"], ref["fd"], ref["token"]
+        try:
+            peer = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ValueError(f"the KV pool of process {pid} cannot be opened ({exc.strerror})") from None
+        try:
+            size = os.fstat(peer).st_size
+            if size < HEADER:
+                raise ValueError(f"process {pid}'s fd {fd} is not a KV pool")
+            # mapped whole and at once: the first copies from it then take no page faults
+            buf = mmap.mmap(peer, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        except OSError as exc:
+            raise ValueError(f"the KV pool of process {pid} cannot be mapped ({exc.strerror})") from None
+        finally:
+            os.close(peer)
+        header = _read_header(buf, size)
+        if header is None or header.get("token") != token:
+            buf.close()           # nothing views it yet
+            raise ValueError(f"process {pid}'s fd {fd} is not the KV pool the payload names")
+        return cls(-1, buf, header, owner=False, pid=pid)
+
+    def close(self) -> None:
+        """Let go of the pool: the mapping goes with the last tensor that views it (each holds the mmap object;
+        closing it under them would leave them pointing at nothing), and the engine's own memory file is closed
+        (a peer that opens its fd number afterwards finds another file, or none, and no token)."""
+        self.parts, self.stamps, self.buf = {}, None, None
+        if self.owner and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _read_header(buf: mmap.mmap, size: int) -> dict | None:
+    """The header map of a pool file, every array inside the file, or None."""
+    if bytes(buf[:len(MAGIC)]) != MAGIC:
+        return None
+    length, = struct.unpack_from("<I", buf, len(MAGIC))
+    if length > HEADER - len(MAGIC) - 4:
+        return None
+    try:
+        header = msgpack.unpackb(bytes(buf[len(MAGIC) + 4:len(MAGIC) + 4 + length]))
+    except Exception:
+        return None
+    if not isinstance(header, dict) or not isinstance(header.get("token"), str):
+        return None
+    shape, arrays = header.get("shape"), header.get("arrays")
+    if not (isinstance(shape, list) and len(shape) == 5 and all(isinstance(n, int) and n > 0 for n in shape)
+            and header.get("kv_dtype") in _STORAGE and isinstance(arrays, dict) and "stamps" in arrays):
+        return None
+    for name, span in arrays.items():
+        if name not in ("stamps", "k", "v", "k_scale", "v_scale") or not (
+                isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) and n >= 0 for n in span)
+                and span[0] + span[1] <= size):
+            return None
+    value_bytes = torch.empty((), dtype=_STORAGE[header["kv_dtype"]]).element_size()
+    values, scales = int(np.prod(shape)) * value_bytes, int(np.prod(shape[:-1])) * 4
+    want = {"stamps": shape[1] * 8, "k": values, "v": values, "k_scale": scales, "v_scale": scales}
+    if any(span[1] != want[name] for name, span in arrays.items()):
+        return None
+    return header

@@ -2,7 +2,8 @@
 raise at a chosen step, so the test can check that the worker's error text reaches rank 0; or makes a spawned
 rank exit before it joins anything, as a worker that cannot import the package would; or makes a spawned rank
 kill its rank 0 (kill -9) at a chosen moment of its start: before it joins the store ("start") or right after
-("joined", when it goes on to wait for rank 0 in the process group)."""
+("joined", when it goes on to wait for rank 0 in the process group); or makes a prefill replica die right after a
+hand-off, and the replica copying its blocks wait, so that the copy finds that pool gone."""
 import os
 import sys
 
@@ -39,3 +40,55 @@ if os.environ.get("NVTP_TEST_FAIL_RANK") and os.environ.get("NVTP_TEST_FAIL_RANK
         return _execute(self, plan)
 
     model_runner.ModelRunner.execute = execute
+
+
+def _after_import(name: str, patch) -> None:
+    """Run patch(module) once module `name` has been imported (at start-up the package is not imported yet)."""
+    import importlib.abc
+    import importlib.util
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                patch(module)
+            spec.loader.exec_module = exec_module
+            return spec
+    sys.meta_path.insert(0, Finder())
+
+
+if os.environ.get("NVTP_TEST_DIE_AFTER_HANDOFF"):
+    # a prefill replica kills itself (kill -9) half a second after its first hand-off by reference, once (the
+    # variable names a marker file): its hand-off message is out, and its pool goes with it
+    def _die_after_export(kv_transfer):
+        export = kv_transfer.export_request
+
+        def export_request(llm, request_id, by_reference=False):
+            out = export(llm, request_id, by_reference)
+            marker = os.environ["NVTP_TEST_DIE_AFTER_HANDOFF"]
+            if by_reference and not os.path.exists(marker):
+                import signal
+                import threading
+                open(marker, "w").close()
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return out
+        kv_transfer.export_request = export_request
+    _after_import("nanovllm_tp.engine.kv_transfer", _die_after_export)
+
+if os.environ.get("NVTP_TEST_SLOW_POOL_COPY"):
+    # an engine copying blocks from another's pool waits this many seconds first
+    def _slow_copy(kv_blocks):
+        copy = kv_blocks.copy_from_peer
+
+        def copy_from_peer(*args):
+            import time
+            time.sleep(float(os.environ["NVTP_TEST_SLOW_POOL_COPY"]))
+            return copy(*args)
+        kv_blocks.copy_from_peer = copy_from_peer
+    _after_import("nanovllm_tp.workers.kv_blocks", _slow_copy)

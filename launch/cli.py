@@ -52,6 +52,7 @@ BENCHES = {
     "limits": ("nanovllm_tp.bench.limits", "what hostile clients cost the server"),
     "chaos": ("nanovllm_tp.bench.chaos", "ranks of data-parallel replicas killed under load"),
     "disagg": ("nanovllm_tp.bench.disagg", "disaggregated prefill/decode against colocated replicas; the KV transfer"),
+    "restart": ("nanovllm_tp.bench.restart", "a rolling restart under load: streams moved with their KV, or computed again"),
     "threads": ("nanovllm_tp.bench.threads", "the default CPU thread count against fixed ones, quiet and busy"),
 }
 
@@ -62,6 +63,7 @@ BENCH_NEEDS = {
     "serve": ("aiohttp", "httpx"),
     "chaos": ("httpx",),
     "disagg": ("httpx",),
+    "restart": ("httpx",),
     "limits": ("httpx",),
     "json": ("jsonschema",),
     "struct-validity": ("openai", "jsonschema"),

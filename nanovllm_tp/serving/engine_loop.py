@@ -150,13 +150,14 @@ class EngineLoop:
         self._send({"op": "dead", "why": why})
         return self.exit_when_dead
 
-    def stop(self, why: str, restart: bool = False) -> None:
+    def stop(self, why: str, restart: bool = False, migrate: bool = True) -> None:
         """The server is going away: every open request ends with this error (the HTTP process answers 503);
         `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
         blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing. A restarting
         replica first sends the HTTP process its open requests with their KV ("migrate": engine/kv_transfer.py's
-        payloads), so that the replicas they move to go on decoding them without computing them again."""
-        if restart:
+        payloads), so that the replicas they move to go on decoding them without computing them again; not with
+        `migrate` false (--no-migrate-kv-on-restart): they compute them again there."""
+        if restart and migrate:
             self._migrate_out()
         self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
 

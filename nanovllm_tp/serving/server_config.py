@@ -95,6 +95,9 @@ class ServerConfig:
                                                 "requests' prompts and first tokens, then hands each stream's KV to a "
                                                 "decode replica), decode, or mixed (both: the default); e.g. "
                                                 "prefill,decode", metavar="ROLES")
+    migrate_kv_on_restart: bool = knob(True, help="on a rolling restart (SIGHUP), a replica's open streams move "
+                                                  "to the others with their KV (off: the replicas they move to "
+                                                  "compute their prompts and output so far again)")
     restart_dead_replicas: bool = knob(True, help="start a replica again when its process dies (the others serve "
                                                   "meanwhile)")
     # liveness and shutdown

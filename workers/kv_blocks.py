@@ -7,6 +7,7 @@ the same arrays over its blocks only, in its block-table order, as raw bytes of 
 and fp8 moved bit for bit, as bytes: torch indexes them as uint8).
 """
 import os
+import threading
 import warnings
 from collections import OrderedDict
 
@@ -114,6 +115,7 @@ def _peer(ref: dict) -> SharedKVPool | None:
             peer = SharedKVPool.open_peer(ref)
         except ValueError:
             return None
+        threading.Thread(target=peer.populate, name="nvtp-kv-peer-populate", daemon=True).start()
         _PEERS[ref["token"]] = peer
         while len(_PEERS) > _MAX_PEERS:
             _PEERS.popitem(last=False)[1].close()

@@ -300,13 +300,15 @@ class LLM:
                 raise ValueError(f"prompt {i} is not valid Unicode text ({exc.reason} at index {exc.start})") from None
             text, ids = p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
         elif isinstance(p, (list, tuple)):
-            bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
+            # plain ints: one fast pass (a long prompt's ids are checked in microseconds), then the slow one
+            bad = None if all(type(t) is int for t in p) else next(
+                (t for t in p if isinstance(t, bool) or not isinstance(t, int)), None)
             if bad is not None:
                 raise TypeError(f"prompt {i}: token ids must be ints, got {type(bad).__name__}")
             text, ids = None, list(p)
-            out_of_range = [t for t in ids if not 0 <= t < vocab]
-            if out_of_range:
-                raise ValueError(f"prompt {i}: token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                first = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"prompt {i}: token id {first} is outside the vocabulary [0, {vocab})")
         else:
             raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:

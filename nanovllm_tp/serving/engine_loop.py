@@ -33,6 +33,7 @@ IDLE_POLL_MS = 200
 HEARTBEAT_S = 1.0
 COMPILE_POLL_MS = 2        # how often an idle loop looks at compiles in flight
 SEND_WAIT_MS = 100         # a send that cannot go out (HTTP process slow, or gone) re-checks its peer this often
+RESTART_LINGER_MS = 30_000  # how long a restarting replica waits for its migrated requests to reach the HTTP process
 
 
 class HttpProcessGone(Exception):
@@ -85,6 +86,7 @@ class EngineLoop:
                 self._gate.secure(sock)
             sock.bind(endpoint)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._linger_ms = 0                     # how long close() waits for queued messages
         self._last_stats = dict(wire.NO_STATS)
         self._prompt_sent: set[str] = set()    # running requests whose prompt went out with an earlier output
         self._last_sent = time.monotonic()
@@ -160,6 +162,8 @@ class EngineLoop:
         if restart and migrate:
             self._migrate_out()
         self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
+        if restart:     # what was queued must reach the HTTP process before the sockets close (close() waits)
+            self._linger_ms = RESTART_LINGER_MS
 
     def _send_now(self, msg: dict) -> None:
         """Send without waiting: while stopping, an HTTP process that is gone or not reading gets nothing."""
@@ -224,9 +228,12 @@ class EngineLoop:
         return wire.output_to_wire(out, with_prompt=first)
 
     def close(self) -> None:
+        """Close the sockets: at once (what is queued is dropped), or after a rolling restart's stop, once the
+        migrated requests and the last word went out (a few hundred MB of KV take a moment), at most
+        RESTART_LINGER_MS."""
         if self._gate is not None:
             self._gate.close()
-        self._ctx.destroy(linger=0)
+        self._ctx.destroy(linger=self._linger_ms)
 
     def _send(self, msg: dict) -> None:
         data = wire.pack(msg)

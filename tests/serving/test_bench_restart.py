@@ -12,9 +12,10 @@ pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 
 def test_a_rolling_restart_by_migration_and_by_reprefill(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "restart.json"
-    # long enough streams (8 x 400 tokens on one thread a replica) that replica 0 stops while they run
-    result = restart.main(["--model", tiny_model_dir, "--max-model-len", "512", "--streams", "8",
-                           "--prompt-tokens", "100", "--max-tokens", "400", "--before", "10", "--out", str(out)])
+    # long enough streams (8 x 400 tokens on one thread a replica) that replica 0 stops while they run, and long
+    # enough prompts (600 tokens) that the migrated KV (about 5 MB) outlasts a socket closed at once
+    result = restart.main(["--model", tiny_model_dir, "--max-model-len", "1024", "--streams", "8",
+                           "--prompt-tokens", "600", "--max-tokens", "400", "--before", "10", "--out", str(out)])
     points = {p["mode"]: p for p in result["points"]}
     assert sorted(points) == ["migrate", "none", "reprefill"]
     for p in points.values():

@@ -13,8 +13,9 @@ Modes, one server each, interleaved over --repeats:
 
 Per mode: requests failed (an error event, a non-200, no [DONE]); per stream, the longest gap between two of its
 chunks (the stall a move caused) and its time from first to last token; the added latency is the median of the
-latter against `none`'s. The server's counters say how many streams moved with their KV (router_requests_migrated)
-and how many were resumed in all (router_requests_resumed).
+latter against `none`'s. The server's counters say how many streams moved with their KV (router_requests_migrated),
+how many were resumed in all (router_requests_resumed), and the bytes of the migrated payloads that crossed the
+HTTP process (router_kv_migrated_bytes: each request's state, the KV itself copied from pool to pool on one host).
 """
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def point(args, mode: str, prompts: list[list[int]]) -> dict:
                     break
                 time.sleep(0.2)
         migrated, resumed = counter(base, "router_requests_migrated"), counter(base, "router_requests_resumed")
+        through_http = counter(base, "router_kv_migrated_bytes")     # payloads: state, and KV sent as bytes
     finally:
         serve_process.stop(proc)
     gaps = [max(b - a for a, b in zip(s.times, s.times[1:])) for s in streams if len(s.times) > 1]
@@ -111,6 +113,7 @@ def point(args, mode: str, prompts: list[list[int]]) -> dict:
     return {"mode": mode, "failed": [s.why for s in streams if s.why], "streams": len(streams),
             "max_gap_p50_s": statistics.median(gaps), "max_gap_max_s": max(gaps),
             "span_p50_s": statistics.median(spans), "migrated": migrated, "resumed": resumed,
+            "migrated_payload_bytes": through_http,
             "restart_s": restarted}
 
 

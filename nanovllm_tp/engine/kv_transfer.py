@@ -197,13 +197,14 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
     return out
 
 
-def export_all(llm) -> dict[str, bytes]:
-    """Every open generation request of `llm` that can move, exported (export_request): {request id: payload}. The
-    others (an embedding, a LoRA request, an engine that cannot move KV) stay where they are."""
+def export_all(llm, by_reference: bool = False) -> dict[str, bytes]:
+    """Every open generation request of `llm` that can move, exported (export_request; `by_reference` as there):
+    {request id: payload}. The others (an embedding, a LoRA request, an engine that cannot move KV) stay where they
+    are."""
     out = {}
     for request_id in list(llm._requests):
         try:
-            out[request_id] = export_request(llm, request_id)
+            out[request_id] = export_request(llm, request_id, by_reference)
         except ValueError:
             continue
     return out

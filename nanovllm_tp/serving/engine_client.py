@@ -6,6 +6,7 @@ merged with the next, so a client slower than the engine gets fewer, larger chun
 serving costs less per token as the load grows.
 """
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -248,6 +249,12 @@ class EngineClient:
             await done
         finally:
             self._accepting.pop(key, None)
+
+    async def release(self) -> None:
+        """Tell this restarting replica that the requests it migrated by reference have been copied out of its KV
+        pool (or will not be): it may exit (engine_loop._await_release)."""
+        with contextlib.suppress(zmq.ZMQError):
+            await self._commands.send(wire.pack({"op": "released"}), zmq.NOBLOCK)
 
     def abort(self, request_ids) -> None:
         """Abort requests (their client went away); they leave the engine before its next step."""

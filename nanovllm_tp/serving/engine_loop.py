@@ -34,6 +34,7 @@ HEARTBEAT_S = 1.0
 COMPILE_POLL_MS = 2        # how often an idle loop looks at compiles in flight
 SEND_WAIT_MS = 100         # a send that cannot go out (HTTP process slow, or gone) re-checks its peer this often
 RESTART_LINGER_MS = 30_000  # how long a restarting replica waits for its migrated requests to reach the HTTP process
+RELEASE_WAIT_S = 30.0       # and for the replicas they moved to to copy their KV out of its pool
 
 
 class HttpProcessGone(Exception):
@@ -159,11 +160,12 @@ class EngineLoop:
         replica first sends the HTTP process its open requests with their KV ("migrate": engine/kv_transfer.py's
         payloads), so that the replicas they move to go on decoding them without computing them again; not with
         `migrate` false (--no-migrate-kv-on-restart): they compute them again there."""
-        if restart and migrate:
-            self._migrate_out()
+        by_reference = restart and migrate and self._migrate_out()
         self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
         if restart:     # what was queued must reach the HTTP process before the sockets close (close() waits)
             self._linger_ms = RESTART_LINGER_MS
+        if by_reference:
+            self._await_release()
 
     def _send_now(self, msg: dict) -> None:
         """Send without waiting: while stopping, an HTTP process that is gone or not reading gets nothing."""
@@ -172,15 +174,34 @@ class EngineLoop:
         except zmq.ZMQError:
             pass
 
-    def _migrate_out(self) -> None:
+    def _migrate_out(self) -> bool:
+        """Send the open requests with their KV ("migrate"); True when the KV stayed in this replica's shared
+        pool for the other replicas to copy (every replica on this host: the HTTP process's sockets are local),
+        so that this process must stay until they have (_await_release)."""
         from nanovllm_tp.engine.kv_transfer import export_all
+        by_reference = self._gate is None and self.llm.engine.runner.kv_pool is not None
         try:
-            payloads = export_all(self.llm)
+            payloads = export_all(self.llm, by_reference)
         except Exception as exc:          # a failed engine: its requests are computed again where they go
             log.warning("engine loop: the open requests move without their KV (%s)", exc)
-            return
+            return False
         if payloads:
             self._send_now({"op": "migrate", "payloads": payloads})
+        return by_reference and bool(payloads)
+
+    def _await_release(self) -> None:
+        """A restarting replica whose migrated requests' KV stays in its pool: wait until the HTTP process says
+        the replicas they moved to have copied it ("released"), at most RELEASE_WAIT_S, or until the HTTP process
+        is gone. A request whose copy finds this pool gone computes its KV again where it went."""
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while time.monotonic() < deadline and self._http_alive():
+            if not self._commands.poll(SEND_WAIT_MS):
+                continue
+            msg = wire.unpack(self._commands.recv(copy=False).buffer)
+            if msg.get("op") == "released":
+                return
+        log.warning("engine loop: the migrated requests were not all taken within %.0f s; those not yet copied "
+                    "compute their KV again", RELEASE_WAIT_S)
 
     def _hand_off(self, outs) -> None:
         """A prefill replica's streams that have their first tokens leave with their KV ("handoff": the HTTP process

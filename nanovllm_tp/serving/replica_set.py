@@ -195,7 +195,7 @@ class ReplicaSet:
         resume.py), so the client's stream goes on. Returns the ids taken over (the rest fail with `why`); one
         that finds no replica fails then."""
         batches: dict[tuple, list[str]] = {}
-        taken = set()
+        taken, moves = set(), []
         for rid, stream in streams.items():
             placed = self._owner.get(rid)
             if placed is None or placed.moves >= MAX_MOVES:     # a request that stops every replica it runs on
@@ -207,8 +207,8 @@ class ReplicaSet:
             elif (resume := _resume_state(stream, placed.params.n)) is not None:
                 stream.restart()
                 taken.add(rid)
-                asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream], why, [resume],
-                                                     None if payload is None else [payload]))
+                moves.append(asyncio.ensure_future(self._resubmit(
+                    [rid], [placed.prompt], placed, [stream], why, [resume], None if payload is None else [payload])))
         for ids in batches.values():
             first = self._owner[ids[0]]
             for stream in (streams[rid] for rid in ids):
@@ -216,6 +216,9 @@ class ReplicaSet:
             asyncio.ensure_future(self._resubmit(ids, [self._owner[rid].prompt for rid in ids], first,
                                                  [streams[rid] for rid in ids], why))
             taken.update(ids)
+        for client in self.replicas:       # a restarting replica whose migrated KV stays in its pool: it may go
+            if client.migrated:            # once the replicas its requests moved to have copied it
+                asyncio.ensure_future(_release_after(client, moves))
         return taken
 
     async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
@@ -321,3 +324,10 @@ def _resume_state(stream: RequestStream, n: int, unread: bool = False) -> list |
         return None
     stream.extra_tokens = done_tokens
     return rows
+
+
+async def _release_after(client, moves: list) -> None:
+    """Once these resubmissions have been accepted (the replicas they went to copied their KV then) or failed,
+    tell the restarting replica `client` it may exit."""
+    await asyncio.gather(*moves, return_exceptions=True)
+    await client.release()

@@ -140,6 +140,7 @@ class EngineClient:
         self._accepted_since_stats = 0
         self.migrated: dict[str, bytes] = {}      # a restarting replica's open requests with their KV ("migrate")
         self.on_handoff = None    # callback(request id, stream, payload): a prefill replica handed a request over
+        self.on_stats = None      # callback(): the engine's figures just came (the router's rebalancing looks)
 
     async def wait_ready(self) -> dict:
         """The engine's first message, once it is up: what it serves (model path, max_model_len)."""
@@ -250,6 +251,20 @@ class EngineClient:
         finally:
             self._accepting.pop(key, None)
 
+    async def move(self, request_ids: list[str], by_reference: bool) -> None:
+        """Ask the engine to hand these running streams over after their next outputs, with their KV (by
+        reference to its shared pool, or as bytes), as a prefill replica does ("handoff"): the router's
+        rebalancing (replica_set.py)."""
+        if not self.dead:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._commands.send(wire.pack({"op": "move", "ids": request_ids,
+                                                     "kv": "pool" if by_reference else "bytes"}), zmq.NOBLOCK)
+
+    def movable(self) -> list[str]:
+        """Its open streams that have sent output and are going on (what rebalancing may move), oldest first."""
+        return [rid for rid, s in self._open.items() if s.merge and s.read and not s.ended and s.error is None
+                and rid not in self._unaccepted]
+
     async def release(self) -> None:
         """Tell this restarting replica that the requests it migrated by reference have been copied out of its KV
         pool (or will not be): it may exit (engine_loop._await_release)."""
@@ -276,6 +291,8 @@ class EngineClient:
                 self.stats, self._accepted_since_stats = msg["stats"], 0
                 for row in msg["outputs"]:
                     self._deliver(wire.output_from_wire(row))
+                if self.on_stats is not None:
+                    self.on_stats()
             elif op == "accepted":
                 for request_id, error, kind in msg["items"]:
                     future = self._accepting.get(request_id)

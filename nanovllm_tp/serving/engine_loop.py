@@ -292,6 +292,10 @@ class EngineLoop:
                 if item is not None:
                     accepted.append(item)
                 changed = True
+            elif msg["op"] == "move" and not dead:     # rebalancing: running streams leave after their outputs
+                from nanovllm_tp.engine.kv_transfer import has_first_tokens
+                self._handoff.update({rid: msg["kv"] == "pool" for rid in msg["ids"]
+                                      if has_first_tokens(self.llm, rid)})
             elif msg["op"] in ("lora_load", "lora_unload"):
                 accepted.append(self._lora(msg, dead))
         if accepted:

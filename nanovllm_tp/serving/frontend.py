@@ -94,7 +94,8 @@ def main(argv=None) -> None:
     else:
         engine = ReplicaSet(list(zip(args.commands, args.outputs)), config.max_waiting_requests, config.router,
                             curve=replica_curves(args.commands),
-                            roles=replica_roles(config.replica_roles, len(args.commands)))
+                            roles=replica_roles(config.replica_roles, len(args.commands)),
+                            rebalance=config.rebalance)
     state = {"server": None}
 
     def orphaned() -> bool:

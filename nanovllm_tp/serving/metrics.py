@@ -121,6 +121,8 @@ class _RouterCollector:
                  "restart's) and were not computed again.", self.replicas.num_migrated),
                 ("router_kv_migrated_bytes", "Bytes of the KV payloads those requests moved with.",
                  self.replicas.kv_bytes_migrated),
+                ("router_requests_rebalanced", "Running streams moved with their KV off a replica that queued "
+                 "requests to one with room (--rebalance).", self.replicas.num_rebalanced),
                 ("router_requests_handed_off", "Streams a prefill replica handed to a decode replica with their KV "
                  "after their first tokens (--replica-roles).", self.replicas.num_handed_off),
                 ("router_kv_handoff_bytes", "Bytes of the payloads those streams moved with through the HTTP "

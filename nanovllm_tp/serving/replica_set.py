@@ -13,6 +13,13 @@ error (EngineDead, with their reasons). A request that has moved MAX_MOVES times
 at the next stop: a request that crashes every engine it reaches must not take every replica down in turn. When
 the server restarts it, the replica says "ready" again on the same sockets and takes requests again, its prefix
 record in the router forgotten. Adapter loads and unloads go to every live replica.
+
+Rebalancing (--rebalance, on by default): when a replica that decodes queues requests (some waiting while it runs
+others: its KV pool or its sequence slots are full) and another has room (nothing waiting, under half its KV in use,
+a free slot), up to MAX_REBALANCE of the first one's newest running streams move to the replicas with room, with
+their KV (copied from pool to pool on one host), as a prefill replica's hand-off does; the requests queued behind
+them start sooner. At most one such move per replica is under way, and the router looks again REBALANCE_EVERY_S
+later.
 """
 import asyncio
 import logging
@@ -28,6 +35,8 @@ log = logging.getLogger("nanovllm_tp")
 REPLICA_WAIT_S = 60.0      # how long a request waits for a replica to come back while none is up
 MAX_MOVES = 3              # a request moved this often ends with its replica's error: it may be what kills them
 WAIT_POLL_S = 0.1
+REBALANCE_EVERY_S = 0.25   # how often the router looks for a replica that queues while another has room
+MAX_REBALANCE = 4          # streams moved off one replica at a time
 
 
 @dataclass(slots=True)
@@ -43,7 +52,8 @@ class Placed:
 
 class ReplicaSet:
     def __init__(self, endpoints: list[tuple[str, str]], max_waiting_requests: int, policy: str,
-                 block_size: int = 16, curve: list | None = None, roles: list[str] | None = None):
+                 block_size: int = 16, curve: list | None = None, roles: list[str] | None = None,
+                 rebalance: bool = True):
         """`endpoints`: (commands, outputs) of each replica's engine loop, in replica order; `curve`: each
         replica's CURVE keys for EngineClient (None where its sockets are local); `roles`: each replica's role
         (replica_roles.py; default: every one mixed)."""
@@ -59,6 +69,11 @@ class ReplicaSet:
         self._handoff_kv = "pool" if all(c is None for c in curve) else "bytes"
         for client in self.replicas:
             client.on_handoff = self._handoff
+            client.on_stats = self._rebalance
+        self.rebalance = rebalance
+        self._rebalance_at = 0.0
+        self._rebalancing: set[str] = set()      # streams asked to move off their replica, until they do
+        self.num_rebalanced = 0                   # streams moved to a replica with room (/metrics)
         self.num_handed_off = 0                   # streams a prefill replica handed to a decode replica (/metrics)
         self.kv_bytes_handed_off = 0              # and the bytes of their payloads
         self._owner: dict[str, Placed] = {}      # open request id -> where it runs
@@ -222,18 +237,23 @@ class ReplicaSet:
         return taken
 
     async def _resubmit(self, ids: list[str], prompts: list, placed: Placed, streams: list, why: str,
-                        resume: list | None = None, kv: list | None = None, handoff: bool = False) -> None:
+                        resume: list | None = None, kv: list | None = None, handoff: bool = False,
+                        rebalanced: bool = False) -> None:
         """Place requests of a replica that stopped (or, `handoff`, that a prefill replica handed over: onto a
-        decode replica) elsewhere; the ones no replica takes fail with `why`."""
+        decode replica; `rebalanced`: that a replica that queues handed over, onto another) elsewhere; the ones
+        no replica takes fail with `why`."""
         self._moving.update(ids)
         try:
             await self._place(ids, prompts, placed.params, placed.priority, placed.lora, streams,
-                              avoid=() if handoff else (placed.replica,), resume=resume,
+                              avoid=() if handoff and not rebalanced else (placed.replica,), resume=resume,
                               moves=placed.moves + (not handoff), kv=kv, roles=DECODES if handoff else PREFILLS)
             gone = self._abandoned.intersection(ids)      # their clients left while they moved
             self._moving.difference_update(ids)
             self._abandoned.difference_update(ids)
             self.abort(gone)
+            if rebalanced:
+                self.num_rebalanced += len(ids)
+                return
             if handoff:
                 self.num_handed_off += len(ids)
                 self.kv_bytes_handed_off += sum(len(raw) for raw in kv)
@@ -254,6 +274,34 @@ class ReplicaSet:
                 self._owner.pop(rid, None)
                 stream.fail(EngineDead(why if isinstance(exc, EngineDead) else f"{why}; {exc}"))
 
+    def _rebalance(self) -> None:
+        """Move running streams off a replica that queues to those with room (the module's note): called as each
+        replica's figures come in, looking at most every REBALANCE_EVERY_S."""
+        now = time.monotonic()
+        if not self.rebalance or now < self._rebalance_at:
+            return
+        self._rebalance_at = now + REBALANCE_EVERY_S
+        self._rebalancing.intersection_update(self._owner)       # those that finished before they moved
+        loads = self._loads(None)
+        decodes = [i for i, load in enumerate(loads) if load.alive and self.roles[i] in DECODES]
+        room = [i for i in decodes if loads[i].waiting == 0 and loads[i].pending == 0 and loads[i].kv_usage < 0.5
+                and (not loads[i].max_seqs or loads[i].running < loads[i].max_seqs)]
+        if not room:
+            return
+        busy = {self._owner[rid].replica for rid in self._rebalancing}
+        for i in decodes:
+            load = loads[i]
+            if i in room or i in busy or load.waiting == 0 or load.running == 0:
+                continue
+            ids = [rid for rid in self.replicas[i].movable() if rid not in self._moving]
+            ids = ids[-min(load.waiting, MAX_REBALANCE, len(room) * MAX_REBALANCE):]
+            if not ids:
+                continue
+            self._rebalancing.update(ids)
+            log.info("rebalancing: replica %d queues %d request(s): %d of its streams move to replica(s) %s",
+                     i, load.waiting, len(ids), ", ".join(map(str, room)))
+            asyncio.ensure_future(self.replicas[i].move(ids, self._handoff_kv == "pool"))
+
     def _handoff(self, rid: str, stream: RequestStream, payload: bytes) -> None:
         """A prefill replica handed request `rid` over with its KV, after the outputs of its first tokens: it goes
         on on a decode replica from every token its stream was given (read or not), the stream the same."""
@@ -265,9 +313,11 @@ class ReplicaSet:
                 stream.fail(EngineDead(f"replica {placed.replica} handed over a request it could not resume"))
             return
         self._moving.add(rid)         # an abort from now on finds it on its way
+        rebalanced = rid in self._rebalancing
+        self._rebalancing.discard(rid)
         asyncio.ensure_future(self._resubmit([rid], [placed.prompt], placed, [stream],
                                              f"replica {placed.replica} handed the request over", [resume],
-                                             [payload], handoff=True))
+                                             [payload], handoff=True, rebalanced=rebalanced))
 
     async def lora(self, op: str, lora: list) -> None:
         """Every live replica loads (checks) or unloads the adapter; the first refusal propagates."""

@@ -95,6 +95,9 @@ class ServerConfig:
                                                 "requests' prompts and first tokens, then hands each stream's KV to a "
                                                 "decode replica), decode, or mixed (both: the default); e.g. "
                                                 "prefill,decode", metavar="ROLES")
+    rebalance: bool = knob(True, help="with -dp: when a replica queues requests (its KV or its sequence slots "
+                                      "full) while another has room, move some of its running streams there with "
+                                      "their KV")
     migrate_kv_on_restart: bool = knob(True, help="on a rolling restart (SIGHUP), a replica's open streams move "
                                                   "to the others with their KV (off: the replicas they move to "
                                                   "compute their prompts and output so far again)")

@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import subprocess
+import threading
+import time
 
 import httpx
 import pytest
@@ -196,3 +198,35 @@ def test_two_torchrun_nodes_hand_off_over_the_network(tiny_model_dir, invariant_
         node0.send_signal(signal.SIGTERM)
         node0.wait(timeout=60)
         assert node1.wait(timeout=60) == 0, open(tmp_path / "node1.log").read()[-3000:]
+
+
+def test_a_replica_that_queues_moves_streams_to_one_with_room(tiny_model_dir, invariant_llm):
+    """Rebalancing: -dp 2, one sequence slot a replica, round-robin; replica 0 gets five long streams (four
+    wait), replica 1 four short ones, done at once. Replica 0 queues while replica 1 has room: its running stream
+    moves there with its KV, a waiting one starts; every text equals the undisturbed engine's."""
+    long_params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    prompts = [f"{PROMPT} {i}" for i in range(9)]
+    want = [invariant_llm.generate([p], long_params if i % 2 == 0 else SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text for i, p in enumerate(prompts)]
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
+                             "--max-num-seqs", "1", "--batch-invariant", "--max-model-len", "1024")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        got = [None] * len(prompts)
+
+        def run(i):
+            got[i] = streamed(port, {"model": "tiny", "prompt": prompts[i], "max_tokens": 900 if i % 2 == 0 else 8,
+                                     "temperature": 0, "ignore_eos": True})[0][0]
+        threads = []
+        for i in range(len(prompts)):          # in order: the even ones to replica 0, the odd ones to replica 1
+            threads.append(threading.Thread(target=run, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        assert got == want
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert counter(metrics, "router_requests_rebalanced") >= 1
+        assert counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"') > 0
+        assert counter(metrics, "kv_transfer_blocks_out", 'dp_rank="0"') > 0
+        sigterm_exits_0(proc)

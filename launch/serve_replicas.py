@@ -199,7 +199,8 @@ def _run_replica(args, server: ServerConfig, loras, name: str, make_loop, restar
         if signals.received:
             loop.stop(f"{name} is shutting down ({signal.Signals(signals.received[0]).name})")
         elif restart():
-            loop.stop(f"{name} is restarting", restart=True, migrate=server.migrate_kv_on_restart)
+            loop.stop(f"{name} is restarting", restart=True, migrate=server.migrate_kv_on_restart,
+                      interrupted=lambda: bool(signals.received))
     finally:
         if loop is not None:
             loop.close()

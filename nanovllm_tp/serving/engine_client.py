@@ -119,6 +119,7 @@ class EngineClient:
         self.on_finished = on_finished           # callback(RequestOutput) for every finished request (metrics)
         self.name, self.on_gone, self.rescue = name, on_gone, rescue
         self.dead: str | None = None
+        self.shut_down = False          # it stopped because the server is stopping (no coming back)
         self._starting = False
         self.stats = dict(wire.NO_STATS)
         self._ctx = zmq.asyncio.Context()
@@ -315,7 +316,7 @@ class EngineClient:
             elif op == "ready" and self.dead is not None:      # a replica up late, or restarted on the same sockets
                 (log.info if self._starting else log.warning)("%s is %s", self.name,
                                                               "ready" if self._starting else "back")
-                self.dead, self._starting = None, False
+                self.dead, self._starting, self.shut_down = None, False, False
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is None:          # only a request's first output carries its prompt (wire.py)
@@ -338,6 +339,7 @@ class EngineClient:
         if self.dead:
             return
         self.dead = why
+        self.shut_down = shutdown
         (log.info if shutdown or restart else log.error)("%s loop: %s", self.name, why)
         exc = EngineDead(why)
         taken = set()

@@ -153,19 +153,20 @@ class EngineLoop:
         self._send({"op": "dead", "why": why})
         return self.exit_when_dead
 
-    def stop(self, why: str, restart: bool = False, migrate: bool = True) -> None:
+    def stop(self, why: str, restart: bool = False, migrate: bool = True, interrupted=lambda: False) -> None:
         """The server is going away: every open request ends with this error (the HTTP process answers 503);
         `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
         blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing. A restarting
         replica first sends the HTTP process its open requests with their KV ("migrate": engine/kv_transfer.py's
         payloads), so that the replicas they move to go on decoding them without computing them again; not with
-        `migrate` false (--no-migrate-kv-on-restart): they compute them again there."""
+        `migrate` false (--no-migrate-kv-on-restart): they compute them again there. `interrupted()`: a stop
+        signal came meanwhile (the wait for the KV's release then ends at once)."""
         by_reference = restart and migrate and self._migrate_out()
         self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
         if restart:     # what was queued must reach the HTTP process before the sockets close (close() waits)
             self._linger_ms = RESTART_LINGER_MS
         if by_reference:
-            self._await_release()
+            self._await_release(interrupted)
 
     def _send_now(self, msg: dict) -> None:
         """Send without waiting: while stopping, an HTTP process that is gone or not reading gets nothing."""
@@ -189,12 +190,13 @@ class EngineLoop:
             self._send_now({"op": "migrate", "payloads": payloads})
         return by_reference and bool(payloads)
 
-    def _await_release(self) -> None:
+    def _await_release(self, interrupted) -> None:
         """A restarting replica whose migrated requests' KV stays in its pool: wait until the HTTP process says
         the replicas they moved to have copied it ("released"), at most RELEASE_WAIT_S, or until the HTTP process
-        is gone. A request whose copy finds this pool gone computes its KV again where it went."""
+        is gone or a stop signal came (`interrupted()`). A request whose copy finds this pool gone computes its KV
+        again where it went."""
         deadline = time.monotonic() + RELEASE_WAIT_S
-        while time.monotonic() < deadline and self._http_alive():
+        while time.monotonic() < deadline and self._http_alive() and not interrupted():
             if not self._commands.poll(SEND_WAIT_MS):
                 continue
             msg = wire.unpack(self._commands.recv(copy=False).buffer)

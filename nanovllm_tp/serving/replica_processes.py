@@ -48,6 +48,7 @@ class ReplicaProcesses:
         self.procs: list[subprocess.Popen | None] = [None] * len(endpoints)
         self.deaths: list[list[float]] = [[] for _ in endpoints]
         self.given_up: dict[int, str] = {}    # replica -> why it was left dead
+        self._restarting: set[int] = set()    # pids told to restart (SIGUSR1): on their way out
 
     def report_path(self, i: int) -> str:
         return os.path.join(self.rundir, f"replica-{i}.failed")
@@ -72,6 +73,7 @@ class ReplicaProcesses:
         if i in self.given_up or proc is None or proc.poll() is not None:
             return False
         proc.send_signal(signal.SIGUSR1)
+        self._restarting.add(proc.pid)
         return True
 
     def command(self, i: int) -> list[str]:
@@ -133,9 +135,11 @@ class ReplicaProcesses:
         """SIGTERM to every live replica (each stops between two steps, and cuts a step that does not end within
         its --shutdown-timeout short itself), then SIGKILL to what is left after `timeout`. Returns the replicas
         that did not stop cleanly, with their exit codes (-9: killed here); a replica still loading, which a SIGTERM
-        ends with -15 or 143 before it has anything to stop, stopped cleanly."""
+        ends with -15 or 143 before it has anything to stop, stopped cleanly, as did one on its way out of a rolling
+        restart (its requests moved already)."""
         live = {i: p for i, p in enumerate(self.procs) if p is not None and p.poll() is None}
-        loading = {i for i in live if not self.serving(i)}     # a SIGTERM while it loads ends it as it may
+        # a SIGTERM while it loads, or while it leaves for a restart, ends it as it may
+        loading = {i for i in live if not self.serving(i) or live[i].pid in self._restarting}
         for p in live.values():
             p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout

@@ -175,7 +175,7 @@ class ReplicaSet:
             try:
                 replica = self.router.route(prompts[0], loads, lora_id)
             except NoReplica:       # every replica down: the server is starting one again (or exits), so wait
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or any(c.shut_down for c in self.replicas):   # none will come
                     raise EngineDead(self.dead or "no replica could take the request") from None
                 tried = {i for i in tried if self.replicas[i].dead is None}      # a dead one may come back
                 await asyncio.sleep(WAIT_POLL_S)

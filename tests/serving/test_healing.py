@@ -325,6 +325,32 @@ def test_sighup_restarts_every_replica_under_load_with_no_failed_request(tiny_mo
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.parametrize("after", [0.3, 1.0])
+def test_sigterm_during_a_rolling_restart_stops_cleanly(tiny_model_dir, tmp_path, after):
+    """SIGTERM `after` seconds into a rolling restart under 8 streams (a replica on its way out, its requests
+    moving, or its successor loading): the server exits 0 with nothing left, every request answered with a
+    stream or a 503, never a 500 (a request waiting for a replica while every one is down for good gets its 503
+    at once, not a cancelled handler)."""
+    from nanovllm_tp.bench import chaos
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--max-model-len", "1024", stderr=err)
+        with ctx as proc:
+            wait_all_ready(port, proc)
+            streams = chaos.Streams(f"http://127.0.0.1:{port}/v1", 8, 800, None)
+            streams.start()
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(after)
+            sigterm_exits_0(proc)
+            streams.stop.set()
+            assert streams.join(60)
+    text = log.read_text()
+    assert "rolling restart: replica 0 stops" in text and "did not stop cleanly" not in text, text[-3000:]
+    assert " 500 " not in text and "Traceback" not in text, text[-3000:]
+    assert not [r["why"] for r in streams.results if r["why"] and "HTTP 500" in r["why"]]
+
+
 def test_sighup_to_a_one_engine_server_is_ignored_with_a_line(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as err:

@@ -18,6 +18,7 @@ computes its tokens again). The token, in the payload and in the header, makes s
 import mmap
 import os
 import secrets
+import stat
 import struct
 import warnings
 
@@ -93,13 +94,14 @@ class SharedKVPool:
         """Another engine's pool on this host from its `ref` (pid, fd, token), mapped read-only. ValueError when it
         cannot be opened (its engine is gone) or is not that pool."""
         pid, fd, token = ref["pid"], ref["fd"], ref["token"]
-        try:
-            peer = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:       # O_NONBLOCK: an fd that is a FIFO must not hang the engine waiting for a writer
+            peer = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise ValueError(f"the KV pool of process {pid} cannot be opened ({exc.strerror})") from None
         try:
-            size = os.fstat(peer).st_size
-            if size < HEADER:
+            st = os.fstat(peer)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode) or size < HEADER:
                 raise ValueError(f"process {pid}'s fd {fd} is not a KV pool")
             # not populated here (a large pool would stall the caller for seconds): populate() does it, aside
             buf = mmap.mmap(peer, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

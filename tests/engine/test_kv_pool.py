@@ -117,6 +117,29 @@ def test_a_pool_that_cannot_be_read_means_computing_again(tiny_model_dir, engine
         exporter.close()
 
 
+def test_a_pool_reference_to_a_fifo_or_a_socket_does_not_hang(engines, tmp_path):
+    """A pool field naming an fd of this process that is a FIFO (its open would wait for a writer) or a socket:
+    refused as no pool, and the completion computes again."""
+    import socket
+    first, second = engines
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    sock = socket.socket()
+    try:
+        for k, fd in enumerate((reader, sock.fileno())):
+            prompt = list(range(700 + 50 * k, 745 + 50 * k))
+            want = alone(first, prompt, GREEDY)[0]
+            _, payload = handed(first, f"fd-{k}", prompt, GREEDY, k=3)
+            d = msgpack.unpackb(payload)
+            d["pool"].update(pid=os.getpid(), fd=fd, token="1" * 32)
+            import_request(second, msgpack.packb(d, use_bin_type=True))
+            assert finish(second, f"fd-{k}")[0] == want[3:]
+    finally:
+        os.close(reader)
+        sock.close()
+
+
 @pytest.mark.parametrize("pool, field", [
     ({"pid": 1, "fd": 3}, "pool"),
     ({"pid": 1, "fd": 3, "token": "../../etc/passwd".ljust(32, "x")}, "pool"),

@@ -155,12 +155,13 @@ class EngineLoop:
 
     def stop(self, why: str, restart: bool = False, migrate: bool = True, interrupted=lambda: False) -> None:
         """The server is going away: every open request ends with this error (the HTTP process answers 503);
-        `restart`: only this replica is (a rolling restart), and its open requests move to the others. Never
-        blocks: an HTTP process that is gone already (a signal to the whole group) gets nothing. A restarting
+        `restart`: only this replica is (a rolling restart), and its open requests move to the others. Sends
+        without waiting: an HTTP process that is gone already (a signal to the whole group) gets nothing. A restarting
         replica first sends the HTTP process its open requests with their KV ("migrate": engine/kv_transfer.py's
-        payloads), so that the replicas they move to go on decoding them without computing them again; not with
+        payloads), so that the replicas they move to go on decoding them without computing them again, and when
+        that KV stayed in its pool it waits for their copies (_await_release, at most RELEASE_WAIT_S); not with
         `migrate` false (--no-migrate-kv-on-restart): they compute them again there. `interrupted()`: a stop
-        signal came meanwhile (the wait for the KV's release then ends at once)."""
+        signal came meanwhile (the wait then ends at once)."""
         by_reference = restart and migrate and self._migrate_out()
         self._send_now({"op": "dead", "why": why, "restart" if restart else "shutdown": True})
         if restart:     # what was queued must reach the HTTP process before the sockets close (close() waits)
@@ -202,8 +203,9 @@ class EngineLoop:
             msg = wire.unpack(self._commands.recv(copy=False).buffer)
             if msg.get("op") == "released":
                 return
-        log.warning("engine loop: the migrated requests were not all taken within %.0f s; those not yet copied "
-                    "compute their KV again", RELEASE_WAIT_S)
+        if time.monotonic() >= deadline:
+            log.warning("engine loop: the migrated requests were not all taken within %.0f s; those not yet "
+                        "copied compute their KV again", RELEASE_WAIT_S)
 
     def _hand_off(self, outs) -> None:
         """A prefill replica's streams that have their first tokens leave with their KV ("handoff": the HTTP process
@@ -225,7 +227,7 @@ class EngineLoop:
                     reason = str(exc).replace(repr(rid), "")
                     if reason not in self._handoff_refusals:
                         self._handoff_refusals.add(reason)
-                        log.warning("engine loop: request %s decodes on this prefill replica: %s", rid, exc)
+                        log.warning("engine loop: request %s stays on this replica: %s", rid, exc)
         if payloads:
             self._prompt_sent.difference_update(payloads)
             self._send({"op": "handoff", "payloads": payloads, "stats": self._stats()})

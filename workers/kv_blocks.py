@@ -75,33 +75,28 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
 
 
 def copy_from_peer(runner, pool: dict, blocks: list[int], versions: list[int], rows: list[int],
-                   block_ids: list[int]) -> int | None:
+                   block_ids: list[int]) -> bool:
     """Copy the blocks `rows` of a request whose KV sits in another engine's shared pool (`pool`: its pid, fd and
     token; `blocks`: the request's block ids there, `versions` theirs when it left) into this cache's blocks
-    `block_ids`, pool to pool. Returns the bytes copied, or None when they cannot be used: that pool is gone or
-    unlike this one, a block id is outside it, or a block was taken for other tokens there before the copy ended
-    (its version moved)."""
+    `block_ids`, pool to pool. False when they cannot be used: that pool is gone or unlike this one, a block id is
+    outside it, or a block was taken for other tokens there before the copy ended (its version moved)."""
     peer = _peer(pool)
     if peer is None:
-        return None
+        return False
     mine = _tensors(runner)
     if peer.header["kv_dtype"] != runner.kv_cache_format() or sorted(peer.parts) != sorted(mine) or any(
             peer.parts[name].shape[:1] + peer.parts[name].shape[2:] != t.shape[:1] + t.shape[2:]
             for name, t in mine.items()):
-        return None
+        return False
     if any(blocks[r] >= peer.num_blocks for r in rows):
-        return None
+        return False
     src = [blocks[r] for r in rows]
-    copied = 0
     for name, t in mine.items():
         theirs, cache = _as_bytes(peer.parts[name]), _as_bytes(t)
         for first, block, n in runs(src, block_ids):
             cache[:, block:block + n].copy_(theirs[:, first:first + n])
-            copied += theirs[:, first:first + n].numel()
     stamps = peer.stamps
-    if any(stamps[blocks[r]] != versions[r] for r in rows):
-        return None
-    return copied
+    return all(stamps[blocks[r]] == versions[r] for r in rows)
 
 
 def _peer(ref: dict) -> SharedKVPool | None:

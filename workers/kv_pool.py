@@ -26,17 +26,28 @@ import msgpack
 import numpy as np
 import torch
 
+from nanovllm_tp.config.platform import DTYPES
+from nanovllm_tp.layers.attention.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE
+
 MAGIC = b"NVTPKVP1"
 HEADER = 4096
 _ALIGN = 4096
 _MADV_POPULATE_READ = 22       # linux/mman.h; Python 3.11's mmap module has no name for it
 _POPULATE_CHUNK = 4 << 20      # bytes populate() maps per call (it holds the GIL, half a ms each)
-_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# a cache's storage by the name kv_cache_format() gives it: the model's dtype, or an 8-bit format ("fp8" is "fp8_e4m3")
+_STORAGE = {**DTYPES, **{name: dtype for name, dtype in KV_CACHE_DTYPES.items() if dtype is not None and name != "fp8"}}
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _array_bytes(shape: list[int], kv_dtype: str) -> dict[str, int]:
+    """Each array's bytes in a pool of `shape` [layers, blocks, block_size, kv_heads, head_dim] and storage
+    `kv_dtype` (the scales only where the cache has them)."""
+    values = int(np.prod(shape)) * _STORAGE[kv_dtype].itemsize
+    scales = int(np.prod(shape[:-1])) * SCALE_DTYPE.itemsize
+    return {"stamps": shape[1] * 8, "k": values, "v": values, "k_scale": scales, "v_scale": scales}
 
 
 class SharedKVPool:
@@ -57,21 +68,18 @@ class SharedKVPool:
     def _tensor(self, name: str) -> torch.Tensor:
         off, size = self.header["arrays"][name]
         shape = self.header["shape"] if name in ("k", "v") else self.header["shape"][:-1]
-        dtype = _STORAGE[self.header["kv_dtype"]] if name in ("k", "v") else torch.float32
+        dtype = _STORAGE[self.header["kv_dtype"]] if name in ("k", "v") else SCALE_DTYPE
         return torch.frombuffer(self.buf, dtype=torch.uint8, count=size, offset=off).view(dtype).view(*shape)
 
     @classmethod
     def create(cls, shape: tuple[int, ...], kv_dtype: str, scaled: bool) -> "SharedKVPool":
         """This engine's pool of `shape` [layers, blocks, block_size, kv_heads, head_dim] in storage `kv_dtype`
         (`scaled`: with fp32 scales), zeroed. OSError when the memory file cannot be made or filled."""
-        value_bytes = torch.empty((), dtype=_STORAGE[kv_dtype]).element_size()
-        values = int(np.prod(shape)) * value_bytes
-        scales = int(np.prod(shape[:-1])) * 4
         arrays, off = {}, HEADER
-        for name, size in (("stamps", shape[1] * 8), ("k", values), ("v", values),
-                           *((("k_scale", scales), ("v_scale", scales)) if scaled else ())):
-            arrays[name] = [off, size]
-            off = _align(off + size)
+        for name, size in _array_bytes(list(shape), kv_dtype).items():
+            if scaled or name not in ("k_scale", "v_scale"):
+                arrays[name] = [off, size]
+                off = _align(off + size)
         header = {"token": secrets.token_hex(16), "shape": list(shape), "kv_dtype": kv_dtype, "arrays": arrays}
         fd = os.memfd_create("nanovllm-tp-kv-pool", os.MFD_CLOEXEC)
         try:
@@ -161,9 +169,7 @@ def _read_header(buf: mmap.mmap, size: int) -> dict | None:
                 isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) and n >= 0 for n in span)
                 and span[0] + span[1] <= size):
             return None
-    value_bytes = torch.empty((), dtype=_STORAGE[header["kv_dtype"]]).element_size()
-    values, scales = int(np.prod(shape)) * value_bytes, int(np.prod(shape[:-1])) * 4
-    want = {"stamps": shape[1] * 8, "k": values, "v": values, "k_scale": scales, "v_scale": scales}
+    want = _array_bytes(shape, header["kv_dtype"])
     if any(span[1] != want[name] for name, span in arrays.items()):
         return None
     return header

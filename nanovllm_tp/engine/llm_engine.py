@@ -112,11 +112,10 @@ class LLMEngine:
         def write(rows: list[int], block_ids: list[int]) -> bool:
             if entry.kv is not None:
                 write_blocks(self.runner, entry.kv, rows, block_ids)
+            elif copy_from_peer(self.runner, entry.pool, entry.blocks, entry.versions, rows, block_ids):
+                self.kv_moves.bytes_in += len(block_ids) * self.runner.kv_block_bytes()
             else:
-                copied = copy_from_peer(self.runner, entry.pool, entry.blocks, entry.versions, rows, block_ids)
-                if copied is None:
-                    return False
-                self.kv_moves.bytes_in += copied
+                return False
             self.kv_moves.blocks_in += len(block_ids)
             return True
         return self.scheduler.adopt(seq, write)

@@ -252,14 +252,13 @@ class EngineClient:
         finally:
             self._accepting.pop(key, None)
 
-    async def move(self, request_ids: list[str], by_reference: bool) -> None:
-        """Ask the engine to hand these running streams over after their next outputs, with their KV (by
-        reference to its shared pool, or as bytes), as a prefill replica does ("handoff"): the router's
-        rebalancing (replica_set.py)."""
+    async def move(self, request_ids: list[str], kv: str) -> None:
+        """Ask the engine to hand these running streams over after their next outputs, with their KV (`kv`, as
+        submit's `handoff`: "pool", by reference to its shared pool, or "bytes"), as a prefill replica does
+        ("handoff"): the router's rebalancing (replica_set.py)."""
         if not self.dead:
             with contextlib.suppress(zmq.ZMQError):
-                await self._commands.send(wire.pack({"op": "move", "ids": request_ids,
-                                                     "kv": "pool" if by_reference else "bytes"}), zmq.NOBLOCK)
+                await self._commands.send(wire.pack({"op": "move", "ids": request_ids, "kv": kv}), zmq.NOBLOCK)
 
     def movable(self) -> list[str]:
         """Its open streams that have sent output and are going on (what rebalancing may move), oldest first."""

@@ -294,13 +294,13 @@ class ReplicaSet:
             if i in room or i in busy or load.waiting == 0 or load.running == 0:
                 continue
             ids = [rid for rid in self.replicas[i].movable() if rid not in self._moving]
-            ids = ids[-min(load.waiting, MAX_REBALANCE, len(room) * MAX_REBALANCE):]
+            ids = ids[-min(load.waiting, MAX_REBALANCE):]
             if not ids:
                 continue
             self._rebalancing.update(ids)
             log.info("rebalancing: replica %d queues %d request(s): %d of its streams move to replica(s) %s",
                      i, load.waiting, len(ids), ", ".join(map(str, room)))
-            asyncio.ensure_future(self.replicas[i].move(ids, self._handoff_kv == "pool"))
+            asyncio.ensure_future(self.replicas[i].move(ids, self._handoff_kv))
 
     def _handoff(self, rid: str, stream: RequestStream, payload: bytes) -> None:
         """A prefill replica handed request `rid` over with its KV, after the outputs of its first tokens: it goes

@@ -33,12 +33,16 @@ class Overloaded(RuntimeError):
 class RequestStream:
     """One request's outputs as its handler reads them. `ready` is set whenever there is something to read;
     handlers reading several streams at once give them one shared event."""
-    __slots__ = ("merge", "ready", "pending", "ended", "error", "read", "progress", "extra_tokens")
+    __slots__ = ("merge", "whole", "ready", "pending", "ended", "error", "read", "progress", "extra_tokens")
 
-    def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None, track: bool = False):
+    def __init__(self, kind: RequestOutputKind, ready: asyncio.Event | None = None, track: bool = False,
+                 whole: bool = False):
         """`track`: remember what its handler took of each completion (a data-parallel replica's delta stream,
-        which another replica can resume from there)."""
+        which another replica can resume from there). `whole`: a DELTA stream whose handler wants the final
+        output only (a non-streamed request that travels as a stream, so that it can move between replicas, its
+        KV with it): its deltas are merged as they come, and it has nothing to read until the last one."""
         self.merge = kind == RequestOutputKind.DELTA
+        self.whole = whole and self.merge
         self.ready = ready or asyncio.Event()
         self.pending: RequestOutput | None = None
         self.ended = False                    # the last output was put (it may still be pending)
@@ -56,7 +60,10 @@ class RequestStream:
         else:
             self.pending = out                # cumulative or final: the newest says it all
         self.ended = out.finished
-        self.ready.set()
+        if self.whole and self.ended:         # completions in index order, as one final output has them
+            self.pending.outputs.sort(key=lambda c: c.index)
+        if self.ended or not self.whole:
+            self.ready.set()
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -65,6 +72,8 @@ class RequestStream:
     @property
     def has_news(self) -> bool:
         """take() would return an output or raise the engine's error."""
+        if self.whole and not self.ended:
+            return self.error is not None
         return self.pending is not None or (self.error is not None and not self.ended)
 
     @property
@@ -73,7 +82,12 @@ class RequestStream:
         return self.pending is None and self.ended
 
     def take(self) -> RequestOutput | None:
-        """What arrived since the last take (None: nothing new); the engine's error once all is read."""
+        """What arrived since the last take (None: nothing new); the engine's error once all is read. A whole
+        stream gives its merged output once it ended, and its error at once (half an answer is none)."""
+        if self.whole and not self.ended:
+            if self.error is not None:
+                raise self.error
+            return None
         out, self.pending = self.pending, None
         if out is None and self.error is not None and not self.ended:
             raise self.error
@@ -261,9 +275,9 @@ class EngineClient:
                 await self._commands.send(wire.pack({"op": "move", "ids": request_ids, "kv": kv}), zmq.NOBLOCK)
 
     def movable(self) -> list[str]:
-        """Its open streams that have sent output and are going on (what rebalancing may move), oldest first."""
-        return [rid for rid, s in self._open.items() if s.merge and s.read and not s.ended and s.error is None
-                and rid not in self._unaccepted]
+        """Its open streams that have had output and are going on (what rebalancing may move), oldest first."""
+        return [rid for rid, s in self._open.items() if s.merge and (s.read or s.pending is not None)
+                and not s.ended and s.error is None and rid not in self._unaccepted]
 
     async def release(self) -> None:
         """Tell this restarting replica that the requests it migrated by reference have been copied out of its KV
@@ -347,8 +361,8 @@ class EngineClient:
                                  if not s.done and rid not in self._unaccepted}, why)
         self.migrated.clear()
         for rid, stream in self._open.items():
-            if rid not in taken:
-                stream.fail(exc)
+            if rid not in taken and rid not in self._unaccepted:    # those end through their submit's error:
+                stream.fail(exc)                                    # its caller may place them elsewhere
         self._open.clear()
         self._prompts.clear()
         for future in self._accepting.values():

@@ -3,11 +3,13 @@ replica, and a router (router.py) that sends each request to one of them. It ans
 routes make (submit, abort, lora, dead, silent_for, labelled_stats), so that the routes serve one replica or many alike.
 
 A batch of prompts submitted together goes to one replica (all or none there); a request's later aborts follow
-it. Replicas share nothing. When a replica stops (its process died, or its engine failed), its open requests move
-to another live replica, the client none the wiser: those of which nothing was read yet (a non-streamed request
-before its answer, a stream before its first chunk) run again from their start; a stream read in part is resumed
-from what its client has (its prompt, and each unfinished completion's tokens and text so far: engine/resume.py),
-so that it goes on with no error and no repeated text. New requests go to the live replicas; while none is up,
+it. A non-streamed request travels between the processes as a stream whose pieces its handler gets merged, once
+(RequestStream's `whole`), so that everything below that moves a stream moves it too. Replicas share nothing. When
+a replica stops (its process died, or its engine failed), its open requests move to another live replica, the
+client none the wiser: a stream of which nothing was read yet runs again from its start; a stream read in part is
+resumed from what its client has (its prompt, and each unfinished completion's tokens and text so far:
+engine/resume.py), so that it goes on with no error and no repeated text; a non-streamed request is resumed from
+every token it had (none: from its start). New requests go to the live replicas; while none is up,
 requests (new or moved) wait up to REPLICA_WAIT_S for one to come back, and only then end with the replicas'
 error (EngineDead, with their reasons). A request that has moved MAX_MOVES times ends with its replica's error
 at the next stop: a request that crashes every engine it reaches must not take every replica down in turn. When
@@ -22,6 +24,7 @@ them start sooner. At most one such move per replica is under way, and the route
 later.
 """
 import asyncio
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -156,7 +159,10 @@ class ReplicaSet:
         if self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (--max-waiting-requests "
                              f"{self.max_waiting}); try again later")
-        return await self._place(request_ids, prompts, params, priority, lora)
+        streams = None
+        if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.FINAL_ONLY:
+            params, streams = _as_whole_streams(params, len(request_ids))
+        return await self._place(request_ids, prompts, params, priority, lora, streams)
 
     async def _place(self, request_ids, prompts, params, priority, lora, streams=None, avoid=(), resume=None,
                      moves: int = 0, kv=None, roles=PREFILLS) -> list:
@@ -207,7 +213,7 @@ class ReplicaSet:
         """A replica stopped (EngineClient.fail_all): its open requests go to another live replica. Those none of
         whose output was read run again from their start, each batch as it was submitted; a stream read in part
         is resumed where its client is (its prompt and each unfinished completion's tokens so far: engine/
-        resume.py), so the client's stream goes on. Returns the ids taken over (the rest fail with `why`); one
+        resume.py), so the client's stream goes on; a non-streamed one from every token it was sent. Returns the ids taken over (the rest fail with `why`); one
         that finds no replica fails then."""
         batches: dict[tuple, list[str]] = {}
         taken, moves = set(), []
@@ -216,11 +222,13 @@ class ReplicaSet:
             if placed is None or placed.moves >= MAX_MOVES:     # a request that stops every replica it runs on
                 continue
             payload = self.replicas[placed.replica].migrated.get(rid)      # a restart's export, with its KV
-            if not stream.read and (payload is None or stream.progress is None):
+            kept = stream.whole and stream.pending is not None     # a whole answer's pieces stay: it goes on from them
+            if not kept and not stream.read and (payload is None or stream.progress is None):
                 key = (placed.replica, id(placed.params), placed.priority, id(placed.lora))
                 batches.setdefault(key, []).append(rid)
-            elif (resume := _resume_state(stream, placed.params.n)) is not None:
-                stream.restart()
+            elif (resume := _resume_state(stream, placed.params.n, unread=kept)) is not None:
+                if not kept:
+                    stream.restart()
                 taken.add(rid)
                 moves.append(asyncio.ensure_future(self._resubmit(
                     [rid], [placed.prompt], placed, [stream], why, [resume], None if payload is None else [payload])))
@@ -350,6 +358,17 @@ class ReplicaSet:
         self._loras[replica].clear()
         for rid in [r for r, placed in self._owner.items() if placed.replica == replica]:
             del self._owner[rid]
+
+
+def _as_whole_streams(params: SamplingParams, count: int) -> tuple[SamplingParams, list[RequestStream]]:
+    """A non-streamed request's parameters and streams between the processes: its engine sends DELTA outputs,
+    which its stream merges into the one final output its handler reads (RequestStream's `whole`), so that a
+    prefill replica can hand it over, rebalancing move it, and a stopped replica's export resume it, each with
+    its KV, as a streamed request; its handler sees the final output as before."""
+    delta = copy.copy(params)
+    delta.output_kind = RequestOutputKind.DELTA
+    ready = asyncio.Event()
+    return delta, [RequestStream(RequestOutputKind.DELTA, ready, track=True, whole=True) for _ in range(count)]
 
 
 def _resume_state(stream: RequestStream, n: int, unread: bool = False) -> list | None:

@@ -156,10 +156,11 @@ def test_the_health_of_a_server_with_a_dead_replica_says_degraded(tiny_model_dir
         assert client(port).completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
 
 
-def test_a_request_nothing_was_read_of_runs_again_on_another_replica(tiny_model_dir, tiny_llm):
-    """A non-streamed request's answer is read only once whole: its replica killed mid-generation, it runs again
-    on the other replica and the client gets the full, right answer. The answer is long (3000 tokens, seconds
-    on this model) so that the kill lands before it is done even on a loaded machine."""
+def test_a_non_streamed_request_goes_on_on_another_replica(tiny_model_dir, tiny_llm):
+    """A non-streamed request's answer is read only once whole: its replica killed mid-generation, it goes on on
+    the other replica from the tokens its replica had sent (from its start if none yet) and the client gets the
+    full, right answer. The answer is long (3000 tokens, seconds on this model) so that the kill lands before it
+    is done even on a loaded machine."""
     port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--router", "round-robin",
                              "--no-restart-dead-replicas", "--max-model-len", "4096")
     with ctx as proc:
@@ -182,7 +183,9 @@ def test_a_request_nothing_was_read_of_runs_again_on_another_replica(tiny_model_
         out = result["out"].choices[0]
         assert out.text == want and out.finish_reason == "length"
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        assert re.search(r'nanovllm_tp:router_requests_resubmitted_total\{model_name="tiny"\} 1\.0', text), text
+        moved = [float(re.search(rf'nanovllm_tp:router_requests_{how}_total\{{model_name="tiny"\}} (\S+)', text).group(1))
+                 for how in ("resumed", "resubmitted")]
+        assert sum(moved) == 1, text
 
 
 def test_replicas_of_two_ranks_each_and_their_process_titles(tiny_model_dir, tiny_llm):

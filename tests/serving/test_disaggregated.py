@@ -1,8 +1,8 @@
 """Disaggregated prefill and decode (`serve -dp 2 --replica-roles prefill,decode`) against a real server on
 127.0.0.1: each streamed request is prefilled on replica 0, then moves with its KV to replica 1, which decodes the
 rest; every answer is the undisturbed engine's under --batch-invariant (greedy with logprobs, seeded n = 2, a stop
-string, and the same prompt again, which finds its prefix held on the decode side); a non-streamed request is
-answered by the prefill replica whole."""
+string, and the same prompt again, which finds its prefix held on the decode side); non-streamed requests move
+the same way, their answers whole, and one whose decode replica dies goes on from the tokens it had."""
 import json
 import os
 import re
@@ -94,12 +94,63 @@ def test_streams_are_prefilled_on_one_replica_and_decoded_on_the_other(tiny_mode
         sent_bytes = counter(metrics, "kv_transfer_bytes_out", 'dp_rank="0"')
         assert counter(metrics, "router_kv_handoff_bytes") < 4096 * len(cases) < sent_bytes
         assert sent_bytes * written / sent == counter(metrics, "kv_transfer_bytes_in", 'dp_rank="1"')
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want_greedy.text
-        assert r.json()["usage"]["completion_tokens"] == 60
+        # non-streamed requests move too, and their answers are whole: the same text, logprobs and usage
+        for body, params in cases[:2]:
+            want = invariant_llm.generate([body["prompt"]], params, use_tqdm=False)[0]
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={"model": "tiny", **body})
+            assert r.status_code == 200, r.text
+            choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+            assert [ch["text"] for ch in choices] == [c.text for c in want.outputs], body
+            assert r.json()["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in want.outputs)
+            if params.logprobs is not None:
+                got = choices[0]["logprobs"]["token_logprobs"]
+                ref = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+                assert len(got) == len(ref) and max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
+            "model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        assert counter(metrics, "router_requests_handed_off") == len(cases)     # served whole where it was prefilled
+        assert counter(metrics, "router_requests_handed_off") == len(cases) + 3
+        assert counter(metrics, "router_requests_routed", 'dp_rank="1"') == len(cases) + 3
+        sigterm_exits_0(proc)
+
+
+def test_a_non_streamed_request_goes_on_from_its_tokens_when_its_decode_replica_dies(tiny_model_dir, invariant_llm,
+                                                                                      monkeypatch):
+    """kill -9 of the decode replica while it computes a handed-off non-streamed request (each step made 5 ms
+    slower): the answer comes whole, equal to the undisturbed run, resumed on the prefill replica from the tokens
+    it had (not computed again from its first one)."""
+    monkeypatch.setenv("PYTHONPATH", os.path.join(os.path.dirname(os.path.dirname(__file__)), "tp_scripts",
+                                                  "fault_injection") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("NVTP_TEST_STEP_SLEEP_S", "0.005")
+    params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    want = invariant_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--replica-roles", "prefill,decode",
+                             "--batch-invariant", "--max-model-len", "1024")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        answer = {}
+        client = threading.Thread(target=lambda: answer.update(r=httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)))
+        client.start()
+        deadline = time.monotonic() + 60
+        while counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text,
+                      "router_requests_handed_off") < 1:
+            assert time.monotonic() < deadline and client.is_alive()
+            time.sleep(0.05)
+        time.sleep(0.5)                 # some 100 tokens decoded on the decode replica
+        assert client.is_alive(), "finished before the decode replica could be killed"
+        os.kill(titled(proc.pid, "nanovllm_tp::dp1::tp0"), signal.SIGKILL)
+        client.join(300)
+        r = answer["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text and r.json()["usage"]["completion_tokens"] == 600
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert counter(metrics, "router_requests_resumed") == 1
+        assert counter(metrics, "router_requests_resubmitted") == 0
+        wait_all_ready(port, proc)
         sigterm_exits_0(proc)
 
 

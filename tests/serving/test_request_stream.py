@@ -78,3 +78,40 @@ def test_a_failed_stream_raises_after_what_arrived_before():
             await stream.next()
         assert not stream.done
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0), dict(temperature=0.9, seed=3, n=2, logprobs=3)])
+def test_a_whole_stream_gives_the_final_output_once(tiny_llm, knobs):
+    """A non-streamed request carried as deltas (RequestStream(whole=True), what a data-parallel server does so
+    that it can move between replicas): nothing to read and no wake-up until the last delta, then one output equal
+    to the engine's final one, completions in index order."""
+    deltas, finals = run_both(tiny_llm, **knobs)
+
+    async def read(outs):
+        stream = RequestStream(RequestOutputKind.DELTA, whole=True)
+        for out in outs[:-1]:
+            stream.put(out)
+            assert not stream.ready.is_set() and not stream.has_news and stream.take() is None
+        stream.put(outs[-1])
+        assert stream.ready.is_set() and stream.has_news
+        out = stream.take()
+        assert stream.done and await stream.next() is None
+        return out
+
+    for i, outs in deltas.items():
+        got = asyncio.run(read(outs))
+        assert got.finished and [c.index for c in got.outputs] == sorted(c.index for c in got.outputs)
+        assert [c.index for c in got.outputs] == [c.index for c in finals[i].outputs]
+        for a, b in zip(got.outputs, finals[i].outputs):
+            same_completion(a, b)
+
+
+def test_a_whole_stream_raises_its_error_at_once():
+    async def go():
+        stream = RequestStream(RequestOutputKind.DELTA, whole=True)
+        stream.put(RequestOutput("r", None, [1, 2], outputs=[CompletionOutput(0, " a", [7])], finished=False))
+        stream.fail(EngineDead("the engine stopped"))
+        assert stream.has_news
+        with pytest.raises(EngineDead):          # half an answer is none
+            await stream.next()
+    asyncio.run(go())

@@ -3,7 +3,8 @@ raise at a chosen step, so the test can check that the worker's error text reach
 rank exit before it joins anything, as a worker that cannot import the package would; or makes a spawned rank
 kill its rank 0 (kill -9) at a chosen moment of its start: before it joins the store ("start") or right after
 ("joined", when it goes on to wait for rank 0 in the process group); or makes a prefill replica die right after a
-hand-off, and the replica copying its blocks wait, so that the copy finds that pool gone."""
+hand-off, and the replica copying its blocks wait, so that the copy finds that pool gone; or makes every engine
+step slower."""
 import os
 import sys
 
@@ -92,3 +93,16 @@ if os.environ.get("NVTP_TEST_SLOW_POOL_COPY"):
             return copy(*args)
         kv_blocks.copy_from_peer = copy_from_peer
     _after_import("nanovllm_tp.workers.kv_blocks", _slow_copy)
+
+if os.environ.get("NVTP_TEST_STEP_SLEEP_S"):
+    # every engine step of every rank takes this many seconds longer (a tiny model's decode made slow enough to
+    # act in the middle of it)
+    def _slow_steps(llm_engine):
+        step = llm_engine.LLMEngine.step
+
+        def slow_step(self, *args, **kwargs):
+            import time
+            time.sleep(float(os.environ["NVTP_TEST_STEP_SLEEP_S"]))
+            return step(self, *args, **kwargs)
+        llm_engine.LLMEngine.step = slow_step
+    _after_import("nanovllm_tp.engine.llm_engine", _slow_steps)

@@ -6,7 +6,8 @@ benchmark's environment record carries `read_bandwidth` (bench/env.py): the mach
 streaming a buffer of CACHE_MULTIPLE times the last-level cache (from sysfs; at least MIN_BYTES) with the run's
 thread count, each thread's share read as 1, 4 or 8 streams side by side, with and without a software prefetch
 AHEAD bytes in front (CONFIGS), best of READS reads of each after one untimed read (pages touched, threads
-started); the best of all. Where the C kernels cannot be built, a torch sum over the same buffer stands in (`how`
+started); the best of all. `read_sampler` reads it again beside another measurement, for shares of the same
+moment. Where the C kernels cannot be built, a torch sum over the same buffer stands in (`how`
 says which). The torch sum is not the limit: on an AMD EPYC with two threads it read 30-32 GB/s while the read
 rate was 33-35 and the engine's quantized decode moved up to 37 (`nanovllm-tp bench kernels --one-row` puts each
 kernel's one-row rate beside the read rate: no kernel may beat it). `bench throughput` with one request puts
@@ -24,8 +25,9 @@ CACHE_MULTIPLE = 16
 MIN_BYTES = 256 << 20
 MAX_BYTES = 4 << 30
 READS = 3
-AHEAD = 4096
-CONFIGS = ((1, 0), (4, 0), (8, 0), (1, AHEAD), (4, AHEAD), (8, AHEAD))     # (streams, prefetch)
+AHEAD = (2048, 4096)
+# (streams a thread, prefetch distance)
+CONFIGS = ((1, 0), (4, 0), (8, 0), *((streams, ahead) for ahead in AHEAD for streams in (1, 4, 8)))
 
 
 def last_level_cache_bytes() -> int | None:
@@ -78,7 +80,7 @@ def read_bandwidth(threads: int) -> dict:
             (streams, ahead), best = min(timed.items(), key=lambda item: item[1])
             how = (f"csrc/read_rate.c over max({MIN_BYTES >> 20} MiB, {CACHE_MULTIPLE} x the last-level cache), "
                    f"{'/'.join(str(c) for c in sorted({c[0] for c in CONFIGS}))} streams a thread, prefetch 0 or "
-                   f"{AHEAD} B, best of {READS} each")
+                   f"{' or '.join(map(str, AHEAD))} B, best of {READS} each")
         else:
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -93,6 +95,27 @@ def read_bandwidth(threads: int) -> dict:
         del buffer
     return {"gb_s": nbytes / best / 1e9, "buffer_bytes": nbytes, "llc_bytes": llc, "threads": threads,
             "reads": READS, "how": how, "streams": streams, "ahead": ahead}
+
+
+def read_sampler(threads: int):
+    """A function that reads the read rate's buffer once, as read_bandwidth's best configuration does, and returns
+    GB/s; None where the C kernels cannot be built. For figures paired with the read rate of the same moment: on a
+    shared VM the rate moves by tens of percent within seconds (an AMD EPYC here: 30 to 58 GB/s), so a share is
+    the median of (rate measured) / (read rate sampled right after), not a ratio of figures from other moments."""
+    import torch
+
+    from nanovllm_tp.layers import cpu_kernels
+    kernels = cpu_kernels.load()
+    best = read_bandwidth(threads)
+    if kernels is None or best["streams"] is None:
+        return None
+    buffer = torch.ones(best["buffer_bytes"] // 4, dtype=torch.float32)
+
+    def sample() -> float:
+        t0 = time.perf_counter()
+        kernels.read_stream(buffer, threads, best["streams"], best["ahead"])
+        return best["buffer_bytes"] / (time.perf_counter() - t0) / 1e9
+    return sample
 
 
 # =============================================================================================== bytes per token

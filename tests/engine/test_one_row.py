@@ -46,3 +46,16 @@ def test_one_row_bench_reports_each_type_it_runs(monkeypatch):
     rates = bench.one_row_rates([TYPES[0]], threads=1, repeats=2)
     assert set(rates) <= {TYPES[0], "bf16"} and TYPES[0] in rates
     assert all(r["gb_s"] >= r["median_gb_s"] > 0 and r["bytes"] >= 1 << 20 for r in rates.values())
+    # each pass paired with a read of the read rate's buffer: the share is a ratio of the same moment's figures
+    assert all(r["read_gb_s"] > 0 and 0 < r["share"] for r in rates.values())
+
+
+def test_a_read_sample_reads_the_read_rates_buffer():
+    """bandwidth.read_sampler reads read_bandwidth's buffer once a call, at its best configuration, and returns
+    GB/s within a factor of that figure (both sane: the same reads)."""
+    from nanovllm_tp.bench import bandwidth
+    sample = bandwidth.read_sampler(1)
+    best = bandwidth.read_bandwidth(1)
+    rates = [sample() for _ in range(3)]
+    assert all(0.1 < r < 1000 for r in rates)
+    assert max(rates) > best["gb_s"] / 4

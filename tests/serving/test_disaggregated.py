@@ -251,10 +251,11 @@ def test_two_torchrun_nodes_hand_off_over_the_network(tiny_model_dir, invariant_
         assert node1.wait(timeout=60) == 0, open(tmp_path / "node1.log").read()[-3000:]
 
 
-def test_a_replica_that_queues_moves_streams_to_one_with_room(tiny_model_dir, invariant_llm):
-    """Rebalancing: -dp 2, one sequence slot a replica, round-robin; replica 0 gets five long streams (four
-    wait), replica 1 four short ones, done at once. Replica 0 queues while replica 1 has room: its running stream
-    moves there with its KV, a waiting one starts; every text equals the undisturbed engine's."""
+def test_a_replica_that_queues_moves_requests_to_one_with_room(tiny_model_dir, invariant_llm):
+    """Rebalancing: -dp 2, one sequence slot a replica, round-robin; replica 0 gets five long non-streamed
+    requests (four wait), replica 1 four short streamed ones, done at once. Replica 0 queues while replica 1 has
+    room: its running request moves there with its KV, a waiting one starts; every text equals the undisturbed
+    engine's."""
     long_params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
     prompts = [f"{PROMPT} {i}" for i in range(9)]
     want = [invariant_llm.generate([p], long_params if i % 2 == 0 else SamplingParams(
@@ -266,8 +267,13 @@ def test_a_replica_that_queues_moves_streams_to_one_with_room(tiny_model_dir, in
         got = [None] * len(prompts)
 
         def run(i):
-            got[i] = streamed(port, {"model": "tiny", "prompt": prompts[i], "max_tokens": 900 if i % 2 == 0 else 8,
-                                     "temperature": 0, "ignore_eos": True})[0][0]
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 900 if i % 2 == 0 else 8,
+                    "temperature": 0, "ignore_eos": True}
+            if i % 2 == 0:   # the long ones, which move, are not streamed; the short ones are
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
+                got[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+            else:
+                got[i] = streamed(port, body)[0][0]
         threads = []
         for i in range(len(prompts)):          # in order: the even ones to replica 0, the odd ones to replica 1
             threads.append(threading.Thread(target=run, args=(i,)))

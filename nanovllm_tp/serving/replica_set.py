@@ -18,9 +18,9 @@ record in the router forgotten. Adapter loads and unloads go to every live repli
 
 Rebalancing (--rebalance, on by default): when a replica that decodes queues requests (some waiting while it runs
 others: its KV pool or its sequence slots are full) and another has room (nothing waiting, under half its KV in use,
-a free slot), up to MAX_REBALANCE of the first one's newest running streams move to the replicas with room, with
-their KV (copied from pool to pool on one host), as a prefill replica's hand-off does; the requests queued behind
-them start sooner. At most one such move per replica is under way, and the router looks again REBALANCE_EVERY_S
+a free slot), up to MAX_REBALANCE of the first one's newest running requests (streamed or not) move to the
+replicas with room, with their KV (copied from pool to pool on one host), as a prefill replica's hand-off does; the
+requests queued behind them start sooner. At most one such move per replica is under way, and the router looks again REBALANCE_EVERY_S
 later.
 """
 import asyncio

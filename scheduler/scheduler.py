@@ -110,24 +110,26 @@ class Scheduler(Admission, Preemption, StepResults):
         last token computed there. It takes blocks for those tokens (the prefix cache's where this pool holds the
         leading ones), `write(positions, block_ids)` fills the others (positions in its block table, which are
         the payload's), its full blocks enter the prefix cache as if computed here, and it decodes its next token
-        in the next step. False, with nothing taken, when the pool is short (or it runs a LoRA adapter), or when
-        `write` returns False (the KV could not be read after all): the caller then queues it to compute its
-        tokens again, as after a preemption."""
+        in the next step; a LoRA sequence takes its adapter's slot (loaded by the next plan) as admission gives it.
+        False, with nothing taken, when the pool or the LoRA slots are short, or when `write` returns False (the KV
+        could not be read after all): the caller then queues it to compute its tokens again, as after a
+        preemption."""
         if self.scheduled:
             raise RuntimeError("adopt() between schedule() and postprocess()")
         bm = self.block_manager
-        if seq.lora is not None or not 0 < seq.num_tokens < self.config.max_model_len:
+        if not 0 < seq.num_tokens < self.config.max_model_len or not self._slot_for(seq, take=True):
             return False
         positions = bm.allocate_imported(seq, seq.num_tokens - 1)
         if positions is None:
+            self._free(seq)
             return False
         try:
             unread = write(positions, [seq.block_table[i] for i in positions]) is False
         except BaseException:
-            bm.deallocate(seq)
+            self._free(seq)
             raise
         if unread:
-            bm.deallocate(seq)
+            self._free(seq)
             return False
         if bm.enable_prefix_caching:
             for i in range(seq.num_cached_tokens // self.block_size):
@@ -206,6 +208,8 @@ class Scheduler(Admission, Preemption, StepResults):
         self.step_id += 1
         plan = batch.plan(self.step_id)
         plan.block_copies = self._take_copies()
+        if self.lora_slots is not None:      # an adopted LoRA sequence's adapter (adopt) loads in a decode step
+            plan.lora_loads = self.lora_slots.take_loads()
         self.num_computed_tokens += plan.num_tokens
         self.in_flight = ScheduledStep(plan, batch.sampling(), [])
         return self.in_flight

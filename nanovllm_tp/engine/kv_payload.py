@@ -4,6 +4,7 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
     {"format": FORMAT, "version": VERSION, "byteorder": "little",
      "layout": {"architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_dtype"},
      "request_id", "prompt_token_ids", "priority",
+     "lora": None, or the request's LoRA adapter [name, id, path] (its KV was computed with it),
      "params": the request's SamplingParams as the server's wire sends them (serving/wire.py), its seed the
                request's own (drawn by the first engine where the caller set none),
      "pool": None, or {"pid", "fd", "token"}: the exporter's shared KV pool (workers/kv_pool.py), which the
@@ -169,12 +170,13 @@ class KVPayload:
     priority: int
     completions: list[CompletionKV]
     pool: dict | None = None         # {"pid", "fd", "token"} where completions give their blocks in it
+    lora: list | None = None         # [name, id, path]: the adapter the KV was computed with
 
     def encode(self) -> bytes:
         return msgpack.packb({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
                               "layout": self.layout.to_wire(), "request_id": self.request_id,
                               "prompt_token_ids": self.prompt_token_ids, "params": self.params,
-                              "priority": self.priority, "pool": self.pool,
+                              "priority": self.priority, "pool": self.pool, "lora": self.lora,
                               "completions": [c.to_wire() for c in self.completions]},
                              use_bin_type=True)
 
@@ -216,7 +218,12 @@ class KVPayload:
                 raise ValueError(f"KV payload field pool: completion {c.index} gives its blocks, and no pool holds "
                                  "them")
             c.pool = pool
-        return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"], completions, pool)
+        lora = d.get("lora")
+        if lora is not None and not (isinstance(lora, list) and len(lora) == 3 and isinstance(lora[0], str)
+                                     and _is_int(lora[1], 1) and isinstance(lora[2], str)):
+            raise ValueError(f"KV payload field lora must be [name, id >= 1, path] or nil, got {lora!r}")
+        return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"], completions, pool,
+                   lora)
 
     def check_against(self, layout: KVLayout, value_bytes: int, scaled: bool) -> None:
         """This payload fits an engine of `layout` whose cache stores values of `value_bytes` each (`scaled`: with

@@ -18,9 +18,12 @@ reference, the payload naming the request's blocks and their versions, and the i
 pool; a block taken for other tokens before the copy ends is noticed by its version, and that completion computes
 again.
 
+A LoRA request moves with its adapter named in the payload: the importing engine must run that adapter (it loads
+it into a slot as it adopts the KV), and a KV computed with one adapter never goes on under another.
+
 Not yet: tensor_parallel_size > 1 and pipeline_parallel_size > 1 (rank 0 holds only its part of the KV), a draft
-model's KV, LoRA requests, cumulative logprobs (logprobs go on from the move, as for a resumed request). These are
-refused by name.
+model's KV, cumulative logprobs (logprobs go on from the move, as for a resumed request). These are refused by
+name.
 """
 import time
 from dataclasses import dataclass
@@ -115,9 +118,6 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
         raise ValueError(f"request {request_id!r} has finished: nothing is left to move")
     completions = [c for c in state.completions if not c.seq.is_finished]
     first = completions[0].seq
-    if first.lora is not None:
-        raise ValueError(f"request {request_id!r} runs LoRA adapter {first.lora.lora_name!r}: a LoRA request does not "
-                         "move with its KV yet")
     engine, bs = llm.engine, llm.config.kvcache_block_size
     pool = engine.runner.kv_pool if by_reference else None
     pending = {dst: src for src, dst in engine.scheduler._copies}   # n > 1: a sibling's block copy not yet run
@@ -138,8 +138,9 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
         out.append(row)
     params = params_to_wire(state.params)
     params["seed"] = (first.seed - first.index * _SEED_MIX) % (1 << 63)     # the request's, as the first engine drew it
+    lora = None if first.lora is None else [first.lora.lora_name, first.lora.lora_int_id, first.lora.lora_path]
     payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out,
-                        pool.ref() if referenced else None)
+                        pool.ref() if referenced else None, lora)
     llm._detach(request_id)
     moves.requests_out += 1
     moves.bytes_out += payload.num_bytes + referenced * engine.runner.kv_block_bytes()
@@ -161,8 +162,12 @@ def import_request(llm, payload, request_id: str | None = None) -> str:
     if "pooling" in p.params:
         raise ValueError("KV payload field params: an embedding request does not move")
     params.output_kind = RequestOutputKind.DELTA     # it goes on where its caller stopped, as a resumed request
+    lora = None
+    if p.lora is not None:      # the adapter its KV was computed with, which this engine must run (ValueError)
+        from nanovllm_tp.lora import LoRARequest
+        lora = llm.loras.check(LoRARequest(*p.lora))
     rid, = llm.add_requests([p.prompt_token_ids], params, [p.request_id if request_id is None else request_id],
-                            priority=p.priority,
+                            priority=p.priority, lora_request=lora,
                             resume=[[ResumedChoice(c.index, c.token_ids, c.sent_chars) for c in p.completions]],
                             kv=[p.completions])
     note_import(llm, p.completions, time.perf_counter() - start)
@@ -178,14 +183,18 @@ def _payload_for(llm, raw) -> tuple[KVPayload, KVLayout]:
     return p, layout
 
 
-def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedChoice]) -> list:
-    """What a request resumed from its caller's view (`choices`: each completion's tokens the caller has) takes of
-    the payload an export of it made (`raw`): per choice, its completion's KV cut to the caller's tokens (the
-    export may be ahead of what the caller read), or None (that completion computes again). A payload that does not
-    fit this engine, or that is of another request, is refused whole: ValueError naming the field."""
+def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedChoice], lora_id: int = 0) -> list:
+    """What a request resumed from its caller's view (`choices`: each completion's tokens the caller has; `lora_id`:
+    its adapter's id, 0 for none) takes of the payload an export of it made (`raw`): per choice, its completion's
+    KV cut to the caller's tokens (the export may be ahead of what the caller read), or None (that completion
+    computes again). A payload that does not fit this engine, or that is of another request or adapter, is refused
+    whole: ValueError naming the field."""
     p, layout = _payload_for(llm, raw)
     if p.prompt_token_ids != list(prompt_token_ids):
         raise ValueError("KV payload field prompt_token_ids: not the prompt of the request it came with")
+    if (p.lora[1] if p.lora else 0) != lora_id:
+        raise ValueError(f"KV payload field lora: its KV was computed with adapter {p.lora and p.lora[1]}, the "
+                         f"request runs {lora_id or None}")
     exported = {c.index: c for c in p.completions}
     out = []
     for choice in choices:
@@ -199,8 +208,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
 
 def export_all(llm, by_reference: bool = False) -> dict[str, bytes]:
     """Every open generation request of `llm` that can move, exported (export_request; `by_reference` as there):
-    {request id: payload}. The others (an embedding, a LoRA request, an engine that cannot move KV) stay where they
-    are."""
+    {request id: payload}. The others (an embedding, an engine that cannot move KV) stay where they are."""
     out = {}
     for request_id in list(llm._requests):
         try:

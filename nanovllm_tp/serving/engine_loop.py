@@ -209,8 +209,8 @@ class EngineLoop:
 
     def _hand_off(self, outs) -> None:
         """A prefill replica's streams that have their first tokens leave with their KV ("handoff": the HTTP process
-        resumes each on a decode replica), after the outputs that carried those tokens. One that cannot move (a LoRA
-        request, an engine that cannot move KV) decodes here."""
+        resumes each on a decode replica), after the outputs that carried those tokens. One that cannot move (an
+        engine that cannot move KV) decodes here."""
         from nanovllm_tp.engine.kv_transfer import export_request, has_first_tokens
         payloads = {}
         for out in outs:
@@ -350,12 +350,13 @@ class EngineLoop:
         if payloads is None or resume is None or not isinstance(payloads, list) or len(payloads) != len(resume):
             return None
         from nanovllm_tp.engine.kv_transfer import kv_for_resume
-        kv = []
+        kv, lora = [], msg.get("lora")
+        lora_id = lora[1] if isinstance(lora, list) and len(lora) == 3 and isinstance(lora[1], int) else 0
         for rid, prompt, choices, raw in zip(msg["ids"], msg["prompts"], resume, payloads):
             entries = None
             if raw is not None:
                 try:
-                    entries = kv_for_resume(self.llm, raw, prompt, choices)
+                    entries = kv_for_resume(self.llm, raw, prompt, choices, lora_id)
                 except ValueError as exc:
                     log.warning("engine loop: request %s computes its KV again: %s", rid, exc)
             kv.append(entries or [None] * len(choices))

@@ -284,3 +284,50 @@ def test_bench_lora_runs_and_reports_figures(tiny_model_dir, base_hf, tmp_path, 
     widths = sum(m.in_features + m.out_features for name, m in base_hf.named_modules() if name.endswith(targets))
     assert f["adapter_mb_per_step"] == pytest.approx(2 * 4 * widths * 4 / 1e6)    # 2 adapters, rank 4, fp32
     assert "LoRA/base" in capsys.readouterr().out
+
+
+def test_a_lora_request_moves_with_its_kv_and_its_adapter(tiny_model_dir, adapters, reference, prompts):
+    """A LoRA request exported after a few steps and imported into another engine: the payload names its adapter,
+    the importer takes a slot for it and adopts the KV (only the tokens after the move are computed there), and
+    the tokens are peft's. Where every slot of the importer is held by another adapter's running request, the
+    completion computes again (still peft's tokens); an importer without LoRA, or a resumed request of another
+    adapter than the KV's, is refused by name."""
+    from nanovllm_tp.engine.kv_transfer import export_request, import_request, kv_for_resume
+    from nanovllm_tp.engine.resume import ResumedChoice
+    a1, a2, _ = adapters
+    prompt = prompts[2]
+    want = reference(a1, prompt)
+    with LLM(tiny_model_dir, max_loras=1, **KNOBS) as first, LLM(tiny_model_dir, max_loras=1, **KNOBS) as second:
+        for held in (None, a2):
+            rid = f"moved-{held is not None}"
+            if held is not None:    # second's only slot held by a2 while the moved request arrives
+                second.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                   request_id="holder", lora_request=held)
+                second.step()
+            first.add_request(prompt, GREEDY, request_id=rid, lora_request=a1)
+            got = []
+            for _ in range(4):
+                got += [t for o in first.step() if o.request_id == rid for t in o.outputs[0].token_ids[len(got):]]
+            payload = export_request(first, rid)
+            before = second.stats()
+            import_request(second, payload)
+            done = {}
+            while second.has_unfinished_requests():
+                for o in second.step():
+                    if o.request_id == rid:
+                        done.setdefault(rid, []).extend(o.outputs[0].token_ids)
+            assert got + done[rid] == want, held
+            after = second.stats()
+            recomputed = after["kv_transfer"]["completions_recomputed"] - before["kv_transfer"]["completions_recomputed"]
+            assert recomputed == (held is not None)
+            if held is None:        # the prompt and the first tokens came with the KV
+                assert after["kv_transfer"]["blocks_in"] > before["kv_transfer"]["blocks_in"]
+        first.add_request(prompt, GREEDY, request_id="refused", lora_request=a1)
+        first.step()
+        payload = export_request(first, "refused")
+        with pytest.raises(ValueError, match="lora"):
+            kv_for_resume(second, payload, prompt, [ResumedChoice(0, [], 0)], a2.lora_int_id)
+    with LLM(tiny_model_dir, **{**KNOBS, "enable_lora": False}) as plain:
+        with pytest.raises(ValueError, match="(?i)lora"):
+            import_request(plain, payload)
+        assert "refused" not in plain._requests

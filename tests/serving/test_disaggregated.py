@@ -287,3 +287,37 @@ def test_a_replica_that_queues_moves_requests_to_one_with_room(tiny_model_dir, i
         assert counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"') > 0
         assert counter(metrics, "kv_transfer_blocks_out", 'dp_rank="0"') > 0
         sigterm_exits_0(proc)
+
+
+def test_a_lora_request_is_prefilled_on_one_replica_and_decoded_on_the_other(tiny_model_dir, tmp_path):
+    """`--enable-lora --lora-modules`: a streamed and a non-streamed request of an adapter move from the prefill
+    replica to the decode replica with their KV and their adapter, and answer as the same request on one engine;
+    the adapter changes the answer (else this proves nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm_tp import LLM
+    from nanovllm_tp.launch.make_lora import make_lora
+    from nanovllm_tp.lora import LoRARequest
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    path = make_lora(hf, tmp_path / "a1", rank=8, alpha=16, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_model_dir, batch_invariant=True, max_model_len=1024, kv_cache_memory=32 << 20,
+             kvcache_block_size=16, enable_lora=True) as llm:
+        want = llm.generate([PROMPT], params, use_tqdm=False, lora_request=LoRARequest("a1", 1, str(path)))[0]
+        base = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert want.outputs[0].text != base.outputs[0].text
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--replica-roles", "prefill,decode",
+                             "--batch-invariant", "--max-model-len", "1024", "--enable-lora",
+                             "--lora-modules", f"a1={path}")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        body = {"model": "a1", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        texts, _, _ = streamed(port, body)
+        assert texts[0] == want.outputs[0].text
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert counter(metrics, "router_requests_handed_off") == 2
+        assert counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"') > 0
+        sigterm_exits_0(proc)

@@ -20,8 +20,8 @@ Rebalancing (--rebalance, on by default): when a replica that decodes queues req
 others: its KV pool or its sequence slots are full) and another has room (nothing waiting, under half its KV in use,
 a free slot), up to MAX_REBALANCE of the first one's newest running requests (streamed or not) move to the
 replicas with room, with their KV (copied from pool to pool on one host), as a prefill replica's hand-off does; the
-requests queued behind them start sooner. At most one such move per replica is under way, and the router looks again REBALANCE_EVERY_S
-later.
+requests queued behind them start sooner. At most one such move per replica is under way, and the router looks
+again REBALANCE_EVERY_S later.
 """
 import asyncio
 import copy
@@ -213,8 +213,8 @@ class ReplicaSet:
         """A replica stopped (EngineClient.fail_all): its open requests go to another live replica. Those none of
         whose output was read run again from their start, each batch as it was submitted; a stream read in part
         is resumed where its client is (its prompt and each unfinished completion's tokens so far: engine/
-        resume.py), so the client's stream goes on; a non-streamed one from every token it was sent. Returns the ids taken over (the rest fail with `why`); one
-        that finds no replica fails then."""
+        resume.py), so the client's stream goes on; a non-streamed one from every token it was sent. Returns the
+        ids taken over (the rest fail with `why`); one that finds no replica fails then."""
         batches: dict[tuple, list[str]] = {}
         taken, moves = set(), []
         for rid, stream in streams.items():

@@ -318,7 +318,8 @@ def test_a_lora_request_moves_with_its_kv_and_its_adapter(tiny_model_dir, adapte
                         done.setdefault(rid, []).extend(o.outputs[0].token_ids)
             assert got + done[rid] == want, held
             after = second.stats()
-            recomputed = after["kv_transfer"]["completions_recomputed"] - before["kv_transfer"]["completions_recomputed"]
+            recomputed = (after["kv_transfer"]["completions_recomputed"]
+                          - before["kv_transfer"]["completions_recomputed"])
             assert recomputed == (held is not None)
             if held is None:        # the prompt and the first tokens came with the KV
                 assert after["kv_transfer"]["blocks_in"] > before["kv_transfer"]["blocks_in"]

@@ -183,8 +183,8 @@ def test_a_non_streamed_request_goes_on_on_another_replica(tiny_model_dir, tiny_
         out = result["out"].choices[0]
         assert out.text == want and out.finish_reason == "length"
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        moved = [float(re.search(rf'nanovllm_tp:router_requests_{how}_total\{{model_name="tiny"\}} (\S+)', text).group(1))
-                 for how in ("resumed", "resubmitted")]
+        moved = [float(re.search(rf'nanovllm_tp:router_requests_{how}_total\{{model_name="tiny"\}} (\S+)',
+                                 text).group(1)) for how in ("resumed", "resubmitted")]
         assert sum(moved) == 1, text
 
 

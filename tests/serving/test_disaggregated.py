@@ -293,6 +293,7 @@ def test_a_lora_request_is_prefilled_on_one_replica_and_decoded_on_the_other(tin
     """`--enable-lora --lora-modules`: a streamed and a non-streamed request of an adapter move from the prefill
     replica to the decode replica with their KV and their adapter, and answer as the same request on one engine;
     the adapter changes the answer (else this proves nothing)."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
     import torch
     from transformers import AutoModelForCausalLM
 

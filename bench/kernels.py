@@ -98,12 +98,7 @@ def one_row_rates(types: list[str], threads: int, repeats: int) -> dict:
     from nanovllm_tp.layers.quant import GGUF_TYPES, QuantBlocks, QuantWeight, pack_blocks
     from nanovllm_tp.bench.bandwidth import read_sampler
     kernels = cpu_kernels.load()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        sample_read = read_sampler(threads)
-    finally:
-        torch.set_num_threads(before)
+    sample_read = read_sampler(threads)
     codes = {name: code for code, name in GGUF_TYPES.items()}
     rng, out = np.random.default_rng(0), {}
     for kind in [*types, "bf16"]:

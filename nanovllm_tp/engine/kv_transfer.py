@@ -138,7 +138,7 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
         out.append(row)
     params = params_to_wire(state.params)
     params["seed"] = (first.seed - first.index * _SEED_MIX) % (1 << 63)     # the request's, as the first engine drew it
-    lora = None if first.lora is None else [first.lora.lora_name, first.lora.lora_int_id, first.lora.lora_path]
+    lora = None if first.lora is None else first.lora.to_wire()
     payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out,
                         pool.ref() if referenced else None, lora)
     llm._detach(request_id)

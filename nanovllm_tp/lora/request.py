@@ -14,6 +14,10 @@ class LoRARequest:
     lora_path: str = ""
     base_model_name: str | None = None
 
+    def to_wire(self) -> list:
+        """[name, id, path]: how the server's messages and KV payloads name an adapter (LoRARequest(*those))."""
+        return [self.lora_name, self.lora_int_id, self.lora_path]
+
     def check(self) -> None:
         """Field types and ranges (the directory itself is read by peft_dir.read_adapter)."""
         if not isinstance(self.lora_name, str) or not self.lora_name:

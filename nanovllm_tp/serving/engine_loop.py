@@ -97,7 +97,7 @@ class EngineLoop:
         self._handoff: dict[str, bool] = {}
         self._handoff_refusals: set[str] = set()     # why a request could not leave, each said once
         self._ready = {"op": "ready", "model": llm.config.model, "max_model_len": llm.config.max_model_len,
-                       "loras": [[a.lora_name, a.lora_int_id, a.lora_path] for a in adapters],
+                       "loras": [a.to_wire() for a in adapters],
                        "tokenizer": llm.config.tokenizer, "sampling_defaults": llm.sampling_defaults}
 
     def run(self, keep_going) -> None:
@@ -325,12 +325,12 @@ class EngineLoop:
                     self._compiling[key] = (msg, params, pending)
                     return None
             lora, resume = msg.get("lora"), msg.get("resume")
+            lora = LoRARequest(*lora) if lora else None
             if resume is not None:
                 resume = [[ResumedChoice.from_wire(row) for row in choices] for choices in resume]
-            start, kv = time.perf_counter(), self._kv_of(msg, resume)
+            start, kv = time.perf_counter(), self._kv_of(msg, resume, lora)
             self.llm.add_requests(msg["prompts"], params, request_ids=msg["ids"], max_tokens_must_fit=True,
-                                  priority=msg["priority"], lora_request=LoRARequest(*lora) if lora else None,
-                                  resume=resume, kv=kv)
+                                  priority=msg["priority"], lora_request=lora, resume=resume, kv=kv)
             if msg.get("handoff"):
                 self._handoff.update(dict.fromkeys(msg["ids"], msg["handoff"] == "pool"))
             if kv is not None:
@@ -342,16 +342,16 @@ class EngineLoop:
             return [key, str(exc), type(exc).__name__]
         return [key, None, None]
 
-    def _kv_of(self, msg: dict, resume: list | None) -> list | None:
-        """The `kv` argument of add_requests for a resumed request that brings the payloads its replica exported
-        (msg["kv"]: per prompt, bytes or None), or None. A payload that does not fit is dropped with a warning:
-        its request computes its tokens again, as one without KV does."""
+    def _kv_of(self, msg: dict, resume: list | None, lora: LoRARequest | None) -> list | None:
+        """The `kv` argument of add_requests for a resumed request (running `lora`) that brings the payloads its
+        replica exported (msg["kv"]: per prompt, bytes or None), or None. A payload that does not fit (or was
+        computed under another adapter) is dropped with a warning: its request computes its tokens again, as one
+        without KV does."""
         payloads = msg.get("kv")
         if payloads is None or resume is None or not isinstance(payloads, list) or len(payloads) != len(resume):
             return None
         from nanovllm_tp.engine.kv_transfer import kv_for_resume
-        kv, lora = [], msg.get("lora")
-        lora_id = lora[1] if isinstance(lora, list) and len(lora) == 3 and isinstance(lora[1], int) else 0
+        kv, lora_id = [], 0 if lora is None else lora.lora_int_id
         for rid, prompt, choices, raw in zip(msg["ids"], msg["prompts"], resume, payloads):
             entries = None
             if raw is not None:

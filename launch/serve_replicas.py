@@ -196,6 +196,8 @@ def _run_replica(args, server: ServerConfig, loras, name: str, make_loop, restar
         except ValueError as exc:       # an adapter of --lora-modules
             raise SystemExit(f"serve: {name}: --lora-modules: {exc}") from None
         loop.run(lambda: not signals.received and not restart())
+        if loop.failed:     # on its way out (to be started again): a stop from now on finds it no longer serving
+            _report(args.replica_ready, "")
         if signals.received:
             loop.stop(f"{name} is shutting down ({signal.Signals(signals.received[0]).name})")
         elif restart():

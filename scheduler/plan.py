@@ -11,11 +11,14 @@ import msgpack
 import numpy as np
 
 PREFILL, DECODE, MIXED = 0, 1, 2
+# not steps: KV blocks moved between the ranks and rank 0 for a request that leaves or enters the engine with its KV
+# (engine/kv_transfer.py); such a plan has no rows, only kv_blocks
+KV_READ, KV_WRITE = 3, 4
 # dtype and rank every decoded array must have; arrays of fields not listed here need only be numeric
 ARRAY_SPECS = {"input_ids": ("<i8", 1), "positions": ("<i8", 1), "slot_mapping": ("<i8", 1),
                "cu_seqlens_q": ("<i4", 1), "context_lens": ("<i4", 1), "block_tables": ("<i4", 2),
                "prompt_logits": ("|b1", 1), "block_copies": ("<i4", 2),
-               "hidden_rows": ("|b1", 1), "lora_slot": ("<i4", 1)}
+               "hidden_rows": ("|b1", 1), "lora_slot": ("<i4", 1), "kv_blocks": ("<i4", 1)}
 
 
 def slot_mapping(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -57,6 +60,9 @@ class StepPlan:
     lora_slot: np.ndarray | None = None       # int32 [rows]: each row's LoRA slot, -1 the base model; None: all base
     lora_loads: list | None = None            # [slot, lora_int_id, adapter directory] each rank loads before the
                                               # forward (the slot's previous adapter is dropped)
+    kv_blocks: np.ndarray | None = None       # int32 [blocks], KV_READ: every rank sends rank 0 its part of these
+                                              # blocks' KV; KV_WRITE: each rank writes the part rank 0 sends it
+                                              # into them (workers/kv_blocks.py)
 
     @property
     def num_rows(self) -> int:
@@ -70,6 +76,13 @@ class StepPlan:
     def is_prefill(self) -> bool:
         """Rows of any length (the varlen path); False only for pure decode steps."""
         return self.kind != DECODE
+
+    @classmethod
+    def moving_kv(cls, kind: int, step_id: int, blocks: list[int]) -> "StepPlan":
+        """A KV_READ or KV_WRITE plan over these blocks: no rows, nothing computed."""
+        none = np.zeros(0, np.int64)
+        return cls(step_id, kind, none, none, none, np.zeros(1, np.int32), np.zeros(0, np.int32),
+                   np.zeros((0, 0), np.int32), kv_blocks=np.asarray(blocks, np.int32))
 
     def encode(self) -> bytes:
         out = {}

@@ -5,6 +5,12 @@ The cache is [layers, blocks, block_size, kv_heads, head_dim] for K and for V (w
 cache an fp32 scale per token and KV head beside each ([layers, blocks, block_size, kv_heads]). A request's part is
 the same arrays over its blocks only, in its block-table order, as raw bytes of the cache's own dtype (bf16, int8
 and fp8 moved bit for bit, as bytes: torch indexes them as uint8).
+
+Under tensor parallelism each rank holds its own KV heads, and rank 0 speaks for the engine: it publishes a KV_READ
+or KV_WRITE plan (scheduler/plan.py) naming the blocks, and every rank of the TP group takes part in one collective
+per cache array (`gather_blocks`: each rank's part to rank 0; `scatter_blocks`: rank 0 hands each rank its part).
+A request's part is then [TP ranks, layers, blocks, ...], rank i's heads i-th: TP rank i of one engine sends to TP
+rank i of the other, and both must have the same TP size (the payload's layout says so: engine/kv_payload.py).
 """
 import os
 import threading
@@ -47,15 +53,74 @@ def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 def read_blocks(runner, block_ids: list[int]) -> dict[str, memoryview]:
     """Every part of the cache over `block_ids`, in that order, as bytes (little-endian, as the host): a view of
     one gathered copy each, which msgpack packs as it is."""
+    return {name: memoryview(part.numpy()).cast("B") for name, part in _read(runner, block_ids, "cpu").items()}
+
+
+def _read(runner, block_ids: list[int], device) -> dict[str, torch.Tensor]:
+    """Each cache array over `block_ids`, in that order, as uint8 [layers, blocks, ...] on `device`."""
     stretches = runs(block_ids, list(range(len(block_ids))))
     out = {}
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
-        gathered = torch.empty((cache.shape[0], len(block_ids), *cache.shape[2:]), dtype=torch.uint8)
+        gathered = torch.empty((cache.shape[0], len(block_ids), *cache.shape[2:]), dtype=torch.uint8, device=device)
         for block, row, n in stretches:
             gathered[:, row:row + n].copy_(cache[:, block:block + n])
-        out[name] = memoryview(gathered.numpy()).cast("B")
+        out[name] = gathered
     return out
+
+
+def _write(runner, parts: dict[str, torch.Tensor], block_ids: list[int]) -> None:
+    """Each cache array's blocks `block_ids` from parts[name], uint8 [layers, len(block_ids), ...]."""
+    stretches = runs(list(range(len(block_ids))), block_ids)
+    for name, t in _tensors(runner).items():
+        cache = _as_bytes(t)
+        for row, block, n in stretches:
+            cache[:, block:block + n].copy_(parts[name][:, row:row + n])
+
+
+def gather_blocks(runner, block_ids: list[int]) -> dict[str, memoryview] | None:
+    """Every rank of the TP group (rank 0 once it has published a KV_READ plan of `block_ids`, the others as they
+    run it): each rank's part of every cache array over `block_ids` to rank 0, which returns each array's bytes as
+    [TP ranks, layers, blocks, ...]; None on the other ranks."""
+    import torch.distributed as dist
+    from nanovllm_tp.distributed.parallel_state import current_tp
+    tp = current_tp()
+    mine, out = _read(runner, block_ids, runner.k_cache.device), {}
+    for name, part in mine.items():
+        whole = torch.empty((tp.size, *part.shape), dtype=torch.uint8, device=part.device) if tp.rank == 0 else None
+        dist.gather(part, None if whole is None else list(whole.unbind(0)), dst=dist.get_global_rank(tp.group, 0),
+                    group=tp.group)
+        if whole is not None:
+            out[name] = memoryview(whole.cpu().numpy()).cast("B")
+    return out if tp.rank == 0 else None
+
+
+def scatter_blocks(runner, parts: dict[str, bytes] | None, rows: list[int], block_ids: list[int]) -> None:
+    """Every rank of the TP group (rank 0 once it has published a KV_WRITE plan of `block_ids`, the others as they
+    run it): rank 0's `parts` ([TP ranks, layers, blocks, ...] bytes, as gather_blocks gave them, checked against
+    this cache), their blocks `rows`, go each rank's part to its rank, which writes it into `block_ids`."""
+    import torch.distributed as dist
+    from nanovllm_tp.distributed.parallel_state import current_tp
+    tp = current_tp()
+    device, mine = runner.k_cache.device, {}
+    index = torch.tensor(rows, dtype=torch.long) if tp.rank == 0 else None
+    for name, t in _tensors(runner).items():
+        cache = _as_bytes(t)
+        mine[name] = torch.empty((cache.shape[0], len(block_ids), *cache.shape[2:]), dtype=torch.uint8,
+                                 device=device)
+        chunks = None
+        if tp.rank == 0:
+            whole = _bytes_tensor(parts[name]).view(tp.size, cache.shape[0], -1, *cache.shape[2:])
+            chunks = [whole[r].index_select(1, index).to(device) for r in range(tp.size)]
+        dist.scatter(mine[name], chunks, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    _write(runner, mine, block_ids)
+
+
+def _bytes_tensor(data) -> torch.Tensor:
+    """A read-only uint8 tensor over bytes (a payload's), no copy; only ever read from."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.frombuffer(data, np.uint8))
 
 
 def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: list[int]) -> None:
@@ -66,10 +131,7 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
     stretches = runs(rows, block_ids)
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
-        with warnings.catch_warnings():      # the payload's bytes are read-only; they are only read from here
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            data = torch.from_numpy(np.frombuffer(parts[name], np.uint8))
-        data = data.view(cache.shape[0], -1, *cache.shape[2:])
+        data = _bytes_tensor(parts[name]).view(cache.shape[0], -1, *cache.shape[2:])
         for row, block, n in stretches:
             cache[:, block:block + n].copy_(data[:, row:row + n])
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nanovllm_tp.scheduler.plan import DECODE, MIXED, PREFILL, PlanError, StepPlan
+from nanovllm_tp.scheduler.plan import DECODE, KV_READ, KV_WRITE, MIXED, PREFILL, PlanError, StepPlan
 
 _PER_ROW = ("prompt_logits", "hidden_rows", "lora_slot")     # optional per-row arrays
 
@@ -42,8 +42,12 @@ def _below(plan: StepPlan, field: str, values: np.ndarray, limit: int, what: str
 
 def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
     kind, ids, cu, ctx, tables = plan.kind, plan.input_ids, plan.cu_seqlens_q, plan.context_lens, plan.block_tables
+    if kind in (KV_READ, KV_WRITE):
+        return _check_kv_move(plan, lim)
     if kind not in (PREFILL, DECODE, MIXED):
         _bad(plan, "kind", f"unknown step kind {kind}")
+    if plan.kv_blocks is not None:
+        _bad(plan, "kv_blocks", "only a KV_READ or KV_WRITE plan names blocks to move")
     rows, tokens = len(ctx), len(ids)
     if rows == 0 or tokens == 0:
         _bad(plan, "context_lens", f"an empty step ({rows} rows, {tokens} tokens)")
@@ -86,6 +90,18 @@ def check_plan(plan: StepPlan, lim: PlanLimits) -> None:
     if (tables + padding).view(np.uint32).max() > lim.num_blocks:
         _bad(plan, "block_tables", f"a block id outside the KV pool's {lim.num_blocks} blocks, or padding (-1) "
                                    "where the row's context reaches")
+
+
+def _check_kv_move(plan: StepPlan, lim: PlanLimits) -> None:
+    """A plan that moves KV: no rows, no tokens, and one or more distinct blocks of the pool."""
+    blocks = plan.kv_blocks
+    if len(plan.context_lens) or len(plan.input_ids) or plan.block_copies is not None or plan.lora_loads:
+        _bad(plan, "kind", "a KV_READ or KV_WRITE plan runs no rows")
+    if blocks is None or not len(blocks):
+        _bad(plan, "kv_blocks", "a KV_READ or KV_WRITE plan names one or more blocks")
+    _below(plan, "kv_blocks", blocks, lim.num_blocks, "the KV pool's blocks")
+    if plan.kind == KV_WRITE and len(np.unique(blocks)) != len(blocks):
+        _bad(plan, "kv_blocks", "a block written twice in one KV_WRITE")
 
 
 def _check_lora(plan: StepPlan, lim: PlanLimits) -> None:

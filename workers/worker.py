@@ -27,7 +27,7 @@ from nanovllm_tp.distributed import pipeline
 from nanovllm_tp.distributed.parallel_state import current_tp, set_tp, tp_size
 from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.scheduler.block_manager import check_holds_a_sequence
-from nanovllm_tp.scheduler.plan import StepPlan
+from nanovllm_tp.scheduler.plan import KV_READ, KV_WRITE, StepPlan
 from nanovllm_tp.utils import trace
 from nanovllm_tp.utils.proctitle import REPLICA_ENV, rank_title, set_title
 from nanovllm_tp.workers.kv_cache import blocks_for_budget
@@ -114,6 +114,7 @@ def build_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype,
 def serve(runner: ModelRunner, reader) -> None:
     """Run every plan rank 0 publishes until it shuts the channel down (or disappears)."""
     from nanovllm_tp.distributed.channel import ChannelClosed
+    from nanovllm_tp.workers.kv_blocks import gather_blocks, scatter_blocks
     from nanovllm_tp.workers.plan_check import PlanLimits, check_plan
     limits = PlanLimits.of(runner)
     while True:
@@ -125,6 +126,11 @@ def serve(runner: ModelRunner, reader) -> None:
         with trace.span("decode_plan"):
             plan = StepPlan.decode(payload)
             check_plan(plan, limits)            # before any kernel: PlanError names the step and the field
+        if plan.kind in (KV_READ, KV_WRITE):    # a request leaving or entering with its KV: rank 0's collective
+            with trace.span("move_kv"):
+                blocks = plan.kv_blocks.tolist()
+                gather_blocks(runner, blocks) if plan.kind == KV_READ else scatter_blocks(runner, None, [], blocks)
+            continue
         with trace.plan_span("execute", plan):
             runner.execute(plan)
 

@@ -2,7 +2,8 @@
 explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
 
     {"format": FORMAT, "version": VERSION, "byteorder": "little",
-     "layout": {"architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_dtype"},
+     "layout": {"architecture", "vocab_size", "num_layers", "tp_size", "num_kv_heads" (of one TP rank), "head_dim",
+                "block_size", "kv_dtype"},
      "request_id", "prompt_token_ids", "priority",
      "lora": None, or the request's LoRA adapter [name, id, path] (its KV was computed with it),
      "params": the request's SamplingParams as the server's wire sends them (serving/wire.py), its seed the
@@ -12,8 +13,9 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
      "completions": [{"index", "token_ids" (generated so far), "sent_chars" (characters of its text the caller
                       has seen), "num_cached_tokens" (tokens whose KV travels: 0, or all but the last token),
                       and where it travels, one of
-                      "kv": {"k", "v"[, "k_scale", "v_scale"]}: bytes of [layers, blocks, block_size, kv_heads,
-                            head_dim] (scales without head_dim, fp32) over the completion's blocks, or
+                      "kv": {"k", "v"[, "k_scale", "v_scale"]}: bytes of [tp_size, layers, blocks, block_size,
+                            kv_heads, head_dim] (scales without head_dim, fp32) over the completion's blocks (TP
+                            rank i's KV heads i-th), or
                       "blocks" and "versions": the completion's block ids in the exporter's pool and their versions
                             when it left (a hand-off on one host: the importer copies them from pool to pool)}]}
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, fields
 import msgpack
 
 FORMAT = "nanovllm-tp kv transfer"
-VERSION = 2
+VERSION = 3
 VALUE_PARTS = ("k", "v")
 SCALE_PARTS = ("k_scale", "v_scale")
 SCALE_BYTES = 4          # an 8-bit cache's fp32 scale per token and KV head
@@ -40,6 +42,7 @@ class KVLayout:
     architecture: str
     vocab_size: int
     num_layers: int
+    tp_size: int           # the engine's TP ranks, each holding num_kv_heads of the KV heads
     num_kv_heads: int      # of one TP rank
     head_dim: int
     block_size: int
@@ -65,7 +68,7 @@ class KVLayout:
     def part_bytes(self, name: str, num_blocks: int, value_bytes: int) -> int:
         """Bytes of `num_blocks` blocks of one part (values of `value_bytes` each, or fp32 scales)."""
         per_head = SCALE_BYTES if name in SCALE_PARTS else self.head_dim * value_bytes
-        return self.num_layers * num_blocks * self.block_size * self.num_kv_heads * per_head
+        return self.tp_size * self.num_layers * num_blocks * self.block_size * self.num_kv_heads * per_head
 
 
 @dataclass(slots=True)
@@ -132,7 +135,7 @@ class CompletionKV:
         if self.blocks is not None:
             out.blocks, out.versions, out.pool = self.blocks[:new], self.versions[:new], self.pool
             return out
-        out.kv = {name: data if new == old else _leading_blocks(data, layout.num_layers, old, new)
+        out.kv = {name: data if new == old else _leading_blocks(data, layout.tp_size * layout.num_layers, old, new)
                   for name, data in self.kv.items()}
         return out
 
@@ -237,7 +240,7 @@ class KVPayload:
 
 
 def _leading_blocks(data, num_layers: int, blocks: int, keep: int) -> bytes:
-    """Of a part's bytes [layers, blocks, ...], the first `keep` blocks of every layer."""
+    """Of a part's bytes [layers, blocks, ...] (layers: every TP rank's), the first `keep` blocks of every layer."""
     view = memoryview(data).cast("B")
     layer = len(view) // num_layers
     size = layer // blocks * keep

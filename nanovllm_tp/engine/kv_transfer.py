@@ -21,9 +21,13 @@ again.
 A LoRA request moves with its adapter named in the payload: the importing engine must run that adapter (it loads
 it into a slot as it adopts the KV), and a KV computed with one adapter never goes on under another.
 
-Not yet: tensor_parallel_size > 1 and pipeline_parallel_size > 1 (rank 0 holds only its part of the KV), a draft
-model's KV, cumulative logprobs (logprobs go on from the move, as for a resumed request). These are refused by
-name.
+Under tensor parallelism rank 0 gathers every rank's KV heads for the payload and sends each rank its own on import
+(workers/kv_blocks.py): TP rank i's part goes to TP rank i, so both engines must have the same TP size (a payload of
+another is refused by the name of its layout field, tp_size). By reference needs a shared pool, which an engine of
+one rank has: a TP engine's KV travels as bytes.
+
+Not yet: pipeline_parallel_size > 1 (each stage holds its own layers), a draft model's KV, cumulative logprobs
+(logprobs go on from the move, as for a resumed request). These are refused by name.
 """
 import time
 from dataclasses import dataclass
@@ -54,11 +58,11 @@ class KVMoves:
 
 
 def engine_layout(llm) -> KVLayout:
-    """The layout of `llm`'s KV blocks (rank 0's: the whole cache at TP 1)."""
+    """The layout of `llm`'s KV blocks (each TP rank's the same shape as rank 0's)."""
     runner, mc = llm.engine.runner, llm.config.model_config
     layer = runner.attention_layers[0]
-    return KVLayout(mc.architecture, mc.vocab_size, len(runner.attention_layers), layer.num_kv_heads,
-                    layer.head_dim, llm.config.kvcache_block_size, runner.kv_cache_format())
+    return KVLayout(mc.architecture, mc.vocab_size, len(runner.attention_layers), llm.config.tensor_parallel_size,
+                    layer.num_kv_heads, layer.head_dim, llm.config.kvcache_block_size, runner.kv_cache_format())
 
 
 def _cache_of(llm) -> tuple[KVLayout, int, bool]:
@@ -84,12 +88,11 @@ def check_kv(llm, prompt_lens: list[int], resume: list, kv: list) -> None:
 
 
 def _check_engine(llm, what: str) -> None:
-    """The engines a request moves between, for now: one rank, no draft model."""
+    """The engines a request moves between, for now: one pipeline stage, no draft model."""
     cfg = llm.config
-    for knob in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(cfg, knob) > 1:
-            raise ValueError(f"{what} is not implemented with {knob}={getattr(cfg, knob)} yet: rank 0 holds only its "
-                             "part of the KV")
+    if cfg.pipeline_parallel_size > 1:
+        raise ValueError(f"{what} is not implemented with pipeline_parallel_size={cfg.pipeline_parallel_size} yet: "
+                         "each stage holds the KV of its own layers")
     if llm.engine.draft is not None:
         raise ValueError(f"{what} is not implemented with a draft model yet (speculative_config "
                          "{'method': 'draft_model'}): the draft's KV does not move")

@@ -16,6 +16,7 @@ from nanovllm_tp.layers import cpu_kernels, kernel_choice
 from nanovllm_tp.layers.packed_linear import linear_paths
 from nanovllm_tp.scheduler import Scheduler, SchedulerConfig, Sequence
 from nanovllm_tp.scheduler.micro_batches import MicroBatchScheduler
+from nanovllm_tp.scheduler.plan import KV_READ, KV_WRITE, StepPlan
 from nanovllm_tp.utils import trace
 
 log = logging.getLogger("nanovllm_tp")
@@ -105,13 +106,13 @@ class LLMEngine:
         engine's shared pool: into the pool and running (Scheduler.adopt). False when the pool is short, or the
         other engine's blocks cannot be read after all (its pool is gone, or it took a block for other tokens
         before the copy ended): the caller queues the sequence to compute again."""
-        from nanovllm_tp.workers.kv_blocks import copy_from_peer, write_blocks
+        from nanovllm_tp.workers.kv_blocks import copy_from_peer
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
 
         def write(rows: list[int], block_ids: list[int]) -> bool:
             if entry.kv is not None:
-                write_blocks(self.runner, entry.kv, rows, block_ids)
+                self._write_kv(entry.kv, rows, block_ids)
             elif copy_from_peer(self.runner, entry.pool, entry.blocks, entry.versions, rows, block_ids):
                 self.kv_moves.bytes_in += len(block_ids) * self.runner.kv_block_bytes()
             else:
@@ -121,9 +122,35 @@ class LLMEngine:
         return self.scheduler.adopt(seq, write)
 
     def read_kv(self, block_ids: list[int]) -> dict[str, bytes]:
-        """The KV of these blocks, every layer, as bytes (workers/kv_blocks.py)."""
-        from nanovllm_tp.workers.kv_blocks import read_blocks
-        return read_blocks(self.runner, block_ids)
+        """The KV of these blocks, every layer, as bytes (workers/kv_blocks.py): under tensor parallelism every
+        rank's part, gathered here."""
+        from nanovllm_tp.workers.kv_blocks import gather_blocks, read_blocks
+        if self.dead:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        if self._tp.size == 1:
+            return read_blocks(self.runner, block_ids)
+        return self._with_ranks(KV_READ, block_ids, lambda: gather_blocks(self.runner, block_ids))
+
+    def _write_kv(self, parts: dict[str, bytes], rows: list[int], block_ids: list[int]) -> None:
+        """A payload's KV (checked against this cache), its blocks `rows`, into this pool's `block_ids`: under
+        tensor parallelism each rank's part sent to it."""
+        from nanovllm_tp.workers.kv_blocks import scatter_blocks, write_blocks
+        if self._tp.size == 1:
+            write_blocks(self.runner, parts, rows, block_ids)
+        elif rows:
+            self._with_ranks(KV_WRITE, block_ids, lambda: scatter_blocks(self.runner, parts, rows, block_ids))
+
+    def _with_ranks(self, kind: int, block_ids: list[int], collective):
+        """Publish a plan that moves KV (KV_READ, KV_WRITE) and run rank 0's side of its collective. A rank that
+        fails in it stops the engine, as a failed step does."""
+        try:
+            with self._scope():
+                self._publish(StepPlan.moving_kv(kind, self.scheduler.step_id, block_ids))
+                with trace.span("move_kv"):
+                    return collective()
+        except BaseException as exc:
+            self._step_failed(exc)
+            raise
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                num_completion_tokens: int | None = None) -> None:

@@ -120,6 +120,10 @@ class EngineLoop:
             changed = self._admit_compiled(dead)
             if self._commands.poll(0 if busy else COMPILE_POLL_MS if self._compiling else IDLE_POLL_MS):
                 changed = self._take_commands(dead) or changed
+                if not dead and self.llm.engine.dead is not None:   # a rank lost while imported KV was written
+                    if self._engine_failed(RuntimeError(self.llm.engine.dead)):
+                        return
+                    dead = True
             if changed and not dead and not self.llm.has_unfinished_requests():
                 self._send_stats()
             if dead or not self.llm.has_unfinished_requests():
@@ -142,7 +146,12 @@ class EngineLoop:
                 continue
             self._send({"op": "outputs", "outputs": [self._to_wire(o) for o in outs], "stats": self._stats()})
             if self._handoff:
-                self._hand_off(outs)
+                try:
+                    self._hand_off(outs)
+                except Exception as exc:   # a rank lost while the KV was gathered: the engine stopped, as in a step
+                    if self._engine_failed(exc):
+                        return
+                    dead = True
 
     def _engine_failed(self, exc: Exception) -> bool:
         """The engine stopped (a dead rank, a bug): the HTTP side is told, and fails every open request. Returns
@@ -340,6 +349,10 @@ class EngineLoop:
                         note_import(self.llm, entries, (time.perf_counter() - start) / len(kv))
         except (ValueError, TypeError) as exc:
             return [key, str(exc), type(exc).__name__]
+        except RuntimeError as exc:        # a rank lost while imported KV was written: the batch goes elsewhere
+            if self.llm.engine.dead is None:
+                raise
+            return [key, f"the engine stopped: {exc}", "EngineDead"]
         return [key, None, None]
 
     def _kv_of(self, msg: dict, resume: list | None, lora: LoRARequest | None) -> list | None:

@@ -136,7 +136,8 @@ class ReplicaProcesses:
         its --shutdown-timeout short itself), then SIGKILL to what is left after `timeout`. Returns the replicas
         that did not stop cleanly, with their exit codes (-9: killed here); a replica still loading, which a SIGTERM
         ends with -15 or 143 before it has anything to stop, stopped cleanly, as did one on its way out of a rolling
-        restart (its requests moved already)."""
+        restart (its requests moved already); one that ends because a rank of its was killed from outside
+        (RANK_KILLED, which watch() would start again) is no failure of the stop either."""
         live = {i: p for i, p in enumerate(self.procs) if p is not None and p.poll() is None}
         # a SIGTERM while it loads, or while it leaves for a restart, ends it as it may
         loading = {i for i in live if not self.serving(i) or live[i].pid in self._restarting}
@@ -151,7 +152,8 @@ class ReplicaProcesses:
                 p.wait()
             unlink_by_prefix(f"nvtp_{p.pid}_")
         return {i: p.returncode for i, p in live.items()
-                if p.returncode != 0 and not (i in loading and p.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM))}
+                if p.returncode not in (0, RANK_KILLED)
+                and not (i in loading and p.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM))}
 
     def kill(self) -> None:
         for p in self.procs:

@@ -16,6 +16,7 @@ import pytest
 
 from nanovllm_tp import SamplingParams
 from nanovllm_tp.sampling_params import StructuredOutputsParams
+from tests.helpers import hf_greedy
 from tests.procs import TORCHRUN, free_port, python_cmd, started
 from tests.serving.test_data_parallel import wait_all_ready
 from tests.serving.test_healing import invariant_llm, sigterm_exits_0, titled  # noqa: F401  (a fixture)
@@ -322,3 +323,80 @@ def test_a_lora_request_is_prefilled_on_one_replica_and_decoded_on_the_other(tin
         assert counter(metrics, "router_requests_handed_off") == 2
         assert counter(metrics, "kv_transfer_blocks_in", 'dp_rank="1"') > 0
         sigterm_exits_0(proc)
+
+
+def test_tp2_replicas_hand_off_every_rank_s_kv(tiny_model_dir, hf_model):
+    """`-dp 2 -tp 2 --replica-roles prefill,decode`: each replica's two ranks hold a KV head each; a hand-off
+    gathers both on the prefill replica's rank 0 and the decode replica's rank 0 hands each of its ranks its own.
+    Streamed and non-streamed greedy requests answer transformers' text; the same prompt again finds its prefix
+    held on the decode side (fewer blocks written); a decode rank killed mid-stream loses nothing."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = list(range(7, 7 + 45))
+    want = tok.decode(hf_greedy(hf_model, prompt, 40))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                             "--replica-roles", "prefill,decode")
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        metrics = lambda: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text  # noqa: E731
+        assert streamed(port, body)[0][0] == want
+        first_blocks = counter(metrics(), "kv_transfer_blocks_in", 'dp_rank="1"')
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        text = metrics()
+        assert counter(text, "router_requests_handed_off") == 2
+        assert first_blocks == 3            # 45 prompt tokens + the first: 46 tokens' KV, 3 blocks, both ranks
+        assert 0 < counter(text, "kv_transfer_blocks_in", 'dp_rank="1"') - first_blocks < first_blocks
+        assert counter(text, "kv_transfer_bytes_out", 'dp_rank="0"') > 0
+
+        long_want = tok.decode(hf_greedy(hf_model, prompt[:20], 300))
+        got, chunks, killed = "", 0, None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                          json={**body, "prompt": prompt[:20], "max_tokens": 300, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                got += "".join(ch["text"] for ch in event["choices"])
+                chunks += 1
+                if chunks == 10 and killed is None:
+                    killed = titled(proc.pid, "nanovllm_tp::dp1::tp1")
+                    os.kill(killed, signal.SIGKILL)
+        assert killed is not None and got == long_want
+        sigterm_exits_0(proc)
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_rank_that_dies_in_a_tp2_hand_off_loses_no_request(tiny_model_dir, hf_model, kind, monkeypatch,
+                                                             tmp_path):
+    """-dp 2 -tp 2 --replica-roles prefill,decode; rank 1 of the prefill replica dies (kill -9) as it joins the
+    gather of a hand-off's KV ("read"), or rank 1 of the decode replica as it joins the scatter of it ("write"):
+    the replica whose rank died stops (its rank killed: no failure of its own, no traceback) and is started again,
+    the request goes on elsewhere, its answer transformers', no error; later requests are handed off again."""
+    from transformers import AutoTokenizer
+    monkeypatch.setenv("PYTHONPATH", os.path.join(os.path.dirname(os.path.dirname(__file__)), "tp_scripts",
+                                                  "fault_injection") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("NVTP_TEST_DIE_IN_KV_MOVE", f"{kind}:{tmp_path / 'died'}")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = list(range(7, 7 + 45))
+    want = tok.decode(hf_greedy(hf_model, prompt, 40))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    log = tmp_path / "serve.log"
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                             "--replica-roles", "prefill,decode", stderr=open(log, "w"))
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        assert streamed(port, body)[0][0] == want
+        assert (tmp_path / "died").exists()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        wait_all_ready(port, proc)                     # the replica is back
+        before = counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "router_requests_handed_off")
+        assert streamed(port, body)[0][0] == want
+        after = counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "router_requests_handed_off")
+        assert after == before + 1
+        sigterm_exits_0(proc)
+    text = log.read_text()
+    assert "Traceback" not in text and "was killed (exit code 4): starting it again" in text, text[-3000:]

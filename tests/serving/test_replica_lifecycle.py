@@ -78,6 +78,28 @@ def test_sigterm_stops_an_idle_dp2_server_with_0_on_a_busy_machine(tiny_model_di
     assert log_lines(log)[-1].endswith("serve: stopped by SIGTERM")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.1, 0.4])
+def test_sigterm_just_after_a_rank_of_a_replica_was_killed_exits_0(tiny_model_dir, tmp_path, after):
+    """-dp 2 -tp 2, idle: kill -9 of replica 0's rank 1, then SIGTERM to the server `after` seconds later, while
+    replica 0 is on its way out (its engine stopped, to be started again): the server used to count its exit
+    (RANK_KILLED, or -15 once it no longer handled the signal) as a replica that did not stop cleanly (exit 143)."""
+    from tests.serving.test_healing import titled
+    log = tmp_path / "serve.log"
+    port, ctx = start_server(tiny_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                             stderr=open(log, "w"))
+    with ctx as proc:
+        wait_all_ready(port, proc)
+        pids = [proc.pid, *descendants(proc.pid)]
+        os.kill(titled(proc.pid, "nanovllm_tp::dp0::tp1"), signal.SIGKILL)
+        time.sleep(after)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert_all_gone(proc, pids)
+    text = log.read_text()
+    assert code == 0 and "did not stop" not in text, text[-3000:]
+
+
 # -- refusals in one line ---------------------------------------------------------------------------------------------
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nanovllm_tp.scheduler import DECODE, MIXED, PREFILL, Scheduler, SchedulerConfig, Sequence, StepPlan
-from nanovllm_tp.scheduler.plan import PlanError
+from nanovllm_tp.scheduler.plan import KV_READ, KV_WRITE, PlanError
 from nanovllm_tp.workers.plan_check import PlanLimits, check_plan
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,6 +118,29 @@ def test_unknown_fields_are_ignored_and_missing_ones_named():
     for junk in (b"", b"\xc1", msgpack.packb([1, 2]), os.urandom(64)):
         with pytest.raises(PlanError):
             StepPlan.decode(junk)
+
+
+@pytest.mark.parametrize("kind", [KV_READ, KV_WRITE])
+def test_a_plan_that_moves_kv_names_blocks_of_the_pool_and_runs_no_rows(kind):
+    plan = roundtrip(StepPlan.moving_kv(kind, 9, [3, 4, 60]))
+    check_plan(plan, LIMITS)
+    assert (plan.kind, plan.num_rows, plan.num_tokens, plan.kv_blocks.tolist()) == (kind, 0, 0, [3, 4, 60])
+    cases = [(StepPlan.moving_kv(kind, 9, [3, 64]), "kv_blocks", "outside"),
+             (StepPlan.moving_kv(kind, 9, [-1]), "kv_blocks", "outside"),
+             (StepPlan.moving_kv(kind, 9, []), "kv_blocks", "one or more"),
+             (_with(plan, input_ids=np.zeros(1, np.int64)), "kind", "no rows"),
+             (_with(plan, kv_blocks=None), "kv_blocks", "one or more")]
+    if kind == KV_WRITE:
+        cases.append((StepPlan.moving_kv(kind, 9, [5, 5]), "kv_blocks", "written twice"))
+    for bad, field, text in cases:
+        with pytest.raises(PlanError, match=text) as err:
+            check_plan(roundtrip(bad), LIMITS)
+        assert err.value.field == field and err.value.step == 9
+
+
+def test_a_step_naming_blocks_to_move_is_refused():
+    with pytest.raises(PlanError, match="kv_blocks: only a KV_READ or KV_WRITE"):
+        check_plan(_with(PLANS[DECODE], kv_blocks=np.array([1], np.int32)), LIMITS)
 
 
 @pytest.mark.spawn

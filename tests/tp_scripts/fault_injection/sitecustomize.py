@@ -4,7 +4,7 @@ rank exit before it joins anything, as a worker that cannot import the package w
 kill its rank 0 (kill -9) at a chosen moment of its start: before it joins the store ("start") or right after
 ("joined", when it goes on to wait for rank 0 in the process group); or makes a prefill replica die right after a
 hand-off, and the replica copying its blocks wait, so that the copy finds that pool gone; or makes every engine
-step slower."""
+step slower; or makes a rank die in the collective that moves a request's KV."""
 import os
 import sys
 
@@ -106,3 +106,21 @@ if os.environ.get("NVTP_TEST_STEP_SLEEP_S"):
             return step(self, *args, **kwargs)
         llm_engine.LLMEngine.step = slow_step
     _after_import("nanovllm_tp.engine.llm_engine", _slow_steps)
+
+if os.environ.get("NVTP_TEST_DIE_IN_KV_MOVE") and os.environ.get("RANK", "0") != "0":
+    # "read:MARKER" or "write:MARKER": a rank > 0 kills itself (kill -9) as it joins the first KV_READ (a request
+    # leaving with its KV) or KV_WRITE (one arriving) of any engine, once (MARKER: a file made then); rank 0 waits
+    # in the collective
+    def _die_in_kv_move(kv_blocks):
+        kind, marker = os.environ["NVTP_TEST_DIE_IN_KV_MOVE"].split(":", 1)
+        name = {"read": "gather_blocks", "write": "scatter_blocks"}[kind]
+        move = getattr(kv_blocks, name)
+
+        def dying(*args):
+            if not os.path.exists(marker):
+                import signal
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return move(*args)
+        setattr(kv_blocks, name, dying)
+    _after_import("nanovllm_tp.workers.kv_blocks", _die_in_kv_move)

@@ -82,6 +82,18 @@ class DraftProposer(Proposer):
     def allocate(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
+    def read_kv(self, block_ids: list[int], prefix: str) -> dict:
+        """Its cache over these blocks as bytes (workers/kv_blocks.py), each part named with `prefix`: a request
+        that leaves with its KV takes the draft's too (engine/kv_transfer.py)."""
+        from nanovllm_tp.workers.kv_blocks import read_blocks
+        return {prefix + name: data for name, data in read_blocks(self.runner, block_ids).items()}
+
+    def write_kv(self, parts: dict, prefix: str, rows: list[int], block_ids: list[int]) -> None:
+        """The parts named with `prefix` (checked against this cache), their blocks `rows`, into `block_ids`."""
+        from nanovllm_tp.workers.kv_blocks import write_blocks
+        mine = {name[len(prefix):]: data for name, data in parts.items() if name.startswith(prefix)}
+        write_blocks(self.runner, mine, rows, block_ids)
+
     def describe(self) -> str:
         return (f"draft {self.config.model} on rank 0, {self.k} tokens a step, linear "
                 f"{self.runner.describe().split('linear ', 1)[1]}")

@@ -6,6 +6,8 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
                 "block_size", "kv_dtype"},
      "request_id", "prompt_token_ids", "priority",
      "lora": None, or the request's LoRA adapter [name, id, path] (its KV was computed with it),
+     "draft_layout": None, or the layout of the exporter's draft model's cache (speculative_config draft_model),
+                     whose KV travels beside the target's (its parts named "draft_k", "draft_v", ...),
      "params": the request's SamplingParams as the server's wire sends them (serving/wire.py), its seed the
                request's own (drawn by the first engine where the caller set none),
      "pool": None, or {"pid", "fd", "token"}: the exporter's shared KV pool (workers/kv_pool.py), which the
@@ -15,12 +17,12 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
                       and where it travels, one of
                       "kv": {"k", "v"[, "k_scale", "v_scale"]}: bytes of [tp_size, layers, blocks, block_size,
                             kv_heads, head_dim] (scales without head_dim, fp32) over the completion's blocks (TP
-                            rank i's KV heads i-th), or
+                            rank i's KV heads i-th), and the draft's parts with "draft_" before their names, or
                       "blocks" and "versions": the completion's block ids in the exporter's pool and their versions
                             when it left (a hand-off on one host: the importer copies them from pool to pool)}]}
 
 `KVPayload.decode` checks the shape of every field; `check_against` checks the payload against the importing
-engine's own layout (every layout field equal, each completion's token counts against its block count, each part's
+engine's own caches (`CacheSpec`: every layout field equal, the draft's too, each completion's token counts against its block count, each part's
 byte count), so that nothing reaches the engine before the whole payload is known to fit. A mismatch raises
 ValueError naming the field.
 """
@@ -34,6 +36,7 @@ VERSION = 3
 VALUE_PARTS = ("k", "v")
 SCALE_PARTS = ("k_scale", "v_scale")
 SCALE_BYTES = 4          # an 8-bit cache's fp32 scale per token and KV head
+DRAFT = "draft_"         # before the name of each part of the draft model's cache
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,16 +55,16 @@ class KVLayout:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_wire(cls, d) -> "KVLayout":
+    def from_wire(cls, d, field: str = "layout") -> "KVLayout":
         if not isinstance(d, dict):
-            raise ValueError(f"KV payload field layout must be a map, got {type(d).__name__}")
+            raise ValueError(f"KV payload field {field} must be a map, got {type(d).__name__}")
         values = {}
         for f in fields(cls):
             v = d.get(f.name)
             if f.type is str and not isinstance(v, str):
-                raise ValueError(f"KV payload field layout.{f.name} must be a string, got {v!r}")
+                raise ValueError(f"KV payload field {field}.{f.name} must be a string, got {v!r}")
             if f.type is int and not _is_int(v, 1):
-                raise ValueError(f"KV payload field layout.{f.name} must be a positive integer, got {v!r}")
+                raise ValueError(f"KV payload field {field}.{f.name} must be a positive integer, got {v!r}")
             values[f.name] = v
         return cls(**values)
 
@@ -69,6 +72,21 @@ class KVLayout:
         """Bytes of `num_blocks` blocks of one part (values of `value_bytes` each, or fp32 scales)."""
         per_head = SCALE_BYTES if name in SCALE_PARTS else self.head_dim * value_bytes
         return self.tp_size * self.num_layers * num_blocks * self.block_size * self.num_kv_heads * per_head
+
+
+@dataclass(slots=True, frozen=True)
+class CacheSpec:
+    """One cache an engine moves KV of: its layout, the bytes of one stored value, whether fp32 scales go with
+    them, and the prefix of its parts' names ("" for the model's cache, DRAFT for a draft model's)."""
+    layout: KVLayout
+    value_bytes: int
+    scaled: bool
+    prefix: str = ""
+
+    def part_bytes(self, blocks: int) -> dict[str, int]:
+        """{part name: its bytes} over `blocks` blocks."""
+        names = VALUE_PARTS + (SCALE_PARTS if self.scaled else ())
+        return {self.prefix + n: self.layout.part_bytes(n, blocks, self.value_bytes) for n in names}
 
 
 @dataclass(slots=True)
@@ -95,11 +113,12 @@ class CompletionKV:
                 "num_cached_tokens": self.num_cached_tokens, "kv": self.kv, "blocks": self.blocks,
                 "versions": self.versions}
 
-    def check(self, layout: KVLayout, value_bytes: int, scaled: bool, prompt_len: int, where: str) -> None:
-        """Its KV fits a cache of `layout` (values of `value_bytes` each; `scaled`: with fp32 scales) after a
-        prompt of `prompt_len` tokens: the KV of all but its last token, each part's bytes those of its blocks."""
+    def check(self, caches: list[CacheSpec], prompt_len: int, where: str) -> None:
+        """Its KV fits these caches (the model's first, then a draft's) after a prompt of `prompt_len` tokens: the
+        KV of all but its last token, each part's bytes those of its blocks."""
         if not self.has_kv:
             return
+        layout = caches[0].layout
         total = prompt_len + len(self.token_ids)
         if self.num_cached_tokens != total - 1:
             raise ValueError(f"KV payload field {where}.num_cached_tokens is {self.num_cached_tokens}: a decoding "
@@ -110,18 +129,18 @@ class CompletionKV:
                 raise ValueError(f"KV payload field {where}.blocks lists {len(self.blocks)} blocks and "
                                  f"{len(self.versions)} versions; {self.num_cached_tokens} tokens take {blocks}")
             return
-        parts = VALUE_PARTS + (SCALE_PARTS if scaled else ())
+        blocks = self.num_blocks(layout.block_size)
+        parts = {name: size for cache in caches for name, size in cache.part_bytes(blocks).items()}
         if sorted(self.kv) != sorted(parts):
             raise ValueError(f"KV payload field {where}.kv holds {sorted(self.kv)}, this engine's cache "
-                             f"({layout.kv_dtype}) is {sorted(parts)}")
-        blocks = self.num_blocks(layout.block_size)
-        for name in parts:
-            want = layout.part_bytes(name, blocks, value_bytes)
+                             f"({layout.kv_dtype}{', and a draft model' if len(caches) > 1 else ''}) is "
+                             f"{sorted(parts)}")
+        for name, want in parts.items():
             if len(self.kv[name]) != want:
                 raise ValueError(f"KV payload field {where}.kv.{name} has {len(self.kv[name])} bytes; "
                                  f"{blocks} blocks of {self.num_cached_tokens} tokens take {want}")
 
-    def cut(self, token_ids: list[int], sent_chars: int, prompt_len: int, layout: KVLayout) -> "CompletionKV":
+    def cut(self, token_ids: list[int], sent_chars: int, prompt_len: int, caches: list[CacheSpec]) -> "CompletionKV":
         """This completion as it was when it had generated only `token_ids` (a prefix of its own; its caller had
         seen `sent_chars` characters): the KV of all but the last of those tokens, its blocks the leading ones of
         each part (a block's values past the cut are stale and are written again by the decode that reaches them).
@@ -131,11 +150,13 @@ class CompletionKV:
         if not self.has_kv or cached <= 0:
             return out
         out.num_cached_tokens = cached
-        old, new = self.num_blocks(layout.block_size), out.num_blocks(layout.block_size)
+        block_size = caches[0].layout.block_size
+        old, new = self.num_blocks(block_size), out.num_blocks(block_size)
         if self.blocks is not None:
             out.blocks, out.versions, out.pool = self.blocks[:new], self.versions[:new], self.pool
             return out
-        out.kv = {name: data if new == old else _leading_blocks(data, layout.tp_size * layout.num_layers, old, new)
+        layers = {name: c.layout.tp_size * c.layout.num_layers for c in caches for name in c.part_bytes(0)}
+        out.kv = {name: data if new == old else _leading_blocks(data, layers[name], old, new)
                   for name, data in self.kv.items()}
         return out
 
@@ -174,12 +195,14 @@ class KVPayload:
     completions: list[CompletionKV]
     pool: dict | None = None         # {"pid", "fd", "token"} where completions give their blocks in it
     lora: list | None = None         # [name, id, path]: the adapter the KV was computed with
+    draft: KVLayout | None = None    # the exporter's draft model's cache, whose KV travels too
 
     def encode(self) -> bytes:
         return msgpack.packb({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
                               "layout": self.layout.to_wire(), "request_id": self.request_id,
                               "prompt_token_ids": self.prompt_token_ids, "params": self.params,
                               "priority": self.priority, "pool": self.pool, "lora": self.lora,
+                              "draft_layout": self.draft and self.draft.to_wire(),
                               "completions": [c.to_wire() for c in self.completions]},
                              use_bin_type=True)
 
@@ -225,18 +248,26 @@ class KVPayload:
         if lora is not None and not (isinstance(lora, list) and len(lora) == 3 and isinstance(lora[0], str)
                                      and _is_int(lora[1], 1) and isinstance(lora[2], str)):
             raise ValueError(f"KV payload field lora must be [name, id >= 1, path] or nil, got {lora!r}")
+        draft = d.get("draft_layout")
+        draft = None if draft is None else KVLayout.from_wire(draft, "draft_layout")
         return cls(layout, d["request_id"], d["prompt_token_ids"], d["params"], d["priority"], completions, pool,
-                   lora)
+                   lora, draft)
 
-    def check_against(self, layout: KVLayout, value_bytes: int, scaled: bool) -> None:
-        """This payload fits an engine of `layout` whose cache stores values of `value_bytes` each (`scaled`: with
-        fp32 scales): ValueError naming the first field that does not."""
-        for f in fields(layout):
-            mine, theirs = getattr(self.layout, f.name), getattr(layout, f.name)
-            if mine != theirs:
-                raise ValueError(f"KV payload field layout.{f.name} is {mine!r}, this engine's is {theirs!r}")
+    def check_against(self, caches: list[CacheSpec]) -> None:
+        """This payload fits an engine of these caches (its model's, then its draft model's if it has one):
+        ValueError naming the first field that does not."""
+        draft = caches[1].layout if len(caches) > 1 else None
+        if (self.draft is None) != (draft is None):
+            raise ValueError(f"KV payload field draft_layout: the KV comes {'with' if self.draft else 'without'} a "
+                             f"draft model's, this engine runs {'one' if draft else 'none'} (speculative_config "
+                             "draft_model): both engines need the same draft")
+        for name, mine, theirs in (("layout", self.layout, caches[0].layout), ("draft_layout", self.draft, draft)):
+            for f in fields(KVLayout) if mine is not None else ():
+                if getattr(mine, f.name) != getattr(theirs, f.name):
+                    raise ValueError(f"KV payload field {name}.{f.name} is {getattr(mine, f.name)!r}, this engine's "
+                                     f"is {getattr(theirs, f.name)!r}")
         for i, c in enumerate(self.completions):
-            c.check(layout, value_bytes, scaled, len(self.prompt_token_ids), f"completions[{i}]")
+            c.check(caches, len(self.prompt_token_ids), f"completions[{i}]")
 
 
 def _leading_blocks(data, num_layers: int, blocks: int, keep: int) -> bytes:

@@ -26,13 +26,18 @@ Under tensor parallelism rank 0 gathers every rank's KV heads for the payload an
 another is refused by the name of its layout field, tp_size). By reference needs a shared pool, which an engine of
 one rank has: a TP engine's KV travels as bytes.
 
-Not yet: pipeline_parallel_size > 1 (each stage holds its own layers), a draft model's KV, cumulative logprobs
-(logprobs go on from the move, as for a resumed request). These are refused by name.
+An engine that speculates with a draft model (speculative_config draft_model) keeps a second cache, indexed by the
+same blocks: its KV travels beside the target's (parts "draft_k", "draft_v", ...), and both engines must run the same
+draft (the payload's draft_layout). The draft's cache is not in the shared pool: such an engine's KV travels as
+bytes.
+
+Not yet: pipeline_parallel_size > 1 (each stage holds the KV of its own layers), cumulative logprobs (logprobs go on
+from the move, as for a resumed request). These are refused by name.
 """
 import time
 from dataclasses import dataclass
 
-from nanovllm_tp.engine.kv_payload import CompletionKV, KVLayout, KVPayload
+from nanovllm_tp.engine.kv_payload import DRAFT, CacheSpec, CompletionKV, KVLayout, KVPayload
 from nanovllm_tp.engine.resume import ResumedChoice
 from nanovllm_tp.sampling_params import RequestOutputKind
 from nanovllm_tp.scheduler.sequence import SequenceStatus
@@ -57,25 +62,34 @@ class KVMoves:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+def _layout(runner, config) -> KVLayout:
+    """The layout of a runner's KV blocks (each TP rank's the same shape as rank 0's)."""
+    mc, layer = config.model_config, runner.attention_layers[0]
+    return KVLayout(mc.architecture, mc.vocab_size, len(runner.attention_layers), config.tensor_parallel_size,
+                    layer.num_kv_heads, layer.head_dim, config.kvcache_block_size, runner.kv_cache_format())
+
+
 def engine_layout(llm) -> KVLayout:
-    """The layout of `llm`'s KV blocks (each TP rank's the same shape as rank 0's)."""
-    runner, mc = llm.engine.runner, llm.config.model_config
-    layer = runner.attention_layers[0]
-    return KVLayout(mc.architecture, mc.vocab_size, len(runner.attention_layers), llm.config.tensor_parallel_size,
-                    layer.num_kv_heads, layer.head_dim, llm.config.kvcache_block_size, runner.kv_cache_format())
+    """The layout of `llm`'s KV blocks."""
+    return _layout(llm.engine.runner, llm.config)
 
 
-def _cache_of(llm) -> tuple[KVLayout, int, bool]:
-    """`llm`'s KV layout, the bytes of one stored value, and whether fp32 scales go with them."""
-    runner = llm.engine.runner
-    return engine_layout(llm), runner.k_cache.element_size(), runner.kv_scales is not None
+def _caches_of(llm) -> list[CacheSpec]:
+    """The caches whose KV moves: the model's, then its draft model's where it has one."""
+    out = []
+    for prefix, owner in (("", llm.engine), (DRAFT, llm.engine.draft)):
+        if owner is not None:
+            runner = owner.runner
+            out.append(CacheSpec(_layout(runner, owner.config), runner.k_cache.element_size(),
+                                 runner.kv_scales is not None, prefix))
+    return out
 
 
 def check_kv(llm, prompt_lens: list[int], resume: list, kv: list) -> None:
     """`LLM.add_requests`' check of its `kv` argument, before anything is queued: per prompt, per resumed
     completion, None or that completion's CompletionKV (its index and tokens), sized for this engine's cache."""
     _check_engine(llm, "moving a request's KV")
-    layout, value_bytes, scaled = _cache_of(llm)
+    caches = _caches_of(llm)
     for prompt_len, choices, entries in zip(prompt_lens, resume, kv):
         for choice, entry in zip(choices, entries):
             if entry is None:
@@ -84,18 +98,15 @@ def check_kv(llm, prompt_lens: list[int], resume: list, kv: list) -> None:
                                                                                         choice.token_ids):
                 raise ValueError(f"kv of completion {choice.index} must be None or its CompletionKV "
                                  "(engine/kv_payload.py), with its index and tokens")
-            entry.check(layout, value_bytes, scaled, prompt_len, f"completion {choice.index}")
+            entry.check(caches, prompt_len, f"completion {choice.index}")
 
 
 def _check_engine(llm, what: str) -> None:
-    """The engines a request moves between, for now: one pipeline stage, no draft model."""
+    """The engines a request moves between, for now: one pipeline stage."""
     cfg = llm.config
     if cfg.pipeline_parallel_size > 1:
         raise ValueError(f"{what} is not implemented with pipeline_parallel_size={cfg.pipeline_parallel_size} yet: "
                          "each stage holds the KV of its own layers")
-    if llm.engine.draft is not None:
-        raise ValueError(f"{what} is not implemented with a draft model yet (speculative_config "
-                         "{'method': 'draft_model'}): the draft's KV does not move")
     if llm.engine.scheduler.scheduled:
         raise RuntimeError(f"{what} between a step's schedule and its results")
 
@@ -122,7 +133,7 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
     completions = [c for c in state.completions if not c.seq.is_finished]
     first = completions[0].seq
     engine, bs = llm.engine, llm.config.kvcache_block_size
-    pool = engine.runner.kv_pool if by_reference else None
+    pool = engine.runner.kv_pool if by_reference and engine.draft is None else None
     pending = {dst: src for src, dst in engine.scheduler._copies}   # n > 1: a sibling's block copy not yet run
     moves, out, referenced = engine.kv_moves, [], 0
     for c in completions:
@@ -137,13 +148,16 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
                 referenced += len(blocks)
             else:
                 row.kv = engine.read_kv(blocks)
+                if engine.draft is not None:
+                    row.kv.update(engine.draft.read_kv(blocks, DRAFT))
             moves.blocks_out += len(blocks)
         out.append(row)
     params = params_to_wire(state.params)
     params["seed"] = (first.seed - first.index * _SEED_MIX) % (1 << 63)     # the request's, as the first engine drew it
     lora = None if first.lora is None else first.lora.to_wire()
+    draft = engine.draft and _layout(engine.draft.runner, engine.draft.config)
     payload = KVPayload(engine_layout(llm), request_id, list(state.prompt_ids), params, first.priority, out,
-                        pool.ref() if referenced else None, lora)
+                        pool.ref() if referenced else None, lora, draft)
     llm._detach(request_id)
     moves.requests_out += 1
     moves.bytes_out += payload.num_bytes + referenced * engine.runner.kv_block_bytes()
@@ -177,13 +191,13 @@ def import_request(llm, payload, request_id: str | None = None) -> str:
     return rid
 
 
-def _payload_for(llm, raw) -> tuple[KVPayload, KVLayout]:
-    """The payload `raw` decoded and checked against `llm`'s cache (ValueError naming the field), and that layout."""
+def _payload_for(llm, raw) -> tuple[KVPayload, list[CacheSpec]]:
+    """The payload `raw` decoded and checked against `llm`'s caches (ValueError naming the field), and those."""
     _check_engine(llm, "moving a request's KV")
     p = KVPayload.decode(raw)
-    layout, value_bytes, scaled = _cache_of(llm)
-    p.check_against(layout, value_bytes, scaled)
-    return p, layout
+    caches = _caches_of(llm)
+    p.check_against(caches)
+    return p, caches
 
 
 def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedChoice], lora_id: int = 0) -> list:
@@ -192,7 +206,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
     KV cut to the caller's tokens (the export may be ahead of what the caller read), or None (that completion
     computes again). A payload that does not fit this engine, or that is of another request or adapter, is refused
     whole: ValueError naming the field."""
-    p, layout = _payload_for(llm, raw)
+    p, caches = _payload_for(llm, raw)
     if p.prompt_token_ids != list(prompt_token_ids):
         raise ValueError("KV payload field prompt_token_ids: not the prompt of the request it came with")
     if (p.lora[1] if p.lora else 0) != lora_id:
@@ -205,7 +219,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
         if c is None or not c.has_kv or c.token_ids[:len(choice.token_ids)] != list(choice.token_ids):
             out.append(None)
             continue
-        out.append(c.cut(choice.token_ids, choice.sent_chars, len(prompt_token_ids), layout))
+        out.append(c.cut(choice.token_ids, choice.sent_chars, len(prompt_token_ids), caches))
     return out
 
 

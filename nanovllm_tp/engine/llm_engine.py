@@ -106,6 +106,7 @@ class LLMEngine:
         engine's shared pool: into the pool and running (Scheduler.adopt). False when the pool is short, or the
         other engine's blocks cannot be read after all (its pool is gone, or it took a block for other tokens
         before the copy ended): the caller queues the sequence to compute again."""
+        from nanovllm_tp.engine.kv_payload import DRAFT
         from nanovllm_tp.workers.kv_blocks import copy_from_peer
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
@@ -113,6 +114,8 @@ class LLMEngine:
         def write(rows: list[int], block_ids: list[int]) -> bool:
             if entry.kv is not None:
                 self._write_kv(entry.kv, rows, block_ids)
+                if self.draft is not None:      # its parts were checked against the draft's cache
+                    self.draft.write_kv(entry.kv, DRAFT, rows, block_ids)
             elif copy_from_peer(self.runner, entry.pool, entry.blocks, entry.versions, rows, block_ids):
                 self.kv_moves.bytes_in += len(block_ids) * self.runner.kv_block_bytes()
             else:

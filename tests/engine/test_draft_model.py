@@ -174,3 +174,56 @@ def test_greedy_with_a_draft_at_tp2(target_dir, tiny_model_dir, hf_target):
         assert llm.stats()["num_accepted_tokens"] > 0
     finally:
         llm.close()
+
+
+def test_a_request_moves_with_its_draft_s_kv(target_dir, tiny_model_dir, hf_target):
+    """A request moved between two engines that draft with the same model (engine/kv_transfer.py) takes the
+    draft's KV along with the target's: the importer decodes transformers' tokens without computing the prompt
+    again, and its draft proposes exactly what it would have proposed unmoved (the tokens it had accepted before
+    the move plus after it are the unmoved run's). A payload without the draft's KV, or into an engine without
+    the draft, is refused by name."""
+    from nanovllm_tp.engine.kv_payload import KVPayload
+    from nanovllm_tp.engine.kv_transfer import export_request, import_request
+    knobs = dict(SMALL, enable_prefix_caching=False, speculative_config=draft_spec(tiny_model_dir))
+    first, second = LLM(target_dir, **knobs), LLM(target_dir, **knobs)
+    plain = LLM(target_dir, **SMALL)
+    try:
+        prompt = first.get_tokenizer().encode(TEXTS[0] * 3)
+        greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        before = first.stats()
+        whole = first.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert whole == hf_greedy(hf_target, prompt, 40)
+        _, accepted_whole = accepted_since(first, before)
+        computed_whole = first.stats()["num_computed_tokens"] - before["num_computed_tokens"]
+        before = first.stats()
+        first.add_request(prompt, greedy, request_id="m")
+        got = []
+        for _ in range(3):
+            for out in first.step():
+                got = list(out.outputs[0].token_ids)
+        _, accepted_first = accepted_since(first, before)
+        computed_first = first.stats()["num_computed_tokens"] - before["num_computed_tokens"]
+        payload = export_request(first, "m")
+        p = KVPayload.decode(payload)
+        assert p.draft is not None and p.draft.num_layers < p.layout.num_layers
+        assert sorted(p.completions[0].kv) == ["draft_k", "draft_v", "k", "v"]
+        with pytest.raises(ValueError, match="draft_layout: the KV comes with a draft model's, this engine runs none"):
+            import_request(plain, payload)
+        before, computed = second.stats(), second.stats()["num_computed_tokens"]
+        import_request(second, payload)
+        while second.has_unfinished_requests():
+            for out in second.step():
+                got.extend(out.outputs[0].token_ids)
+        assert got == whole
+        _, accepted_second = accepted_since(second, before)
+        assert accepted_first + accepted_second == accepted_whole and accepted_second > 0
+        assert second.stats()["kv_transfer"]["completions_recomputed"] == 0
+        # the prompt and the tokens before the move came with their KV: the two engines computed what one did
+        assert computed_first + second.stats()["num_computed_tokens"] - computed == computed_whole
+        plain.add_request(prompt, greedy, request_id="p")
+        plain.step()
+        with pytest.raises(ValueError, match="draft_layout: the KV comes without a draft model's, this engine runs one"):
+            import_request(second, export_request(plain, "p"))
+    finally:
+        for llm in (first, second, plain):
+            llm.close()

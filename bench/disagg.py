@@ -15,7 +15,9 @@ DistServe's measure), counting every request that finished in the window. Reques
 `--transfer` instead measures the KV transfer itself, offline (engine/kv_transfer.py): a --transfer-tokens request
 exported from one engine and imported into another, its KV as bytes in the payload and by reference (copied from
 pool to pool, workers/kv_pool.py), against the fastest plain copy of as many bytes between buffers already in
-memory; medians of --repeats, per KV dtype.
+memory (the same two each time: partly in the last-level cache) and against one between buffers that are not in
+any cache (a ring of buffer pairs over COLD_RING_BYTES, each copy the next pair, as a request's KV is when it moves);
+medians of --repeats, per KV dtype.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from nanovllm_tp.config.engine_config import add_engine_args, engine_argv, engin
 from nanovllm_tp.launch import serve_process
 
 LAYOUTS = {"colocated": [], "disaggregated": ["--replica-roles", "prefill,decode"]}
+COLD_RING_BYTES = 512 << 20      # the cold copy's buffers: far beyond any last-level cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,24 +200,45 @@ def transfer(args) -> list[dict]:
                         imports.append(t2 - t1)
                 if second.stats()["kv_transfer"]["completions_recomputed"]:
                     raise RuntimeError("an imported request computed again: the transfer was not measured")
-                src, dst = np.random.default_rng(0).integers(0, 255, size, np.uint8), np.ones(size, np.uint8)
-                copies = []
-                for _ in range(args.repeats):
-                    t3 = time.perf_counter()
-                    np.copyto(dst, src)
-                    t4 = time.perf_counter()
-                    torch.from_numpy(dst).copy_(torch.from_numpy(src))
-                    copies.append(min(t4 - t3, time.perf_counter() - t4))
+                copies, cold = _copies(size, args.repeats)
                 med = {k: statistics.median(v) for k, v in (("export", exports), ("import", imports),
-                                                             ("copy", copies))}
+                                                             ("copy", copies), ("cold_copy", cold))}
                 out.append({"kv_dtype": first.stats()["kv_cache_dtype"], "way": way, "bytes": size,
                             "payload_bytes": len(payload), **{f"{k}_ms": v * 1000 for k, v in med.items()},
                             "transfer_gb_s": size / (med["export"] + med["import"]) / 1e9,
-                            "copy_gb_s": size / med["copy"] / 1e9})
+                            "copy_gb_s": size / med["copy"] / 1e9, "cold_copy_gb_s": size / med["cold_copy"] / 1e9})
         finally:
             first.close()
             second.close()
     return out
+
+
+def _copies(size: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of `repeats` plain copies of `size` bytes by numpy (one thread) and by torch (the engine's threads):
+    between the same two buffers each time (warm; each the faster of the two), and between the next of a ring of
+    buffer pairs over COLD_RING_BYTES each time (cold: neither side in a cache; the faster of the two's runs)."""
+    import numpy as np
+    import torch
+
+    def fastest(dst, src) -> float:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        t1 = time.perf_counter()
+        torch.from_numpy(dst).copy_(torch.from_numpy(src))
+        return min(t1 - t0, time.perf_counter() - t1)
+
+    src, dst = np.random.default_rng(0).integers(0, 255, size, np.uint8), np.ones(size, np.uint8)
+    warm = [fastest(dst, src) for _ in range(repeats)]
+    pairs = max(4, COLD_RING_BYTES // (2 * size))
+    ring_src, ring_dst = np.full(pairs * size, 7, np.uint8), np.ones(pairs * size, np.uint8)   # every page touched
+    cold = {"numpy": [], "torch": []}
+    for i in range(2 * repeats):    # one copy a pair (a second would find it warm), numpy's and torch's in turn
+        at, way = (i % pairs) * size, "numpy" if i % 2 else "torch"
+        dst, src = ring_dst[at:at + size], ring_src[at:at + size]
+        t0 = time.perf_counter()
+        np.copyto(dst, src) if way == "numpy" else torch.from_numpy(dst).copy_(torch.from_numpy(src))
+        cold[way].append(time.perf_counter() - t0)
+    return warm, min(cold.values(), key=statistics.median)
 
 
 def main(argv=None) -> dict:
@@ -223,12 +247,13 @@ def main(argv=None) -> dict:
     env = bc.environment()
     if args.transfer:
         rows = transfer(args)
-        lines = ["| KV dtype | way | KV MB | payload MB | export ms | import ms | copy ms | transfer GB/s | "
-                 "copy GB/s | share of a copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = ["| KV dtype | way | KV MB | payload MB | export ms | import ms | copy ms (warm / cold) | transfer GB/s "
+                 "| copy GB/s (warm / cold) | share of a copy (warm / cold) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['kv_dtype']} | {r['way']} | {r['bytes'] / 1e6:.1f} | {r['payload_bytes'] / 1e6:.3f} | "
-                         f"{r['export_ms']:.2f} | {r['import_ms']:.2f} | {r['copy_ms']:.2f} | "
-                         f"{r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} | {r['transfer_gb_s'] / r['copy_gb_s']:.0%} |")
+                         f"{r['export_ms']:.2f} | {r['import_ms']:.2f} | {r['copy_ms']:.2f} / {r['cold_copy_ms']:.2f} | "
+                         f"{r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} / {r['cold_copy_gb_s']:.2f} | "
+                         f"{r['transfer_gb_s'] / r['copy_gb_s']:.0%} / {r['transfer_gb_s'] / r['cold_copy_gb_s']:.0%} |")
         return bc.finish(args, "disagg-transfer", env, "\n".join(lines), rows=rows)
     vocab = bc.model_vocab_size(args.model)
     points = []

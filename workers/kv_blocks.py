@@ -20,6 +20,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from nanovllm_tp.layers import cpu_kernels
 from nanovllm_tp.workers.kv_pool import SharedKVPool
 
 _MAX_PEERS = 4      # other engines' pools kept mapped (a mapping keeps a stopped engine's pool in memory)
@@ -35,6 +36,16 @@ def _tensors(runner) -> dict[str, torch.Tensor]:
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of t, its last dim counted in bytes (fp8 cannot be indexed on CPU, bf16 has no numpy)."""
     return t.view(torch.uint8)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, two [layers, blocks, ...] byte views of caches: on CPU one memcpy per piece of a layer's
+    blocks spread over the threads (csrc/kv_store.c's copy_runs, where the kernels run), else torch's copy."""
+    kernels = cpu_kernels.active() if dst.is_cpu and src.is_cpu else None
+    if kernels is None:
+        dst.copy_(src)
+    else:
+        kernels.copy_runs(dst, src)
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -64,7 +75,7 @@ def _read(runner, block_ids: list[int], device) -> dict[str, torch.Tensor]:
         cache = _as_bytes(t)
         gathered = torch.empty((cache.shape[0], len(block_ids), *cache.shape[2:]), dtype=torch.uint8, device=device)
         for block, row, n in stretches:
-            gathered[:, row:row + n].copy_(cache[:, block:block + n])
+            _copy(gathered[:, row:row + n], cache[:, block:block + n])
         out[name] = gathered
     return out
 
@@ -75,7 +86,7 @@ def _write(runner, parts: dict[str, torch.Tensor], block_ids: list[int]) -> None
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
         for row, block, n in stretches:
-            cache[:, block:block + n].copy_(parts[name][:, row:row + n])
+            _copy(cache[:, block:block + n], parts[name][:, row:row + n])
 
 
 def gather_blocks(runner, block_ids: list[int]) -> dict[str, memoryview] | None:
@@ -133,7 +144,7 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
         cache = _as_bytes(t)
         data = _bytes_tensor(parts[name]).view(cache.shape[0], -1, *cache.shape[2:])
         for row, block, n in stretches:
-            cache[:, block:block + n].copy_(data[:, row:row + n])
+            _copy(cache[:, block:block + n], data[:, row:row + n])
 
 
 def copy_from_peer(runner, pool: dict, blocks: list[int], versions: list[int], rows: list[int],
@@ -156,7 +167,7 @@ def copy_from_peer(runner, pool: dict, blocks: list[int], versions: list[int], r
     for name, t in mine.items():
         theirs, cache = _as_bytes(peer.parts[name]), _as_bytes(t)
         for first, block, n in runs(src, block_ids):
-            cache[:, block:block + n].copy_(theirs[:, first:first + n])
+            _copy(cache[:, block:block + n], theirs[:, first:first + n])
     stamps = peer.stamps
     return all(stamps[blocks[r]] == versions[r] for r in rows)
 

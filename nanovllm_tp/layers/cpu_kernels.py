@@ -31,6 +31,7 @@ SIGNATURES = {   # name -> (restype, argtypes), as declared in the C file
                             _float, _int, _float, _int, _int, _int]),
     "paged_decode_available_simd": (_int, []),
     "kv_store": (None, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int, _int, _int]),
+    "copy_runs": (None, [_ptr, _ptr, _i64, _i64, _i64, _i64]),
     "rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _float, _int]),
     "rope": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _int, _int, _i64, _i64, _int, _int, _int, _int]),
     "silu_mul": (None, [_ptr, _ptr, _i64, _i64, _int]),
@@ -178,6 +179,14 @@ class CpuKernels(SamplerKernels):
         self._kv_store(x.data_ptr(), x.stride(0), slots.data_ptr(), cache.data_ptr(), scales.data_ptr(), tokens,
                        heads, dim, _bf16(x), KV_CODES[cache.dtype], int(readback))
         return x
+
+    def copy_runs(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[...] = src for two uint8 CPU views of one shape [chunks, ...] whose rows past the first dimension
+        are contiguous (a layer's blocks of a KV cache), each row one run of memcpy pieces over the threads."""
+        if dst.shape != src.shape or not (dst[0].is_contiguous() and src[0].is_contiguous()) or dst.dtype != src.dtype:
+            raise ValueError("copy_runs needs two views of one shape and dtype, contiguous past their first dim")
+        self._copy_runs(src.data_ptr(), dst.data_ptr(), src.shape[0], src[0].numel() * src.element_size(),
+                        src.stride(0) * src.element_size(), dst.stride(0) * dst.element_size())
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """x [..., size] (rows may be strided, e.g. heads sliced out of a fused projection). With residual

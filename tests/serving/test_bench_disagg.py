@@ -29,7 +29,8 @@ def test_the_transfer_is_measured_against_a_copy(tiny_model_dir, tmp_path):
                           "--kv-dtypes", "auto", "int8", "--out", str(tmp_path / "t.json")])
     assert [(r["kv_dtype"], r["way"]) for r in result["rows"]] == [("float32", "bytes"), ("float32", "pool"),
                                                                    ("int8", "bytes"), ("int8", "pool")]
-    assert all(r["bytes"] > 0 and r["transfer_gb_s"] > 0 and r["copy_gb_s"] > 0 for r in result["rows"])
+    assert all(r["bytes"] > 0 and r["transfer_gb_s"] > 0 and r["copy_gb_s"] > 0 and r["cold_copy_gb_s"] > 0
+               for r in result["rows"])
     for by_bytes, by_pool in zip(result["rows"][::2], result["rows"][1::2]):
         assert by_bytes["bytes"] == by_pool["bytes"]                     # the same KV, moved two ways
         assert by_bytes["payload_bytes"] > by_bytes["bytes"] > by_pool["payload_bytes"]

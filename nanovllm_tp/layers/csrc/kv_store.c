@@ -97,3 +97,23 @@ void kv_store(void *x, int64_t x_stride, const int64_t *slots, void *cache, floa
                                        kv, readback);
     }
 }
+
+/* A request's KV blocks copied between two caches (workers/kv_blocks.py: a request that moves between engines):
+ * `chunks` runs of `bytes` each, the i-th at src + i * src_stride and dst + i * dst_stride (a layer's consecutive
+ * blocks, one layer after another). Each run is cut into pieces of COPY_PIECE bytes spread over the threads, each
+ * piece one memcpy: twice as fast as torch's strided copy of the same views here, whose elementwise loop keeps to
+ * smaller moves. */
+#define COPY_PIECE (256 * 1024)
+#define PARALLEL_MIN_COPY (1 << 20)
+
+void copy_runs(const uint8_t *src, uint8_t *dst, int64_t chunks, int64_t bytes, int64_t src_stride,
+               int64_t dst_stride)
+{
+    int64_t per = (bytes + COPY_PIECE - 1) / COPY_PIECE, total = chunks * per;
+    #pragma omp parallel for if (chunks * bytes >= PARALLEL_MIN_COPY) schedule(static)
+    for (int64_t i = 0; i < total; i++) {
+        int64_t c = i / per, off = (i % per) * COPY_PIECE;
+        int64_t n = bytes - off < COPY_PIECE ? bytes - off : COPY_PIECE;
+        memcpy(dst + c * dst_stride + off, src + c * src_stride + off, (size_t)n);
+    }
+}

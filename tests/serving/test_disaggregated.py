@@ -219,26 +219,31 @@ def test_a_prefill_replica_killed_before_its_blocks_are_copied_loses_nothing(tin
         sigterm_exits_0(proc)
 
 
-def test_two_torchrun_nodes_hand_off_over_the_network(tiny_model_dir, invariant_llm, tmp_path):
-    """`serve -dp 2 --replica-roles prefill,decode` as two torchrun nodes on 127.0.0.1, a replica each: the decode
-    replica is on the other node, so each hand-off carries its KV as bytes over the authenticated (CURVE) sockets
-    through the HTTP process, and the streams equal the undisturbed engine's."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_torchrun_nodes_hand_off_over_the_network(tiny_model_dir, invariant_llm, hf_model, tmp_path, tp):
+    """`serve -dp 2 --replica-roles prefill,decode` as two torchrun nodes on 127.0.0.1, a replica each (of one rank,
+    or of two under -tp 2): the decode replica is on the other node, so each hand-off carries its KV as bytes over
+    the authenticated (CURVE) sockets through the HTTP process, and the streams equal the undisturbed engine's
+    (at TP 2, in fp32 without --batch-invariant: transformers' greedy text)."""
     port, master = free_port(), free_port()
     secret = {"NANOVLLM_TP_SECRET": "two-node-disaggregated-secret-0123456789"}
-    nodes = [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+    flags = ["--batch-invariant"] if tp == 1 else ["--tensor-parallel-size", "2"]
+    nodes = [python_cmd(*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(tp),
                         "--master-addr", "127.0.0.1", "--master-port", str(master),
                         "-m", "nanovllm_tp.launch.serve", "--model", tiny_model_dir, "--port", str(port),
                         "--served-model-name", "tiny", *ENGINE_ARGS, "--data-parallel-size", "2",
-                        "--replica-roles", "prefill,decode", "--batch-invariant", "--max-model-len", "1024")
+                        "--replica-roles", "prefill,decode", *flags, "--max-model-len", "1024")
              for n in (0, 1)]
     logs = [open(tmp_path / f"node{n}.log", "w+") for n in (0, 1)]
     cases = [PROMPT, PROMPT + " again", "Hello, my name is"]
     with started(nodes[1], env=secret, stdout=logs[1], stderr=subprocess.STDOUT) as node1, \
             started(nodes[0], env=secret, stdout=logs[0], stderr=subprocess.STDOUT) as node0:
         wait_all_ready(port, node0)
+        tok = invariant_llm.get_tokenizer()
         for prompt in cases:
             params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-            want = invariant_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+            want = invariant_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text if tp == 1 else \
+                tok.decode(hf_greedy(hf_model, tok.encode(prompt), 40))
             texts, _, _ = streamed(port, {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0,
                                           "ignore_eos": True})
             assert texts[0] == want, prompt

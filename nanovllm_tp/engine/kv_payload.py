@@ -197,14 +197,20 @@ class KVPayload:
     lora: list | None = None         # [name, id, path]: the adapter the KV was computed with
     draft: KVLayout | None = None    # the exporter's draft model's cache, whose KV travels too
 
-    def encode(self) -> bytes:
-        return msgpack.packb({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
-                              "layout": self.layout.to_wire(), "request_id": self.request_id,
-                              "prompt_token_ids": self.prompt_token_ids, "params": self.params,
-                              "priority": self.priority, "pool": self.pool, "lora": self.lora,
-                              "draft_layout": self.draft and self.draft.to_wire(),
-                              "completions": [c.to_wire() for c in self.completions]},
-                             use_bin_type=True)
+    def encode(self) -> memoryview:
+        """The payload's msgpack bytes, as a read-only view of the one buffer they were packed into: sized for the
+        KV up front, so that the KV's bytes are copied once (a plain packb grows its buffer, copying them again at
+        each doubling, and copies the whole into a bytes object at the end)."""
+        tokens = len(self.prompt_token_ids) + sum(len(c.token_ids) for c in self.completions)
+        packer = msgpack.Packer(use_bin_type=True, autoreset=False,
+                                buf_size=self.num_bytes + 9 * tokens + (1 << 16))
+        packer.pack({"format": FORMAT, "version": VERSION, "byteorder": sys.byteorder,
+                     "layout": self.layout.to_wire(), "request_id": self.request_id,
+                     "prompt_token_ids": self.prompt_token_ids, "params": self.params,
+                     "priority": self.priority, "pool": self.pool, "lora": self.lora,
+                     "draft_layout": self.draft and self.draft.to_wire(),
+                     "completions": [c.to_wire() for c in self.completions]})
+        return packer.getbuffer()
 
     @property
     def num_bytes(self) -> int:

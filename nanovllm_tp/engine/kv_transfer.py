@@ -111,9 +111,10 @@ def _check_engine(llm, what: str) -> None:
         raise RuntimeError(f"{what} between a step's schedule and its results")
 
 
-def export_request(llm, request_id: str, by_reference: bool = False) -> bytes:
+def export_request(llm, request_id: str, by_reference: bool = False) -> memoryview:
     """Take request `request_id` out of `llm` (it leaves without a further output, its blocks freed): its state and
-    the KV of its running completions, as the bytes `import_request` reads. `by_reference`, where `llm`'s pool is
+    the KV of its running completions, as the bytes `import_request` reads (a read-only memoryview: write it to a
+    file or socket as it is, `bytes()` it for a copy). `by_reference`, where `llm`'s pool is
     shared (the kv_shared_pool knob): the KV stays in the pool and the payload names its blocks, which an engine
     on this host copies from pool to pool while this one lives and has not taken them for other tokens (freed
     blocks are taken again least recently freed first); elsewhere the KV travels as bytes."""
@@ -223,7 +224,7 @@ def kv_for_resume(llm, raw, prompt_token_ids: list[int], choices: list[ResumedCh
     return out
 
 
-def export_all(llm, by_reference: bool = False) -> dict[str, bytes]:
+def export_all(llm, by_reference: bool = False) -> dict[str, memoryview]:
     """Every open generation request of `llm` that can move, exported (export_request; `by_reference` as there):
     {request id: payload}. The others (an embedding, an engine that cannot move KV) stay where they are."""
     out = {}

@@ -46,6 +46,24 @@ def streamed(port: int, body: dict) -> tuple[dict, dict, list]:
     return texts, logprobs, events
 
 
+def streamed_killing(port: int, body: dict, proc, title: str, at_chunk: int) -> tuple[str, int | None]:
+    """A streamed /v1/completions' text (no error event allowed), the server's process titled `title` killed (kill -9)
+    once `at_chunk` chunks have come; and that process's pid (None: the stream ended first)."""
+    text, chunks, killed = "", 0, None
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            text += "".join(ch["text"] for ch in event["choices"])
+            chunks += 1
+            if chunks == at_chunk and killed is None:
+                killed = titled(proc.pid, title)
+                os.kill(killed, signal.SIGKILL)
+    return text, killed
+
+
 def counter(text: str, name: str, labels: str = "") -> float:
     match = re.search(rf'nanovllm_tp:{name}_total\{{[^}}]*{labels}[^}}]*\}} (\S+)', text)
     assert match, name
@@ -167,18 +185,7 @@ def test_a_decode_replica_killed_mid_stream_loses_nothing(tiny_model_dir, invari
                              "--batch-invariant", "--max-model-len", "1024")
     with ctx as proc:
         wait_all_ready(port, proc)
-        text, chunks, killed = "", 0, None
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                assert "error" not in event, event
-                text += "".join(ch["text"] for ch in event["choices"])
-                chunks += 1
-                if chunks == 20 and killed is None:
-                    killed = titled(proc.pid, "nanovllm_tp::dp1::tp0")
-                    os.kill(killed, signal.SIGKILL)
+        text, killed = streamed_killing(port, body, proc, "nanovllm_tp::dp1::tp0", 20)
         assert killed is not None and text == want
         wait_all_ready(port, proc)
         before = counter(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "router_requests_handed_off")
@@ -356,19 +363,8 @@ def test_tp2_replicas_hand_off_every_rank_s_kv(tiny_model_dir, hf_model):
         assert counter(text, "kv_transfer_bytes_out", 'dp_rank="0"') > 0
 
         long_want = tok.decode(hf_greedy(hf_model, prompt[:20], 300))
-        got, chunks, killed = "", 0, None
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                          json={**body, "prompt": prompt[:20], "max_tokens": 300, "stream": True}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                assert "error" not in event, event
-                got += "".join(ch["text"] for ch in event["choices"])
-                chunks += 1
-                if chunks == 10 and killed is None:
-                    killed = titled(proc.pid, "nanovllm_tp::dp1::tp1")
-                    os.kill(killed, signal.SIGKILL)
+        got, killed = streamed_killing(port, {**body, "prompt": prompt[:20], "max_tokens": 300, "stream": True}, proc,
+                                       "nanovllm_tp::dp1::tp1", 10)
         assert killed is not None and got == long_want
         sigterm_exits_0(proc)
 

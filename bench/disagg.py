@@ -247,13 +247,15 @@ def main(argv=None) -> dict:
     env = bc.environment()
     if args.transfer:
         rows = transfer(args)
-        lines = ["| KV dtype | way | KV MB | payload MB | export ms | import ms | copy ms (warm / cold) | transfer GB/s "
-                 "| copy GB/s (warm / cold) | share of a copy (warm / cold) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = ["| KV dtype | way | KV MB | payload MB | export ms | import ms | copy ms (warm / cold) | "
+                 "transfer GB/s | copy GB/s (warm / cold) | share of a copy (warm / cold) |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
+            warm, cold = r["transfer_gb_s"] / r["copy_gb_s"], r["transfer_gb_s"] / r["cold_copy_gb_s"]
             lines.append(f"| {r['kv_dtype']} | {r['way']} | {r['bytes'] / 1e6:.1f} | {r['payload_bytes'] / 1e6:.3f} | "
-                         f"{r['export_ms']:.2f} | {r['import_ms']:.2f} | {r['copy_ms']:.2f} / {r['cold_copy_ms']:.2f} | "
-                         f"{r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} / {r['cold_copy_gb_s']:.2f} | "
-                         f"{r['transfer_gb_s'] / r['copy_gb_s']:.0%} / {r['transfer_gb_s'] / r['cold_copy_gb_s']:.0%} |")
+                         f"{r['export_ms']:.2f} | {r['import_ms']:.2f} | {r['copy_ms']:.2f} / "
+                         f"{r['cold_copy_ms']:.2f} | {r['transfer_gb_s']:.2f} | {r['copy_gb_s']:.2f} / "
+                         f"{r['cold_copy_gb_s']:.2f} | {warm:.0%} / {cold:.0%} |")
         return bc.finish(args, "disagg-transfer", env, "\n".join(lines), rows=rows)
     vocab = bc.model_vocab_size(args.model)
     points = []

@@ -22,8 +22,8 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
                             when it left (a hand-off on one host: the importer copies them from pool to pool)}]}
 
 `KVPayload.decode` checks the shape of every field; `check_against` checks the payload against the importing
-engine's own caches (`CacheSpec`: every layout field equal, the draft's too, each completion's token counts against its block count, each part's
-byte count), so that nothing reaches the engine before the whole payload is known to fit. A mismatch raises
+engine's own caches (`CacheSpec`: every layout field equal, the draft's too, each completion's token counts against
+its block count, each part's byte count), so that nothing reaches the engine before the whole payload is known to fit. A mismatch raises
 ValueError naming the field.
 """
 import sys

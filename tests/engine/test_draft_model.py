@@ -222,7 +222,8 @@ def test_a_request_moves_with_its_draft_s_kv(target_dir, tiny_model_dir, hf_targ
         assert computed_first + second.stats()["num_computed_tokens"] - computed == computed_whole
         plain.add_request(prompt, greedy, request_id="p")
         plain.step()
-        with pytest.raises(ValueError, match="draft_layout: the KV comes without a draft model's, this engine runs one"):
+        with pytest.raises(ValueError, match="draft_layout: the KV comes without a draft model's, this engine runs "
+                                             "one"):
             import_request(second, export_request(plain, "p"))
     finally:
         for llm in (first, second, plain):

@@ -2,7 +2,8 @@
 gathers each rank's KV heads into the payload (rank i's i-th: the heads transformers computes for the same tokens)
 and hands each rank of the importer its own; the importer decodes on without computing the prompt again, with
 transformers' tokens (fp32) or the unmoved run's (int8 KV); a payload of another TP size is refused by name, either
-way. (A process holds one multi-rank engine at a time: the exporter closes before the importer starts.)"""
+way; an engine that drafts moves its draft's KV too. (A process holds one multi-rank engine at a time: the exporter
+closes before the importer starts.)"""
 import numpy as np
 import pytest
 import torch
@@ -111,5 +112,36 @@ def test_an_int8_cache_s_scales_move_with_each_rank_s_values(tiny_model_dir):
         import_request(second, payload)
         assert before + finish(second) == unmoved
         assert second.stats()["kv_transfer"]["completions_recomputed"] == 0
+    finally:
+        second.close()
+
+
+def test_a_tp2_engine_that_drafts_moves_the_draft_s_kv_too(tiny_model_dir, tmp_path):
+    """TP 2 with a draft model (the draft on rank 0 alone): the target's KV gathered from both ranks, the draft's
+    read on rank 0, both written on import; the importer's tokens are transformers' (greedy on the target), and its
+    draft proposes as unmoved: accepted before + after the move = the unmoved run's."""
+    from transformers import AutoModelForCausalLM
+    from nanovllm_tp.launch.make_tiny import make_tiny
+    target = str(make_tiny(tmp_path / "qwen3-6", num_hidden_layers=6, quiet_from=4))
+    spec = {"method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 3}
+    knobs = {**KNOBS, "enable_prefix_caching": False, "speculative_config": spec}
+    want = hf_greedy(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), PROMPT,
+                     GREEDY.max_tokens)
+    first = LLM(target, tensor_parallel_size=2, **knobs)
+    try:
+        accepted = first.stats()["num_accepted_tokens"]
+        assert first.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        accepted_whole, accepted = first.stats()["num_accepted_tokens"] - accepted, first.stats()["num_accepted_tokens"]
+        before = run_for(first, "r", PROMPT, GREEDY, 3)
+        accepted_first = first.stats()["num_accepted_tokens"] - accepted
+        payload = export_request(first, "r")
+    finally:
+        first.close()
+    assert sorted(KVPayload.decode(payload).completions[0].kv) == ["draft_k", "draft_v", "k", "v"]
+    second = LLM(target, tensor_parallel_size=2, **knobs)
+    try:
+        import_request(second, payload)
+        assert before + finish(second) == want
+        assert accepted_first + second.stats()["num_accepted_tokens"] == accepted_whole
     finally:
         second.close()

@@ -145,3 +145,32 @@ def test_a_tp2_engine_that_drafts_moves_the_draft_s_kv_too(tiny_model_dir, tmp_p
         assert accepted_first + second.stats()["num_accepted_tokens"] == accepted_whole
     finally:
         second.close()
+
+
+def test_a_caller_behind_a_tp2_export_resumes_from_what_it_saw(tiny_model_dir, hf_model):
+    """A rolling restart of a TP 2 replica exports after more tokens than its client read: kv_for_resume cuts every
+    rank's part of the KV back to the caller's 2 tokens (across a block boundary: 45 prompt tokens, blocks of 16,
+    the export holds 12 tokens), and the importer goes on from there with transformers' tokens, computing only the
+    tokens after them."""
+    from nanovllm_tp.engine.kv_transfer import kv_for_resume
+    from nanovllm_tp.engine.resume import ResumedChoice
+    from nanovllm_tp.sampling_params import RequestOutputKind
+    want = hf_greedy(hf_model, PROMPT, GREEDY.max_tokens)
+    first = LLM(tiny_model_dir, tensor_parallel_size=2, **KNOBS)
+    try:
+        assert run_for(first, "r", PROMPT, GREEDY, 12) == want[:12]
+        payload = export_request(first, "r")
+    finally:
+        first.close()
+    second = LLM(tiny_model_dir, tensor_parallel_size=2, **KNOBS)
+    try:
+        choices = [ResumedChoice(0, want[:2], 0)]
+        entries = kv_for_resume(second, payload, PROMPT, choices)
+        assert entries[0].num_cached_tokens == len(PROMPT) + 1
+        delta = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        second.add_requests([PROMPT], delta, ["r"], resume=[choices], kv=[entries])
+        assert want[:2] + finish(second) == want
+        assert second.stats()["num_computed_tokens"] == len(want) - 2
+        assert second.stats()["kv_transfer"]["blocks_in"] == 3
+    finally:
+        second.close()

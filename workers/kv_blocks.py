@@ -80,9 +80,9 @@ def _read(runner, block_ids: list[int], device) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(runner, parts: dict[str, torch.Tensor], block_ids: list[int]) -> None:
-    """Each cache array's blocks `block_ids` from parts[name], uint8 [layers, len(block_ids), ...]."""
-    stretches = runs(list(range(len(block_ids))), block_ids)
+def _write(runner, parts: dict[str, torch.Tensor], rows: list[int], block_ids: list[int]) -> None:
+    """Each cache array's blocks `block_ids` from the blocks `rows` of parts[name], uint8 [layers, blocks, ...]."""
+    stretches = runs(rows, block_ids)
     for name, t in _tensors(runner).items():
         cache = _as_bytes(t)
         for row, block, n in stretches:
@@ -124,7 +124,7 @@ def scatter_blocks(runner, parts: dict[str, bytes] | None, rows: list[int], bloc
             whole = _bytes_tensor(parts[name]).view(tp.size, cache.shape[0], -1, *cache.shape[2:])
             chunks = [whole[r].index_select(1, index).to(device) for r in range(tp.size)]
         dist.scatter(mine[name], chunks, src=dist.get_global_rank(tp.group, 0), group=tp.group)
-    _write(runner, mine, block_ids)
+    _write(runner, mine, list(range(len(block_ids))), block_ids)
 
 
 def _bytes_tensor(data) -> torch.Tensor:
@@ -139,12 +139,9 @@ def write_blocks(runner, parts: dict[str, bytes], rows: list[int], block_ids: li
     this cache's blocks `block_ids`. The parts' sizes were checked against this cache (engine/kv_payload.py)."""
     if not rows:
         return
-    stretches = runs(rows, block_ids)
-    for name, t in _tensors(runner).items():
-        cache = _as_bytes(t)
-        data = _bytes_tensor(parts[name]).view(cache.shape[0], -1, *cache.shape[2:])
-        for row, block, n in stretches:
-            _copy(cache[:, block:block + n], data[:, row:row + n])
+    shapes = {name: _as_bytes(t).shape for name, t in _tensors(runner).items()}
+    _write(runner, {name: _bytes_tensor(parts[name]).view(shape[0], -1, *shape[2:]) for name, shape in shapes.items()},
+           rows, block_ids)
 
 
 def copy_from_peer(runner, pool: dict, blocks: list[int], versions: list[int], rows: list[int],

@@ -23,8 +23,8 @@ explicit fields, nothing pickled, the KV as raw bytes of the cache's own dtype.
 
 `KVPayload.decode` checks the shape of every field; `check_against` checks the payload against the importing
 engine's own caches (`CacheSpec`: every layout field equal, the draft's too, each completion's token counts against
-its block count, each part's byte count), so that nothing reaches the engine before the whole payload is known to fit. A mismatch raises
-ValueError naming the field.
+its block count, each part's byte count), so that nothing reaches the engine before the whole payload is known to
+fit. A mismatch raises ValueError naming the field.
 """
 import sys
 from dataclasses import dataclass, fields
@@ -83,10 +83,14 @@ class CacheSpec:
     scaled: bool
     prefix: str = ""
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Its parts' names in a payload (the cache's arrays after `prefix`)."""
+        return tuple(self.prefix + n for n in VALUE_PARTS + (SCALE_PARTS if self.scaled else ()))
+
     def part_bytes(self, blocks: int) -> dict[str, int]:
         """{part name: its bytes} over `blocks` blocks."""
-        names = VALUE_PARTS + (SCALE_PARTS if self.scaled else ())
-        return {self.prefix + n: self.layout.part_bytes(n, blocks, self.value_bytes) for n in names}
+        return {name: self.layout.part_bytes(name[len(self.prefix):], blocks, self.value_bytes) for name in self.parts}
 
 
 @dataclass(slots=True)
@@ -155,7 +159,7 @@ class CompletionKV:
         if self.blocks is not None:
             out.blocks, out.versions, out.pool = self.blocks[:new], self.versions[:new], self.pool
             return out
-        layers = {name: c.layout.tp_size * c.layout.num_layers for c in caches for name in c.part_bytes(0)}
+        layers = {name: c.layout.tp_size * c.layout.num_layers for c in caches for name in c.parts}
         out.kv = {name: data if new == old else _leading_blocks(data, layers[name], old, new)
                   for name, data in self.kv.items()}
         return out

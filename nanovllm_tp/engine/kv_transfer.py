@@ -101,6 +101,12 @@ def check_kv(llm, prompt_lens: list[int], resume: list, kv: list) -> None:
             entry.check(caches, prompt_len, f"completion {choice.index}")
 
 
+def shares_pool(llm) -> bool:
+    """Whether `llm` can export by reference: its whole KV is in a shared pool (the kv_shared_pool knob, one rank;
+    a draft model's cache is not in it)."""
+    return llm.engine.runner.kv_pool is not None and llm.engine.draft is None
+
+
 def _check_engine(llm, what: str) -> None:
     """The engines a request moves between, for now: one pipeline stage."""
     cfg = llm.config
@@ -134,7 +140,7 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
     completions = [c for c in state.completions if not c.seq.is_finished]
     first = completions[0].seq
     engine, bs = llm.engine, llm.config.kvcache_block_size
-    pool = engine.runner.kv_pool if by_reference and engine.draft is None else None
+    pool = engine.runner.kv_pool if by_reference and shares_pool(llm) else None
     pending = {dst: src for src, dst in engine.scheduler._copies}   # n > 1: a sibling's block copy not yet run
     moves, out, referenced = engine.kv_moves, [], 0
     for c in completions:
@@ -149,8 +155,6 @@ def take_request(llm, request_id: str, by_reference: bool = False) -> KVPayload:
                 referenced += len(blocks)
             else:
                 row.kv = engine.read_kv(blocks)
-                if engine.draft is not None:
-                    row.kv.update(engine.draft.read_kv(blocks, DRAFT))
             moves.blocks_out += len(blocks)
         out.append(row)
     params = params_to_wire(state.params)

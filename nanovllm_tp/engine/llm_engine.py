@@ -126,13 +126,18 @@ class LLMEngine:
 
     def read_kv(self, block_ids: list[int]) -> dict[str, bytes]:
         """The KV of these blocks, every layer, as bytes (workers/kv_blocks.py): under tensor parallelism every
-        rank's part, gathered here."""
+        rank's part, gathered here; a draft model's parts beside them (adopt writes both)."""
+        from nanovllm_tp.engine.kv_payload import DRAFT
         from nanovllm_tp.workers.kv_blocks import gather_blocks, read_blocks
         if self.dead:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
         if self._tp.size == 1:
-            return read_blocks(self.runner, block_ids)
-        return self._with_ranks(KV_READ, block_ids, lambda: gather_blocks(self.runner, block_ids))
+            parts = read_blocks(self.runner, block_ids)
+        else:
+            parts = self._with_ranks(KV_READ, block_ids, lambda: gather_blocks(self.runner, block_ids))
+        if self.draft is not None:
+            parts.update(self.draft.read_kv(block_ids, DRAFT))
+        return parts
 
     def _write_kv(self, parts: dict[str, bytes], rows: list[int], block_ids: list[int]) -> None:
         """A payload's KV (checked against this cache), its blocks `rows`, into this pool's `block_ids`: under

@@ -189,9 +189,8 @@ class EngineLoop:
         """Send the open requests with their KV ("migrate"); True when the KV stayed in this replica's shared
         pool for the other replicas to copy (every replica on this host: the HTTP process's sockets are local),
         so that this process must stay until they have (_await_release)."""
-        from nanovllm_tp.engine.kv_transfer import export_all
-        engine = self.llm.engine       # (a draft model's cache is not in the shared pool: then bytes)
-        by_reference = self._gate is None and engine.runner.kv_pool is not None and engine.draft is None
+        from nanovllm_tp.engine.kv_transfer import export_all, shares_pool
+        by_reference = self._gate is None and shares_pool(self.llm)
         try:
             payloads = export_all(self.llm, by_reference)
         except Exception as exc:          # a failed engine: its requests are computed again where they go
